@@ -1,0 +1,22 @@
+import os, subprocess, sys
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+def run_cli(*args, cwd=None, timeout=600, check=True, module="latent_rl.train"):
+    "Run `python -m latent_rl.train ARGS` (or another module) in a subprocess; return the CompletedProcess."
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd or ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{module} {args} failed ({p.returncode}):\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-4000:]}")
+    return p
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    "A small traced corpus + tokenizer built by the project's own `latent-rl data` command."
+    d = tmp_path_factory.mktemp("data")
+    run_cli("data", "--out", d, "--n", 400, "--vocab", 300)
+    return d

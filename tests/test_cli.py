@@ -1,0 +1,85 @@
+"Integration tests of the `latent-rl` command line: data, trace, sft, eval, bench, and bad inputs."
+import json
+from pathlib import Path
+import pytest
+from conftest import run_cli, ROOT
+
+def test_data_builds_corpus_and_tokenizer(tiny_data):
+    for s in ("train", "val", "test"):
+        rows = [json.loads(l) for l in (tiny_data / "corpus" / f"{s}.jsonl").read_text().splitlines()]
+        assert rows and all({"id", "code", "input", "output", "trace"} <= set(r) for r in rows)
+    codes = {s: {json.loads(l)["code"] for l in (tiny_data / "corpus" / f"{s}.jsonl").read_text().splitlines()} for s in ("train", "val", "test")}
+    assert not (codes["train"] & codes["test"]) and not (codes["train"] & codes["val"]) and not (codes["val"] & codes["test"])
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tiny_data / "tokenizer"))
+    assert tok.convert_tokens_to_ids("<|latent_start|>") != tok.unk_token_id
+
+def test_data_is_deterministic(tiny_data, tmp_path):
+    run_cli("data", "--out", tmp_path, "--n", 400, "--vocab", 300)
+    for s in ("train", "val", "test"):
+        assert (tmp_path / "corpus" / f"{s}.jsonl").read_bytes() == (tiny_data / "corpus" / f"{s}.jsonl").read_bytes()
+
+def test_trace_command(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "a", "code": "def f(x):\n    return x * 2", "input": "21", "output": "42"}) + "\n" +
+                    json.dumps({"id": "b", "code": "def f(x):\n    while True:\n        pass", "input": "1", "output": "1"}) + "\n")
+    p = run_cli("trace", rows, "-o", tmp_path / "out.jsonl", "--timeout", 1)
+    out = [json.loads(l) for l in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert out[0]["ok"] and out[0]["value"] == "42" and out[0]["trace"].endswith("<|end_of_text|>")
+    assert not out[1]["ok"] and out[1]["reason"]
+    assert "1 return values equal" in p.stdout
+
+def test_bad_rows_name_file_line_and_field(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "a", "code": "def f(x):\n    return x", "input": "1", "output": "1"}) + "\n" +
+                   json.dumps({"id": "b", "code": "def f(x):\n    return x", "input": "1"}) + "\n")
+    p = run_cli("trace", bad, "-o", tmp_path / "o.jsonl", check=False)
+    assert p.returncode != 0 and "bad.jsonl:2" in p.stderr and "'output'" in p.stderr
+    bad.write_text("{not json\n")
+    p = run_cli("trace", bad, "-o", tmp_path / "o.jsonl", check=False)
+    assert p.returncode != 0 and "bad.jsonl:1" in p.stderr
+
+def test_unknown_config_field_is_refused(tmp_path, tiny_data):
+    p = run_cli("sft", "--tokenizer", tiny_data / "tokenizer", "--stepz", "3", check=False)
+    assert p.returncode != 0 and "stepz" in p.stderr
+    cfg = tmp_path / "c.toml"; cfg.write_text('lr = 0.01\nbogus = 1\n')
+    p = run_cli("sft", "--config", cfg, check=False)
+    assert p.returncode != 0 and "bogus" in p.stderr and "c.toml" in p.stderr
+
+def test_sft_then_eval(tiny_data, tmp_path):
+    run_cli("sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+            "--val", tiny_data / "corpus/val.jsonl", "--preset", "nano", "--steps", 6, "--batch_size", 8,
+            "--save_every", 3, "--log_every", 2, "--out", tmp_path / "run")
+    run = tmp_path / "run"
+    cfg = json.loads((run / "config.json").read_text()); assert cfg["steps"] == 6
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6] and all(r["loss"] > 0 for r in rows if "loss" in r)
+    assert (run / "checkpoints" / "step-3" / "COMPLETE").exists() and (run / "final" / "config.json").exists()
+    p = run_cli("eval", "--model", f"sft={run / 'final'}", "--rows", tiny_data / "corpus/test.jsonl", "--limit", 8,
+                "--max_new_tokens", 16, "--out", tmp_path / "ev")
+    assert "| sft |" in p.stdout
+    recs = [json.loads(l) for l in (tmp_path / "ev" / "sft.records.jsonl").read_text().splitlines()]
+    assert len(recs) == 8 and all({"id", "generated", "predicted", "truth", "correct", "well_formed"} <= set(r) for r in recs)
+
+def test_sft_resume_continues_exactly(tiny_data, tmp_path):
+    common = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+              "--preset", "nano", "--batch_size", 8, "--save_every", 3, "--log_every", 1]
+    run_cli(*common, "--steps", 6, "--out", tmp_path / "full")
+    run_cli(*common, "--steps", 6, "--out", tmp_path / "part", "--save_every", 3)
+    import shutil; shutil.rmtree(tmp_path / "part" / "final")
+    # pretend the run died after step 3: keep only the step-3 checkpoint, then resume
+    for p in (tmp_path / "part" / "checkpoints").glob("step-*"):
+        if p.name != "step-3": shutil.rmtree(p)
+    run_cli(*common, "--steps", 6, "--out", tmp_path / "part", "--resume")
+    from safetensors.torch import load_file
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors"); b = load_file(tmp_path / "part" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+
+def test_bench_prints_table_and_json(tmp_path):
+    p = run_cli("trace", "--quick", "--json", tmp_path / "b.json", module="latent_rl.bench")
+    assert "| mode |" in p.stdout or "|" in p.stdout
+    d = json.loads((tmp_path / "b.json").read_text()); assert d["name"] == "trace" and d["rows"]
+
+def test_pending_stage_says_which_issue():
+    p = run_cli("grpo", check=False)
+    assert p.returncode != 0 and "issue #6" in p.stderr
