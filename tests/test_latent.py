@@ -1,0 +1,206 @@
+"""The batched multi-span CODI forward against a per-example reference written to the seed's algorithm (train_codi.py):
+one example at a time, 3 + latent_steps model calls per span, a DynamicCache, full logits."""
+import copy, itertools
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, AutoModelForCausalLM, DynamicCache
+
+from latent_rl.latent import LatentModel, LatentSpec, CodiOptions, codi_forward, kd_layer_indices
+from latent_rl.models import cache_kw, out_cache
+
+V, LS, LE, LSEP, ASEP, EOT = 48, 40, 41, 42, 43, 44
+
+def tiny(seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+def make_example(rng, n_spans, prompt_len):
+    "A synthetic trace: code tokens, then per span <line_sep> locals <action_sep> code, ending with EOT."
+    P = [rng.randrange(1, 30) for _ in range(prompt_len)]
+    T, spans = [rng.randrange(1, 30) for _ in range(rng.randrange(1, 4))], []
+    for _ in range(n_spans):
+        i = len(T); T.append(LSEP); T += [rng.randrange(1, 30) for _ in range(rng.randrange(1, 5))]
+        j = len(T); T.append(ASEP); T += [rng.randrange(1, 30) for _ in range(rng.randrange(1, 4))]
+        spans.append((i, j))
+    T.append(EOT)
+    return {"prompt_ids": P, "trace_ids": T, "spans": spans}
+
+def batch(seed=0):
+    import random
+    rng = random.Random(seed)
+    return [make_example(rng, n, p) for n, p in ((1, 5), (3, 3), (2, 7), (1, 2))]
+
+# ---------------------------------------------------------------- the per-example reference (seed semantics)
+def ref_forward(lm, examples, opts, teacher=None, coins=None):
+    model, prj, s = lm.model, lm.prj, lm.spec.latent_steps
+    body, head = model.model, model.lm_head
+    L = model.config.num_hidden_layers
+    layers = kd_layer_indices(opts, L, teacher is not None)
+    emb = model.get_input_embeddings()
+    tl = sl = kl = 0.0
+    for bi, ex in enumerate(examples):
+        prompt, trace, spans = torch.tensor(ex["prompt_ids"]), torch.tensor(ex["trace_ids"]), ex["spans"]
+        full = torch.cat([prompt, trace])
+        kd_pos = [len(prompt) + j for _, j in spans]
+        # teacher
+        if teacher is None:
+            out = model(input_ids=full[None], output_hidden_states=True)
+            labels = torch.cat([torch.full((len(prompt),), -100), trace])
+            t_ce = F.cross_entropy(out.logits[0, :-1], labels[1:], ignore_index=-100)
+            hs = out.hidden_states
+        else:
+            with torch.no_grad():
+                out = teacher(input_ids=full[None], output_hidden_states=True)
+            t_ce, hs = None, out.hidden_states
+        t_kd = [hs[l][0, kd_pos].detach() for l in layers]
+        t_logits = out.logits[0, kd_pos].detach()
+        # student
+        segs, prev, kd = [], 0, False
+        for i, j in spans:
+            segs.append(("text", trace[prev:i + 1], kd)); segs.append(("latent", None, False)); prev, kd = j, True
+        segs.append(("text", trace[prev:], kd))
+        last = len(segs) - 1
+        o = model(inputs_embeds=emb(prompt[None]), use_cache=True)
+        cache, prev_logits = out_cache(o), o.logits[:, -1]
+        ce_logits, ce_t, kd_vecs, kd_last, seg_k = [], [], [], [], 0
+        for si, (kind, ids, kdf) in enumerate(segs):
+            if kind == "latent":
+                o = body(inputs_embeds=emb(torch.tensor([[LS]])), use_cache=True, **cache_kw(body, cache))
+                cache, h = out_cache(o), o.last_hidden_state[:, -1:]
+                for _ in range(s):
+                    o = body(inputs_embeds=prj(h), use_cache=True, **cache_kw(body, cache))
+                    cache, h = out_cache(o), o.last_hidden_state[:, -1:]
+                o = body(inputs_embeds=emb(torch.tensor([[LE]])), use_cache=True, **cache_kw(body, cache))
+                cache, prev_logits = out_cache(o), head(o.last_hidden_state[:, -1])
+                continue
+            seg_k += 1
+            inp = ids
+            if kdf and coins is not None and coins[bi, seg_k - 1]:
+                end = ids.numel() if si == last else ids.numel() - 1
+                c = DynamicCache()
+                for li, ly in enumerate(cache.layers): c.update(ly.keys.detach(), ly.values.detach(), li)
+                with torch.no_grad():
+                    pred = model(inputs_embeds=emb(ids[None]), use_cache=True, **cache_kw(model, c)).logits[0].argmax(-1)
+                inp = ids.clone(); inp[1:end] = pred[:end - 1]
+            ce_logits.append(prev_logits); ce_t.append(ids[:1])
+            o = model(inputs_embeds=emb(inp[None]), use_cache=True, output_hidden_states=kdf, **cache_kw(model, cache))
+            cache, logits = out_cache(o), o.logits[0]
+            if ids.numel() > 1: ce_logits.append(logits[:-1]); ce_t.append(ids[1:])
+            prev_logits = logits[-1:]
+            if kdf:
+                kd_vecs.append([o.hidden_states[l][0, 0] for l in layers]); kd_last.append(o.hidden_states[-1][0, 0])
+        s_ce = F.cross_entropy(torch.cat(ce_logits), torch.cat(ce_t))
+        s_kd = [torch.stack([v[l] for v in kd_vecs]) for l in range(len(layers))]
+        s_last = torch.stack(kd_last)
+        if opts.single_anchor:
+            t_kd, s_kd, s_last, t_logits = [t[-1:] for t in t_kd], [x[-1:] for x in s_kd], s_last[-1:], t_logits[-1:]
+        if opts.kd_target == "logit":
+            T = opts.kd_temp
+            k_loss = F.kl_div(F.log_softmax(head(s_last) / T, -1), F.softmax(t_logits / T, -1), reduction="batchmean") * T * T
+        else:
+            k_loss = F.smooth_l1_loss(torch.stack(s_kd), torch.stack(t_kd))
+        tl = tl + (t_ce if t_ce is not None else 0.0); sl = sl + s_ce; kl = kl + k_loss
+    n = len(examples)
+    loss = opts.a * tl / n + opts.b * sl / n + opts.g * kl / n
+    f = lambda x: float(x.detach()) if torch.is_tensor(x) else float(x)
+    return loss, {"student_loss": f(sl / n), "kd_loss": f(kl / n), "teacher_loss": f(tl / n) if teacher is None else 0.0}
+
+# ---------------------------------------------------------------- equivalence
+CASES = [dict(steps=s, kd=kd, frozen=fr, single=sa) for s, kd, fr, sa in itertools.product((1, 3), ("hidden", "logit"), (False, True), (False, True))]
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"steps{c['steps']}-{c['kd']}-{'frozen' if c['frozen'] else 'shared'}-{'single' if c['single'] else 'all'}")
+def test_batched_equals_reference(case):
+    base = tiny(0)
+    spec = LatentSpec(LS, LE, LSEP, ASEP, latent_steps=case["steps"])
+    lm = LatentModel(base, spec)
+    teacher = tiny(1).eval().requires_grad_(False) if case["frozen"] else None
+    opts = CodiOptions(kd_target=case["kd"], single_anchor=case["single"], g=2.0)
+    exs = batch(0)
+    out = codi_forward(lm, exs, opts, teacher=teacher)
+    gb = torch.autograd.grad(out.loss, [p for p in lm.parameters()], allow_unused=True)
+    ref_loss, ref_m = ref_forward(lm, exs, opts, teacher)
+    gr = torch.autograd.grad(ref_loss, [p for p in lm.parameters()], allow_unused=True)
+    assert abs(out.loss.item() - ref_loss.item()) < 1e-5, (out.loss.item(), ref_loss.item())
+    for k in ("student_loss", "kd_loss", "teacher_loss"): assert abs(out.metrics[k] - ref_m[k]) < 1e-5, k
+    K = max(len(e["spans"]) for e in exs)
+    assert out.metrics["model_calls"] == K * (case["steps"] + 1) + 1
+    for a, b in zip(gb, gr):
+        if a is None and b is None: continue
+        a = torch.zeros_like(b) if a is None else a; b = torch.zeros_like(a) if b is None else b
+        assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-8) + 1e-7, ((a - b).norm(), b.norm())
+
+def test_scheduled_sampling_equals_reference():
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
+    exs = batch(3)
+    K = max(len(e["spans"]) for e in exs)
+    coins = torch.zeros(len(exs), K + 1, dtype=torch.bool); coins[0, 1] = coins[1, 2] = coins[1, 3] = coins[2, 1] = True
+    opts = CodiOptions(ss_p=0.5)
+    out = codi_forward(lm, exs, opts, ss_coins=coins)
+    ref_loss, _ = ref_forward(lm, exs, opts, None, coins=coins)   # coins[b, k]: text segment k of example b
+    assert abs(out.loss.item() - ref_loss.item()) < 1e-5
+    plain = codi_forward(lm, exs, CodiOptions())
+    assert abs(plain.loss.item() - out.loss.item()) > 1e-6   # the coins did change the student's inputs
+
+def test_padding_does_not_change_an_example():
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
+    exs = batch(5)
+    one = codi_forward(lm, exs[1:2], CodiOptions(), return_logprobs=True)
+    allb = codi_forward(lm, exs, CodiOptions(), return_logprobs=True)
+    a, b = one.trace_logprobs[0], allb.trace_logprobs[1, :one.trace_logprobs.shape[1]]
+    ok = ~torch.isnan(a)
+    assert torch.equal(ok, ~torch.isnan(b)) and (a[ok] - b[ok]).abs().max() < 1e-5
+
+def test_save_load_roundtrip(tmp_path):
+    from latent_rl.tokens import train_tokenizer
+    from latent_rl.trace import trace_inprocess, prompt_text
+    from latent_rl.models import build_tiny
+    tr = trace_inprocess("def f(x):\n    y = x + 1\n    return y", "2")
+    tok = train_tokenizer([prompt_text("def f(x):\n    y = x + 1\n    return y", "2") + tr.trace] * 5, vocab_size=300)
+    lm = LatentModel(build_tiny(tok, "nano"), LatentSpec.from_tokenizer(tok, 2))
+    lm.save(tmp_path / "m", tok)
+    lm2, tok2 = LatentModel.load(tmp_path / "m")
+    assert lm2.spec == lm.spec
+    for (n, p), (_, q) in zip(lm.state_dict().items(), lm2.state_dict().items()): assert torch.equal(p, q), n
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path / "m")   # a normal HF model directory
+
+# ---------------------------------------------------------------- latent decoding vs the training forward
+def student_format(ex):
+    "Drop each span's locals: the text a latent policy writes; spans become (i, i+1)."
+    T, out, spans, prev = ex["trace_ids"], [], [], 0
+    for i, j in ex["spans"]:
+        out += T[prev:i + 1]; spans.append((len(out) - 1, len(out))); prev = j
+    out += T[prev:]
+    return {"prompt_ids": ex["prompt_ids"], "trace_ids": out, "spans": spans}
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_latent_decoding_reproduces_training_logprobs(steps):
+    from latent_rl.generate import generate_latent
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps)).eval()
+    exs = [student_format(e) for e in batch(7)]
+    fwd = codi_forward(lm, exs, CodiOptions(), return_logprobs=True)
+    ro = generate_latent(lm, [e["prompt_ids"] for e in exs], eos_id=EOT, pad_id=0, forced=[e["trace_ids"] for e in exs],
+                         max_new_tokens=200)
+    for b, e in enumerate(exs):
+        assert ro.completion_ids[b] == e["trace_ids"]
+        assert ro.latent_at[b] == [i for i, _ in e["spans"]]
+        ref = fwd.trace_logprobs[b, :len(e["trace_ids"])]
+        assert not torch.isnan(ref).any()
+        assert (torch.tensor(ro.logprobs[b]) - ref).abs().max() <= 1e-4
+
+def test_latent_decoding_free_runs_and_respects_limits():
+    from latent_rl.generate import generate_latent
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2)).eval()
+    # make <line_sep> likely so latent blocks actually happen
+    with torch.no_grad(): lm.model.lm_head.weight[LSEP] += 0.5 * lm.model.lm_head.weight.mean(0)
+    prompts = [e["prompt_ids"] for e in batch(1)]
+    g = torch.Generator().manual_seed(0)
+    ro = generate_latent(lm, prompts, eos_id=EOT, pad_id=0, max_new_tokens=30, temperature=1.0, generator=g)
+    assert all(len(c) <= 30 for c in ro.completion_ids)
+    for c, l in zip(ro.completion_ids, ro.latent_at):
+        assert all(c[i] == LSEP and (i + 1 == len(c) or c[i + 1] == ASEP) for i in l)
+    ro2 = generate_latent(lm, prompts, eos_id=EOT, pad_id=0, max_new_tokens=30, max_forward_passes=5)
+    assert ro2.forward_passes <= 5
