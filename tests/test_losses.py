@@ -77,6 +77,21 @@ def test_token_logprobs_equals_naive_values_and_grads(chunk):
     assert (out[labels == IGNORE_INDEX] == 0).all()
 
 
+def test_token_logprobs_rows_without_gradient_are_skipped_correctly():
+    "Rows whose upstream gradient is exactly 0 (zero advantages, clipped tokens) take the compacted backward path."
+    hidden, W, bias, labels = make_batch()
+    temps = torch.tensor([0.7, 1.0, 1.3])
+    g = torch.randn(labels.shape, dtype=torch.float64)
+    g[0] = 0
+    g[2, 2] = 0
+    ref = ref_logprobs(hidden, W, labels, temps, bias)
+    ref_g = torch.autograd.grad((ref * g).sum(), (hidden, W, bias))
+    out = token_logprobs(hidden, W, labels, temps, chunk_size=2, head_bias=bias)
+    out_g = torch.autograd.grad((out * g).sum(), (hidden, W, bias))
+    assert all(close(a, b, GRAD) for a, b in zip(out_g, ref_g))
+    assert (out_g[0][0] == 0).all()
+
+
 def test_token_logprobs_fp32_scalar_temperature():
     hidden, W, bias, labels = make_batch(torch.float32)
     ref = ref_logprobs(hidden, W, labels, 0.9)
@@ -384,6 +399,17 @@ def test_jsd_fp32_chunked_equals_plain_and_naive():
                                                          chunk_size=5)[0], (hidden, W))
     assert close(a, ref, VAL) and all(close(x, y, GRAD) for x, y in zip(ga, gb))
     assert abs(a.item() - b.item()) < 1e-2          # bf16 teacher logits: same loss to bf16 precision
+
+
+def test_jsd_from_bf16_hidden_and_head():
+    hidden, W, _, labels, zt = jsd_batch(torch.float32, seed=5)
+    mask = labels != -100
+    ref, _ = generalized_jsd_from_hidden(hidden, W, TeacherOutput(logits=zt), mask, temperature=0.9)
+    hb, Wb = hidden.detach().bfloat16().requires_grad_(), W.detach().bfloat16().requires_grad_()
+    loss, _ = generalized_jsd_from_hidden(hb, Wb, TeacherOutput(logits=zt.bfloat16()), mask, temperature=0.9, chunk_size=4)
+    assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 2e-2 * max(1.0, ref.item())
+    loss.backward()
+    assert hb.grad.dtype == torch.bfloat16 and torch.isfinite(hb.grad.float()).all() and torch.isfinite(Wb.grad.float()).all()
 
 
 def test_jsd_endpoints_are_forward_and_reverse_kl():
