@@ -44,7 +44,7 @@ check-clean: venv
 	echo "nbdev-clean: nbs/ clean"
 
 nbtest: venv
-	$(BIN)/nbdev-test --n_workers 2 --timing
+	$(BIN)/nbdev-test --n-workers 2 --timing
 
 pytest: venv
 	$(BIN)/python -m pytest tests -q -ra

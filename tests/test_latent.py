@@ -204,3 +204,21 @@ def test_latent_decoding_free_runs_and_respects_limits():
         assert all(c[i] == LSEP and (i + 1 == len(c) or c[i + 1] == ASEP) for i in l)
     ro2 = generate_latent(lm, prompts, eos_id=EOT, pad_id=0, max_new_tokens=30, max_forward_passes=5)
     assert ro2.forward_passes <= 5
+
+def test_kd_norm_std_divides_each_layer_loss_by_teacher_std():
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=1))
+    exs = batch(2)
+    a = codi_forward(lm, exs, CodiOptions())
+    b = codi_forward(lm, exs, CodiOptions(kd_norm_std=True))
+    from latent_rl.latent import teacher_pass
+    _, t_anc, _ = teacher_pass(lm, exs, a.layers)
+    std = t_anc[a.kd_valid].std(dim=(0, 2))                                    # per layer
+    assert torch.allclose(b.kd_dist * std[None, None, :], a.kd_dist, atol=1e-6)
+    assert b.metrics["student_loss"] == pytest.approx(a.metrics["student_loss"])
+
+def test_sliding_window_models_are_refused():
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    lm = LatentModel(AutoModelForCausalLM.from_config(cfg), LatentSpec(LS, LE, LSEP, ASEP))
+    with pytest.raises(ValueError, match="sliding"):
+        codi_forward(lm, batch(0), CodiOptions())
