@@ -36,6 +36,7 @@ def batch(seed=0):
 # ---------------------------------------------------------------- the per-example reference (seed semantics)
 def ref_forward(lm, examples, opts, teacher=None, coins=None):
     model, prj, s = lm.model, lm.prj, lm.spec.latent_steps
+    ls_id, le_id = lm.spec.latent_start_id, lm.spec.latent_end_id
     body, head = model.model, model.lm_head
     L = model.config.num_hidden_layers
     layers = kd_layer_indices(opts, L, teacher is not None)
@@ -68,12 +69,12 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
         ce_logits, ce_t, kd_vecs, kd_last, seg_k = [], [], [], [], 0
         for si, (kind, ids, kdf) in enumerate(segs):
             if kind == "latent":
-                o = body(inputs_embeds=emb(torch.tensor([[LS]])), use_cache=True, **cache_kw(body, cache))
+                o = body(inputs_embeds=emb(torch.tensor([[ls_id]])), use_cache=True, **cache_kw(body, cache))
                 cache, h = out_cache(o), o.last_hidden_state[:, -1:]
                 for _ in range(s):
                     o = body(inputs_embeds=prj(h), use_cache=True, **cache_kw(body, cache))
                     cache, h = out_cache(o), o.last_hidden_state[:, -1:]
-                o = body(inputs_embeds=emb(torch.tensor([[LE]])), use_cache=True, **cache_kw(body, cache))
+                o = body(inputs_embeds=emb(torch.tensor([[le_id]])), use_cache=True, **cache_kw(body, cache))
                 cache, prev_logits = out_cache(o), head(o.last_hidden_state[:, -1])
                 continue
             seg_k += 1
