@@ -223,3 +223,13 @@ def test_sliding_window_models_are_refused():
     lm = LatentModel(AutoModelForCausalLM.from_config(cfg), LatentSpec(LS, LE, LSEP, ASEP))
     with pytest.raises(ValueError, match="sliding"):
         codi_forward(lm, batch(0), CodiOptions())
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2)).train()
+    exs = batch(4)
+    a = codi_forward(lm, exs, CodiOptions()); ga = torch.autograd.grad(a.loss, list(lm.parameters()), allow_unused=True)
+    b = codi_forward(lm, exs, CodiOptions(grad_ckpt=True)); gb = torch.autograd.grad(b.loss, list(lm.parameters()), allow_unused=True)
+    assert abs(a.loss.item() - b.loss.item()) < 1e-6
+    for x, y in zip(ga, gb):
+        if x is not None: assert torch.allclose(x, y, atol=1e-6)
+    assert not lm.model.is_gradient_checkpointing     # switched off again for the cached student calls
