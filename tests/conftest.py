@@ -5,9 +5,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
-def run_cli(*args, cwd=None, timeout=600, check=True, module="latent_rl.train"):
+def run_cli(*args, cwd=None, timeout=600, check=True, module="latent_rl.train", env=None):
     "Run `python -m latent_rl.train ARGS` (or another module) in a subprocess; return the CompletedProcess."
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd or ROOT, env=env, capture_output=True,
                        text=True, timeout=timeout)
     if check and p.returncode != 0:
