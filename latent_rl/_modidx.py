@@ -184,6 +184,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.stages.save_checkpoint': ('stages.html#save_checkpoint', 'latent_rl/stages.py'),
                                   'latent_rl.stages.set_rng_state': ('stages.html#set_rng_state', 'latent_rl/stages.py'),
                                   'latent_rl.stages.setup': ('stages.html#setup', 'latent_rl/stages.py'),
+                                  'latent_rl.stages.sft_batch_loss': ('stages.html#sft_batch_loss', 'latent_rl/stages.py'),
                                   'latent_rl.stages.sync_grads': ('stages.html#sync_grads', 'latent_rl/stages.py'),
                                   'latent_rl.stages.train_loop': ('stages.html#train_loop', 'latent_rl/stages.py'),
                                   'latent_rl.stages.wandb_run': ('stages.html#wandb_run', 'latent_rl/stages.py'),

@@ -1,6 +1,6 @@
 """The batched multi-span CODI forward against a per-example reference written to the seed's algorithm (train_codi.py):
 one example at a time, 3 + latent_steps model calls per span, a DynamicCache, full logits."""
-import copy, itertools
+import itertools
 import pytest
 import torch
 import torch.nn.functional as F
@@ -201,6 +201,7 @@ def test_latent_decoding_free_runs_and_respects_limits():
     g = torch.Generator().manual_seed(0)
     ro = generate_latent(lm, prompts, eos_id=EOT, pad_id=0, max_new_tokens=30, temperature=1.0, generator=g)
     assert all(len(c) <= 30 for c in ro.completion_ids)
+    assert any(ro.latent_at), "no latent block ran: the test would check nothing"
     for c, l in zip(ro.completion_ids, ro.latent_at):
         assert all(c[i] == LSEP and (i + 1 == len(c) or c[i + 1] == ASEP) for i in l)
     ro2 = generate_latent(lm, prompts, eos_id=EOT, pad_id=0, max_new_tokens=30, max_forward_passes=5)
