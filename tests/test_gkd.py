@@ -1,0 +1,162 @@
+"GKD stage: the coin, buffering, the SFT term, a fresh self-teacher, vocabulary and length checks, the HTTP teacher."
+import json, os, signal, socket, subprocess, sys, time
+from pathlib import Path
+import pytest, torch
+from conftest import run_cli, ROOT
+
+TEACHER = ROOT / "data" / "teacher"
+ROWS = ROOT / "data" / "corpus" / "train.jsonl"
+ONE = {"OMP_NUM_THREADS": "1"}
+
+def rows_of(path):
+    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+
+def steps_of(run):
+    return [r for r in rows_of(Path(run) / "metrics.jsonl") if "step" in r]
+
+def gkd(out, *args, check=True, env=None, **kw):
+    base = ["gkd", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 64, "--batch_size", 4,
+            "--max_new_tokens", 48, "--log_every", 1, "--save_every", 0, "--out", out]
+    return run_cli(*base, *map(str, args), check=check, env={**ONE, **(env or {})}, **kw)
+
+@pytest.fixture(scope="module")
+def latent_student(tmp_path_factory):
+    from latent_rl.latent import LatentModel
+    d = tmp_path_factory.mktemp("latent")
+    lm, tok = LatentModel.load(TEACHER)
+    return lm.save(d / "student", tok)
+
+def test_coin_frequency_matches_lambda():
+    from latent_rl.gkd import gkd_coin
+    for lam in (0.2, 0.5, 0.9):
+        f = sum(gkd_coin(3, s, lam) for s in range(20000)) / 20000
+        assert abs(f - lam) < 4 * (lam * (1 - lam) / 20000) ** 0.5, (lam, f)
+
+def test_generation_once_per_steps_per_generation(tmp_path):
+    gkd(tmp_path, "--steps", 4, "--lmbda", 1, "--steps_per_generation", 2)
+    gens = [r["generations"] for r in steps_of(tmp_path)]
+    assert gens == [1, 1, 2, 2], gens                     # cumulative generation calls after each step
+    assert all(r["on_policy"] == 1 for r in steps_of(tmp_path))
+
+def test_no_sft_term_on_student_data(tmp_path):
+    gkd(tmp_path / "on", "--steps", 2, "--lmbda", 1, "--sft_alpha", 1)
+    gkd(tmp_path / "off", "--steps", 2, "--lmbda", 0, "--sft_alpha", 1)
+    on, off = steps_of(tmp_path / "on"), steps_of(tmp_path / "off")
+    assert all(r["sft_loss"] == 0 and abs(r["loss"] - r["jsd_loss"]) < 1e-9 for r in on)
+    assert all(r["sft_loss"] > 0 and r["loss"] > r["jsd_loss"] for r in off)
+
+def test_self_teacher_is_never_stale(tmp_path):
+    # dataset completions, CE moves the weights every step; the self-teacher must be the *current* student at every
+    # step of a 3-step generation buffer, so the JSD stays 0. A teacher cached at generation time would give JSD > 0
+    # at the 2nd and 3rd step of each cycle.
+    gkd(tmp_path, "--steps", 6, "--lmbda", 0, "--sft_alpha", 1, "--teacher", "self", "--steps_per_generation", 3, "--lr", 3e-3,
+        "--warmup", 0)
+    s = steps_of(tmp_path)
+    assert all(r["grad_norm"] > 0 for r in s)
+    assert max(abs(r["jsd_loss"]) for r in s) < 1e-6, [r["jsd_loss"] for r in s]
+
+def test_stale_teacher_would_be_caught():
+    "The same check on a deliberately stale teacher gives JSD > 0 once the student has moved."
+    from latent_rl.policy import Policy
+    from latent_rl.teachers import SelfTeacher, ScoreBatch
+    from latent_rl.gkd import gkd_loss, dataset_completion
+    pol = Policy.load(TEACHER)
+    items = [dataset_completion(pol.tok, r, "text") for r in rows_of(ROWS)[:4]]
+    P, C = [i["prompt"] for i in items], [i["completion"] for i in items]
+    from latent_rl.policy import sampled_mask
+    stale = SelfTeacher(pol).score(ScoreBatch(P, C, sampled_mask(C)))
+    with torch.no_grad():
+        for p in pol.module.parameters(): p.add_(torch.randn_like(p) * 1e-2)
+    _, m_fresh = gkd_loss(pol, SelfTeacher(pol), items)
+    _, m_stale = gkd_loss(pol, SelfTeacher(pol), items, teacher_out=stale)
+    assert abs(m_fresh["jsd_loss"]) < 1e-6 and m_stale["jsd_loss"] > 1e-4
+
+def test_latent_student_on_policy_with_explicit_teacher(tmp_path, latent_student):
+    gkd(tmp_path, "--model", latent_student, "--steps", 2, "--lmbda", 1, "--record_every", 1)
+    s = steps_of(tmp_path)
+    assert len(s) == 2 and all(r["n_tokens"] > 0 and r["jsd_loss"] >= 0 for r in s)
+    recs = rows_of(tmp_path / "logprobs.jsonl")
+    assert recs and all(len(r["logp"]) == len(r["tokens"]) == len(r["mask"]) for r in recs)
+    assert (tmp_path / "final" / "latent_spec.json").exists()
+
+def test_vocabulary_mismatch_refused(tmp_path, tiny_data):
+    from latent_rl.models import load_tokenizer, build_tiny
+    tok = load_tokenizer(tiny_data / "tokenizer")
+    m = build_tiny(tok, "nano")
+    m.save_pretrained(tmp_path / "other"); tok.save_pretrained(tmp_path / "other")
+    p = gkd(tmp_path / "run", "--teacher", tmp_path / "other", "--steps", 1, check=False)
+    assert p.returncode != 0 and "vocabulary mismatch" in p.stderr
+
+def test_delete_and_resample_is_bounded(tmp_path):
+    p = gkd(tmp_path, "--steps", 1, "--max_len", 40, "--max_resample_rounds", 5, check=False)
+    assert p.returncode != 0 and "truncation_strategy='delete'" in p.stderr and "5 draws" in p.stderr
+    from latent_rl.gkd import resample_overlong
+    lens = [10] * 50 + [100] * 50
+    out = resample_overlong(list(range(45, 55)), lambda i: lens[i] <= 10, 100, 0, 7, max_rounds=50)
+    assert all(lens[i] <= 10 for i in out) and len(out) == 10
+
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+
+@pytest.fixture
+def server():
+    port = free_port()
+    env = {**os.environ, **ONE, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "latent_rl.train", "serve-teacher", "--model", str(TEACHER), "--port", str(port)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    from latent_rl.teachers import HTTPTeacher
+    for _ in range(120):
+        try: HTTPTeacher(url, retries=0, timeout=2).models(); break
+        except Exception: time.sleep(0.5)
+    else:
+        proc.kill(); raise RuntimeError("serve-teacher did not start: " + proc.stdout.read())
+    yield url, proc
+    proc.kill(); proc.wait()
+
+def test_http_topk_equals_local(server):
+    url, _ = server
+    from latent_rl.teachers import HTTPTeacher, ModelTeacher, ScoreBatch
+    from latent_rl.policy import Policy, sampled_mask
+    from latent_rl.gkd import dataset_completion
+    pol = Policy.load(TEACHER)
+    items = [dataset_completion(pol.tok, r, "text") for r in rows_of(ROWS)[:3]]
+    P, C = [i["prompt"] for i in items], [i["completion"] for i in items]
+    b = ScoreBatch(P, C, sampled_mask(C))
+    h, l = HTTPTeacher(url, topk=8).score(b), ModelTeacher.load(TEACHER, topk=8).score(b)
+    m = b.mask
+    assert torch.equal(h.topk_ids[m], l.topk_ids[m])
+    assert (h.topk_logprobs[m] - l.topk_logprobs[m]).abs().max() < 1e-5
+
+def test_http_teacher_killed_mid_run(server, tmp_path):
+    url, proc = server
+    env = {**os.environ, **ONE, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    run = subprocess.Popen([sys.executable, "-m", "latent_rl.train", "gkd", "--model", str(TEACHER), "--teacher", url,
+                            "--topk", "8", "--train", str(ROWS), "--max_train", "64", "--batch_size", "4", "--lmbda", "0",
+                            "--steps", "400", "--save_every", "1", "--log_every", "1", "--http_retries", "2",
+                            "--http_backoff", "0.2", "--http_timeout", "5", "--out", str(tmp_path)],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ck = tmp_path / "checkpoints"
+    for _ in range(600):
+        if ck.exists() and any(p.name.startswith("step-") for p in ck.iterdir()): break
+        if run.poll() is not None: break
+        time.sleep(0.2)
+    proc.kill(); proc.wait()
+    out, _ = run.communicate(timeout=300)
+    assert run.returncode != 0, out[-2000:]
+    assert "retry 1/2" in out and "failed after 3 attempts" in out, out[-3000:]
+    from latent_rl.stages import latest_checkpoint
+    path, st = latest_checkpoint(tmp_path)
+    assert (path / "COMPLETE").exists() and st["step"] >= 1 and (path / "model" / "config.json").exists()
+
+def test_two_rank_run_agrees_on_the_coin(tmp_path):
+    env = {**os.environ, **ONE, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                        "-m", "latent_rl.train", "gkd", "--model", str(TEACHER), "--teacher", str(TEACHER), "--train", str(ROWS),
+                        "--max_train", "64", "--batch_size", "4", "--max_new_tokens", "32", "--lmbda", "0.5", "--steps", "6",
+                        "--log_every", "1", "--save_every", "0", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    from latent_rl.gkd import gkd_coin
+    got = [bool(r["on_policy"]) for r in steps_of(tmp_path)]
+    assert got == [gkd_coin(0, s, 0.5) for s in range(6)]      # each rank checked the others' coin every cycle
