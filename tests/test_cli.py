@@ -85,5 +85,5 @@ def test_bench_prints_table_and_json(tmp_path):
     d = json.loads((tmp_path / "b.json").read_text()); assert d["name"] == "trace" and d["rows"]
 
 def test_pending_stage_says_which_issue():
-    p = run_cli("grpo", check=False)
-    assert p.returncode != 0 and "issue #6" in p.stderr
+    p = run_cli("diagnose", check=False)
+    assert p.returncode != 0 and "issue #9" in p.stderr
