@@ -1,5 +1,6 @@
 "Integration tests of the `latent-rl` command line: data, trace, sft, eval, bench, and bad inputs."
 import json
+from pathlib import Path
 import pytest
 from conftest import run_cli
 
@@ -89,3 +90,14 @@ def test_every_announced_command_exists():
     assert not PENDING and {"gkd", "grpo", "plot", "diagnose", "serve-teacher", "presets"} <= set(COMMANDS)
     p = run_cli("--help")
     assert all(c in p.stdout for c in COMMANDS)
+
+def test_demo_pipeline_smoke(tmp_path):
+    "`latent-rl demo` end to end with the cpu-smoke recipe: every stage, the table, the diagnosis and the figures."
+    p = run_cli("demo", "--recipe", "cpu-smoke", "--limit", 8, "--out", tmp_path / "demo", "--figures", tmp_path / "figs",
+                env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    for stage in ("SFT", "CODI", "CODI → GKD", "CODI → GKD → GRPO"):
+        assert f"| {stage} |" in p.stdout, p.stdout[-3000:]
+    res = json.loads((tmp_path / "demo" / "results.json").read_text())
+    assert set(res["results"]) == {"teacher", "notrace", "codi", "gkd", "grpo"}
+    assert (tmp_path / "figs" / "grpo_reward_curve.png").exists() and (tmp_path / "figs" / "gkd" / "alignment.png").exists()
+    assert all(Path(f).exists() for f in res["figures"]) and Path(res["diagnosis"]).exists()
