@@ -101,3 +101,16 @@ def test_corrupt_checkpoint_is_named_and_skipped(tiny_data, tmp_path):
     p = launch(1, *args, "--out", tmp_path, "--steps", cks[-1][0] + 2, "--resume")
     assert f"{newest} is unreadable" in p.stdout + p.stderr and f"resumed from {previous}" in p.stdout + p.stderr
     assert previous.exists() or (tmp_path / "final").exists()
+
+def test_accelerate_launch_two_processes(tiny_data, tmp_path):
+    "The same script under `accelerate launch` (2 CPU processes, gloo) equals the 1-process run."
+    args = STAGES["sft"](tiny_data)
+    launch(1, *args, "--out", tmp_path / "one")
+    p = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                        str(free_port()), "-m", "latent_rl.train", *map(str, args), "--out", str(tmp_path / "acc")],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = summary(tmp_path / "acc")
+    assert s["processes"] == 2 and s["param_checksums"][0] == s["param_checksums"][1]
+    assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "acc" / "final"), 1e-5)

@@ -160,3 +160,39 @@ def test_two_rank_run_agrees_on_the_coin(tmp_path):
     from latent_rl.gkd import gkd_coin
     got = [bool(r["on_policy"]) for r in steps_of(tmp_path)]
     assert got == [gkd_coin(0, s, 0.5) for s in range(6)]      # each rank checked the others' coin every cycle
+
+def test_adapter_off_teacher_is_the_base_model():
+    peft = pytest.importorskip("peft")
+    from latent_rl.policy import Policy, sampled_mask
+    from latent_rl.teachers import AdapterOffTeacher, ModelTeacher, SelfTeacher, ScoreBatch
+    from latent_rl.gkd import dataset_completion
+    from latent_rl.models import load_model
+    base, tok = load_model(TEACHER)
+    items = [dataset_completion(tok, r, "text") for r in rows_of(ROWS)[:3]]
+    P, C = [i["prompt"] for i in items], [i["completion"] for i in items]
+    b = ScoreBatch(P, C, sampled_mask(C))
+    ref = ModelTeacher.load(TEACHER).score(b).logits
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    pol = Policy(lora, tok, "text")
+    off, on = AdapterOffTeacher(pol).score(b).logits, SelfTeacher(pol).score(b).logits
+    m = b.mask
+    assert (off[m] - ref[m]).abs().max() < 1e-4 and (on[m] - ref[m]).abs().max() > 1e-3
+
+def test_privileged_teacher_reads_another_prompt_and_checks_counts():
+    from latent_rl.policy import sampled_mask
+    from latent_rl.teachers import PrivilegedTeacher, ModelTeacher, ScoreBatch
+    from latent_rl.gkd import dataset_completion
+    from latent_rl.models import load_model
+    m, tok = load_model(TEACHER)
+    rows = rows_of(ROWS)[:2]
+    items = [dataset_completion(tok, r, "text") for r in rows]
+    P, C = [i["prompt"] for i in items], [i["completion"] for i in items]
+    b = ScoreBatch(P, C, sampled_mask(C), rows=rows)
+    hint = lambda row, p: p[:-3] + p                  # a different (longer) prompt, same response tokens
+    priv, plain = PrivilegedTeacher(m, tok, hint).score(b), ModelTeacher(m, tok).score(b)
+    assert priv.shape == plain.shape and (priv.logits[b.mask] - plain.logits[b.mask]).abs().max() > 1e-3
+    short = min(range(2), key=lambda i: len(C[i]))
+    mask = sampled_mask(C); mask[short, len(C[short])] = True          # the student scores a padding position too
+    bad = ScoreBatch(P, C, mask, rows=rows)
+    with pytest.raises(ValueError, match="tokens per row"):
+        PrivilegedTeacher(m, tok, hint).score(bad)
