@@ -74,6 +74,18 @@ def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
     kill_after_checkpoint(args, tmp_path / "part", 8)
     launch(1, *args, "--out", tmp_path / "part", "--resume")
     assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+    assert steps == list(range(1, 61))          # rows the killed run wrote past its checkpoint were dropped, then redone
+
+def test_fresh_run_refuses_a_used_directory(tiny_data, tmp_path):
+    args = STAGES["sft"](tiny_data)
+    launch(1, *args, "--out", tmp_path)
+    p = subprocess.run([sys.executable, "-m", "latent_rl.train", *map(str, args), "--out", str(tmp_path)], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and "holds a previous run" in p.stderr and "--overwrite" in p.stderr
+    launch(1, *args, "--out", tmp_path, "--overwrite")
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]     # the old run's rows are gone, not appended to
 
 def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
     # steps_per_generation 2 and a checkpoint every step: the resume starts inside a cycle and must reuse the saved
