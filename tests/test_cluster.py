@@ -95,8 +95,11 @@ def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
             "--record_every", 0]
     launch(1, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 3)
-    from latent_rl.stages import latest_checkpoint
-    assert latest_checkpoint(tmp_path / "part")[1]["step"] % 2 == 1 or True
+    import shutil
+    from latent_rl.stages import list_checkpoints
+    for step, path in list_checkpoints(tmp_path / "part"):
+        if step % 2 == 0: shutil.rmtree(path)                     # resume from an odd step: inside a generation cycle
+    assert list_checkpoints(tmp_path / "part") and all(s % 2 == 1 for s, _ in list_checkpoints(tmp_path / "part"))
     launch(1, *args, "--out", tmp_path / "part", "--resume")
     assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
 
