@@ -3,6 +3,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TEACHER = ROOT / "data" / "teacher"                  # the shipped tiny SFT model
+ROWS = ROOT / "data" / "corpus" / "train.jsonl"
+ONE = {"OMP_NUM_THREADS": "1"}                       # one intra-op thread: subprocess runs stay reproducible
 BIN = Path(sys.executable).parent
 
 def run_cli(*args, cwd=None, timeout=600, check=True, module="latent_rl.train", env=None):
@@ -20,3 +23,19 @@ def tiny_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
     run_cli("data", "--out", d, "--n", 400, "--vocab", 300)
     return d
+
+def rows_of(path) -> list[dict]:
+    import json
+    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+
+def steps_of(run) -> list[dict]:
+    "The per-step rows of a run's metrics.jsonl."
+    return [r for r in rows_of(Path(run) / "metrics.jsonl") if "step" in r]
+
+@pytest.fixture(scope="session")
+def latent_student(tmp_path_factory):
+    "The shipped teacher as a latent model (fresh projector): a latent policy without training."
+    from latent_rl.latent import LatentModel
+    d = tmp_path_factory.mktemp("latent")
+    lm, tok = LatentModel.load(TEACHER)
+    return lm.save(d / "student", tok)

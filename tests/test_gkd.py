@@ -2,29 +2,14 @@
 import json, os, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
-from conftest import run_cli, ROOT
+from conftest import run_cli, ROOT, TEACHER, ROWS, ONE, rows_of, steps_of
 
-TEACHER = ROOT / "data" / "teacher"
-ROWS = ROOT / "data" / "corpus" / "train.jsonl"
-ONE = {"OMP_NUM_THREADS": "1"}
-
-def rows_of(path):
-    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
-
-def steps_of(run):
-    return [r for r in rows_of(Path(run) / "metrics.jsonl") if "step" in r]
 
 def gkd(out, *args, check=True, env=None, **kw):
     base = ["gkd", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 64, "--batch_size", 4,
             "--max_new_tokens", 48, "--log_every", 1, "--save_every", 0, "--out", out]
     return run_cli(*base, *map(str, args), check=check, env={**ONE, **(env or {})}, **kw)
 
-@pytest.fixture(scope="module")
-def latent_student(tmp_path_factory):
-    from latent_rl.latent import LatentModel
-    d = tmp_path_factory.mktemp("latent")
-    lm, tok = LatentModel.load(TEACHER)
-    return lm.save(d / "student", tok)
 
 def test_coin_frequency_matches_lambda():
     from latent_rl.gkd import gkd_coin

@@ -2,24 +2,8 @@
 import json
 from pathlib import Path
 import pytest, torch
-from conftest import run_cli, ROOT
+from conftest import run_cli, ROOT, TEACHER, ROWS, ONE, rows_of, steps_of
 
-TEACHER = ROOT / "data" / "teacher"
-ROWS = ROOT / "data" / "corpus" / "train.jsonl"
-ONE = {"OMP_NUM_THREADS": "1"}
-
-def rows_of(path):
-    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
-
-def steps_of(run):
-    return [r for r in rows_of(Path(run) / "metrics.jsonl") if "step" in r]
-
-@pytest.fixture(scope="module")
-def latent_student(tmp_path_factory):
-    from latent_rl.latent import LatentModel
-    d = tmp_path_factory.mktemp("latent")
-    lm, tok = LatentModel.load(TEACHER)
-    return lm.save(d / "student", tok)
 
 @pytest.mark.parametrize("kind", ["text", "latent"])
 @pytest.mark.parametrize("T", [0.7, 1.0])
