@@ -63,7 +63,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'latent_rl.diagnose.load_report': ('diagnose.html#load_report', 'latent_rl/diagnose.py'),
                                     'latent_rl.diagnose.main': ('diagnose.html#main', 'latent_rl/diagnose.py'),
                                     'latent_rl.diagnose.plateau_step': ('diagnose.html#plateau_step', 'latent_rl/diagnose.py'),
-                                    'latent_rl.diagnose.read_jsonl': ('diagnose.html#read_jsonl', 'latent_rl/diagnose.py'),
                                     'latent_rl.diagnose.record_frames': ('diagnose.html#record_frames', 'latent_rl/diagnose.py'),
                                     'latent_rl.diagnose.render_markdown': ('diagnose.html#render_markdown', 'latent_rl/diagnose.py'),
                                     'latent_rl.diagnose.resolve_run': ('diagnose.html#resolve_run', 'latent_rl/diagnose.py'),
