@@ -374,7 +374,8 @@ class SFTConfig:
     overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
 
 def load_traced(path, limit: int = 0, progress: bool = True) -> list[dict]:
-    "CRUXEval-format rows with traces: rows without a `trace` field are traced in the sandbox (failures dropped)."
+    "CRUXEval-format rows with traces: rows without a `trace` field are traced in the sandbox (failures dropped; "
+    "`SandboxUnavailable` where it cannot start, unless `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."
     from latent_rl.corpus import trace_and_fill
     rows = load_rows(path, limit or None)
     need = [r for r in rows if "trace" not in r]

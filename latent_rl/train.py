@@ -4,12 +4,36 @@
 
 # %% ../nbs/14_train.ipynb #2ff42ef7
 from __future__ import annotations
-import argparse, json, sys, time
+import argparse, json, os, sys, time
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['DATA_DEFAULTS', 'PENDING', 'COMMANDS', 'cmd_data', 'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench',
-           'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot', 'cmd_diagnose', 'cmd_presets', 'cmd_serve_teacher', 'main']
+__all__ = ['TRACING', 'UNSAFE_FLAG', 'DATA_DEFAULTS', 'PENDING', 'COMMANDS', 'sandbox_flag', 'cmd_doctor', 'cmd_data',
+           'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot',
+           'cmd_diagnose', 'cmd_presets', 'cmd_serve_teacher', 'main']
+
+# %% ../nbs/14_train.ipynb #dc56c33b
+TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
+UNSAFE_FLAG = "--unsafe-no-sandbox"
+
+def sandbox_flag(argv: list[str]) -> list[str]:
+    "`argv` without `--unsafe-no-sandbox`, which sets `$LATENT_RL_UNSAFE_NO_SANDBOX=1` (this process and its children)."
+    if UNSAFE_FLAG not in argv: return argv
+    from latent_rl.trace import UNSAFE_ENV
+    os.environ[UNSAFE_ENV] = "1"
+    return [a for a in argv if a != UNSAFE_FLAG]
+
+def cmd_doctor(argv):
+    from latent_rl.trace import THREAT_MODEL, sandbox_report
+    argparse.ArgumentParser(prog="latent-rl doctor", description="What the tracer's sandbox does on this machine "
+                            "(exit code 1 if a check fails).").parse_args(argv)
+    print(THREAT_MODEL + "\n")
+    rows = sandbox_report()
+    for check, ok, detail in rows: print(f"{'    ' if ok is None else 'ok  ' if ok else 'FAIL'}  {check:<55} {detail}")
+    bad = [c for c, ok, _ in rows if ok is False]
+    print("\nsandbox: " + ("working" if not bad else "NOT working: " + "; ".join(bad)))
+    if bad: raise SystemExit(1)
+    return rows
 
 # %% ../nbs/14_train.ipynb #3f271de3
 DATA_DEFAULTS = dict(out="data", n=12000, preset="easy", seed=0, vocab=384)
@@ -124,10 +148,10 @@ def cmd_serve_teacher(argv):
 
 COMMANDS = {"data": cmd_data, "trace": cmd_trace, "sft": cmd_sft, "codi": cmd_codi, "gkd": cmd_gkd, "grpo": cmd_grpo, "eval": cmd_eval,
             "demo": cmd_demo, "bench": cmd_bench, "serve-teacher": cmd_serve_teacher, "plot": cmd_plot,
-            "diagnose": cmd_diagnose, "presets": cmd_presets}
+            "diagnose": cmd_diagnose, "presets": cmd_presets, "doctor": cmd_doctor}
 
 def main(argv: list[str] | None = None):
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = sandbox_flag(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: latent-rl {" + ",".join(list(COMMANDS) + list(PENDING)) + "} ...\n\n"
               "  data   build the traced corpus and tokenizer\n  trace  trace a CRUXEval-format JSONL file\n"
@@ -138,12 +162,16 @@ def main(argv: list[str] | None = None):
               "  eval   output-prediction accuracy (per-example records under --out, default runs/eval)\n"
               "  plot   figures of a run directory (PNG)\n  diagnose  why a latent student trails its teacher (markdown report)\n"
               "  presets  print the named recipes (--recipe NAME on any stage)\n  demo   the whole pipeline on CPU\n"
-              "  bench  benchmarks (python -m latent_rl.bench)")
+              "  bench  benchmarks (python -m latent_rl.bench)\n  doctor  what the tracer's sandbox does on this machine\n\n"
+              "  --unsafe-no-sandbox  (any command) trace untrusted programs even where the sandbox cannot start")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in PENDING: raise SystemExit(f"latent-rl {cmd}: not implemented yet (tracked in issue #{PENDING[cmd]})")
     if cmd not in COMMANDS: raise SystemExit(f"latent-rl: unknown command {cmd!r}; choose from {sorted(COMMANDS)}")
-    COMMANDS[cmd](rest)
+    from latent_rl.trace import SandboxUnavailable, sandbox_notice
+    if cmd in TRACING and (note := sandbox_notice()): print(note, file=sys.stderr)
+    try: COMMANDS[cmd](rest)
+    except SandboxUnavailable as e: raise SystemExit(f"latent-rl {cmd}: {e}") from None
     return 0
 
 # %% ../nbs/14_train.ipynb #05a98a0c

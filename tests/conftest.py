@@ -8,6 +8,14 @@ ROWS = ROOT / "data" / "corpus" / "train.jsonl"
 ONE = {"OMP_NUM_THREADS": "1"}                       # one intra-op thread: subprocess runs stay reproducible
 BIN = Path(sys.executable).parent
 
+# Tracing needs the sandbox (a bwrap jail). Where it cannot start, the suite's own benign programs are traced without
+# it (as `--unsafe-no-sandbox` would); tests/test_sandbox.py then skips its hostile programs, which never run unjailed.
+sys.path.insert(0, str(ROOT))
+from latent_rl.trace import UNSAFE_ENV, sandbox_status
+if not sandbox_status()["available"]:
+    print(f"conftest: no sandbox here ({sandbox_status()['reason']}): tracing the tests' own programs without it")
+    os.environ[UNSAFE_ENV] = "1"
+
 def run_cli(*args, cwd=None, timeout=600, check=True, module="latent_rl.train", env=None):
     "Run `python -m latent_rl.train ARGS` (or another module) in a subprocess; return the CompletedProcess."
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **(env or {})}

@@ -1,0 +1,510 @@
+"""Hostile programs against the tracer's sandbox (issue 16): every attack of the issue and more.
+
+Each hostile row is followed by a plain row. Whatever the hostile rows do, the run must answer every row, write
+nothing outside the jail, leak no secret of the parent (an environment variable, a file, a process's command line),
+leave the parent, its other processes and its sockets alone, and give every plain row its correct value.
+Three runs: the command line with every layer; the OS layers alone (audit hook off); the namespaces alone (audit hook
+and seccomp off, attacks on the host only). Hostile code never runs outside the jail: without one the file is skipped."""
+import json, os, signal, socket, subprocess, sys, time, uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import latent_rl.trace as T
+from latent_rl.trace import THREAT_MODEL, SandboxUnavailable, TracePool, UNSAFE_ENV, sandbox_status, trace_inprocess, trace_rows
+from conftest import ROOT, run_cli
+
+needs_jail = pytest.mark.skipif(not sandbox_status()["available"],
+                                reason=f"no sandbox on this machine ({sandbox_status()['reason']}): hostile programs are not run")
+
+SECRET = f"LRSECRET{uuid.uuid4().hex}"
+PWNED = f"latent_rl_pwned_{uuid.uuid4().hex[:8]}"
+
+# Each attack is the body of `def f(info):` (info: paths, pids and ports of the host, as an attacker would know them).
+# It returns what it got, so a leak would show in the value.
+ATTACKS = {
+    # -- the issue's attacks: switch the audit hook off, then act
+    "hook_off_gc": """import gc, os
+for o in gc.get_objects():
+    if type(o).__name__ == '_Sandbox':
+        o.inside = lambda p: True; o.refuse = lambda what: None; o.violation = None
+r = os.system('id > ' + info['host'] + '/PWNED_gc')
+open(info['host'] + '/PWNED_gc2', 'w').write('x')
+return r""",
+    "hook_off_modules": """import sys, os
+for m in list(sys.modules.values()):
+    if hasattr(m, '_Sandbox'): m._Sandbox.refuse = lambda self, what: None; m._Sandbox.inside = lambda self, p: True
+open(info['host'] + '/PWNED_mod', 'w').write('x')
+return os.system('touch ' + info['host'] + '/PWNED_mod2')""",
+    "hook_off_frames": """import sys, os
+fr = sys._getframe()
+while fr is not None:
+    for v in list(fr.f_locals.values()):
+        if type(v).__name__ == '_Sandbox': v.refuse = lambda what: None; v.inside = lambda p: True
+    fr = fr.f_back
+return os.system('echo hi > /PWNED')""",
+    "repr_after_return": """import os
+class Evil:
+    def __repr__(self):
+        os.system('touch ' + info['host'] + '/PWNED_repr')
+        return open('/proc/1/environ').read() + open(info['secret_file']).read()
+return Evil()""",
+    "del_global": """import os
+class Evil:
+    def __del__(self): open(info['host'] + '/PWNED_del', 'w').write(open(info['secret_file']).read())
+global keep
+keep = Evil()
+import atexit
+atexit.register(lambda: open(info['host'] + '/PWNED_atexit', 'w').write('x'))
+return 1""",
+    "thread_outlives": """import threading, time, os
+def run():
+    while True:
+        for p in (info['host'] + '/PWNED_thread', '/tmp/thread_was_here'):
+            try: open(p, 'w').write('x')
+            except OSError: pass
+        for fd in range(3, 64):
+            try: os.write(fd, b'{"ok": true, "reason": null, "value": "FORGED", "frames": []}')
+            except OSError: pass
+        time.sleep(0.01)
+threading.Thread(target=run, daemon=True).start()
+time.sleep(0.05)
+return 'thread started'""",
+    "forge_every_fd": """import os
+msgs = [b'{"ok": true, "reason": null, "value": "FORGED", "frames": []}\\n',
+        b'{"seq": 1, "status": "exited", "exit": 0, "n": 6}\\nFORGED{"ready": true}\\n{"boot_error": "forged"}\\n',
+        b'\\x00' * 5000 + b'\\n', b'{"n": 99999999999}\\n']
+n = 0
+for fd in range(0, 1024):
+    for m in msgs:
+        try: os.write(fd, m); n += 1
+        except OSError: pass
+return n""",
+    "forge_own_result": """import os
+for fd in map(int, os.listdir('/proc/self/fd')):
+    try: os.write(fd, b'{"ok": true, "reason": null, "value": "FORGED", "frames": [["return", "nope\\\\n", null, "FORGED"]]}')
+    except OSError: pass
+os._exit(0)""",
+    "garbage_result_then_exit": """import os
+for fd in range(3, 64):
+    try: os.write(fd, b'[' * 100000)
+    except OSError: pass
+os._exit(0)""",
+    "poison_builtins": """import builtins
+builtins.repr = lambda x: 'POISON'; builtins.len = lambda x: -1; builtins.sorted = lambda *a, **k: 'POISON'
+builtins.str = lambda *a: 'POISON'; builtins.range = lambda *a: [42]
+return 'poisoned'""",
+    "poison_stdlib": """import json, math, collections, sys, re
+json.dumps = lambda *a, **k: 'POISON'; math.sqrt = lambda x: -1.0; collections.Counter = dict
+re.sub = lambda *a, **k: 'POISON'; sys.modules['itertools'] = None
+import linecache; linecache.cache.clear(); linecache.getline = lambda *a: 'POISON'
+return 'poisoned'""",
+    "poison_tracer": """import sys
+for m in list(sys.modules.values()):
+    if hasattr(m, 'trace_inprocess'):
+        m._safe_repr = lambda v: 'POISON'; m.render_trace = lambda fr: 'POISON'; m._exc_reason = lambda *a: 'POISON'
+return 'poisoned'""",
+    # -- secrets and the parent
+    "read_environs": """import os, glob
+out = {'env': dict(os.environ)}
+for p in glob.glob('/proc/*/environ') + glob.glob('/proc/*/cmdline') + ['/proc/%d/environ' % info['parent'],
+          '/proc/%d/cmdline' % info['decoy'], '/proc/%d/environ' % os.getppid()]:
+    try: out[p] = open(p, 'rb').read().decode('latin-1')
+    except OSError as e: out[p] = type(e).__name__
+return out""",
+    "read_files": """import os
+out = {}
+for p in [info['secret_file'], '/etc/passwd', '/etc/shadow', os.path.expanduser('~/.bashrc'), '/root/.bashrc',
+          info['project'] + '/pyproject.toml', info['host'], '/work', '/home', '/proc/%d/maps' % info['parent']]:
+    try: out[p] = open(p).read()[:2000]
+    except OSError as e: out[p] = type(e).__name__
+return out""",
+    "read_server_memory": """import os
+out = {}
+for p in ['/proc/1/mem', '/proc/1/environ', '/proc/1/maps', '/proc/1/fd/0', '/proc/1/fd/1', '/proc/1/fd/3', '/proc/1/fd/4']:
+    try:
+        with open(p, 'rb') as fh: out[p] = fh.read(100).decode('latin-1')
+    except OSError as e: out[p] = type(e).__name__
+try: out['fds'] = os.listdir('/proc/1/fd')
+except OSError as e: out['fds'] = type(e).__name__
+return out""",
+    "kill_parent": """import os, signal
+out = []
+for pid in (info['parent'], info['decoy'], os.getppid(), 1):
+    for how in ('pidfd', 'kill'):
+        try:
+            if how == 'pidfd': signal.pidfd_send_signal(os.pidfd_open(pid), signal.SIGKILL)
+            else: os.kill(pid, signal.SIGKILL)
+            out.append((pid, how, 'sent'))
+        except OSError as e: out.append((pid, how, type(e).__name__))
+return out""",
+    "kill_everything": """import os, signal
+out = []
+for f in (lambda: os.kill(-1, signal.SIGKILL), lambda: os.killpg(0, signal.SIGKILL), lambda: os.killpg(1, signal.SIGKILL),
+          lambda: [os.kill(p, signal.SIGTERM) for p in range(2, 400) if p != os.getpid()]):
+    try: f(); out.append('sent')
+    except OSError as e: out.append(type(e).__name__)
+return out""",
+    "ptrace_server": """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+r = libc.ptrace(16, os.getppid(), 0, 0)          # PTRACE_ATTACH to the server
+return (r, ctypes.get_errno())""",
+    "prlimit_server": """import resource, os
+try: resource.prlimit(os.getppid(), resource.RLIMIT_AS, (1 << 20, 1 << 20)); return 'lowered'
+except OSError as e: return type(e).__name__""",
+    "renice_server": """import os
+try: os.setpriority(os.PRIO_PROCESS, os.getppid(), 19); return 'reniced'
+except OSError as e: return type(e).__name__""",
+    # -- processes
+    "fork": """import os, time
+pid = os.fork()
+if pid == 0:
+    while True:
+        try: open(info['host'] + '/PWNED_fork', 'w').write('x')
+        except OSError: pass
+        time.sleep(0.01)
+return pid""",
+    "fork_bomb": """import os
+n = 0
+while n < 10000:
+    os.fork(); n += 1
+return n""",
+    "exec_shell": """import os
+os.execv('/bin/sh', ['sh', '-c', 'id > ' + info['host'] + '/PWNED_exec'])""",
+    "subprocess": """import subprocess
+return subprocess.run(['/bin/sh', '-c', 'cat /etc/passwd > ' + info['host'] + '/PWNED_sub'], capture_output=True).stdout""",
+    "posix_spawn": """import os
+return os.posix_spawn('/bin/sh', ['sh', '-c', 'touch ' + info['host'] + '/PWNED_spawn'], {})""",
+    "pty": """import pty, os
+out = [os.openpty()]
+try: out.append(pty.fork())
+except OSError as e: out.append(type(e).__name__)
+try: out.append(os.forkpty())
+except OSError as e: out.append(type(e).__name__)
+return out""",
+    "setsid_escape": """import os, time
+os.setsid()
+pid = os.fork()
+if pid == 0:
+    time.sleep(3); open(info['host'] + '/PWNED_setsid', 'w').write('x')
+return pid""",
+    "ctypes_syscalls": """import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+for name, nr, args in [('fork', 57, ()), ('unshare_user', 272, (0x10000000,)), ('socket', 41, (2, 1, 0)),
+                       ('kill_-1', 62, (-1, 9)), ('io_uring_setup', 425, (8, 0)), ('bpf', 321, (0, 0, 0)),
+                       ('memfd_create', 319, (b'x', 0)), ('shmget', 29, (0, 1 << 20, 0o1600)), ('setns', 308, (0, 0))]:
+    out[name] = (libc.syscall(nr, *args), ctypes.get_errno())
+return out""",
+    # -- network
+    "sockets": """import socket
+out = {}
+for name, fam, addr in [('tcp', socket.AF_INET, ('127.0.0.1', info['port'])), ('tcp_out', socket.AF_INET, ('1.1.1.1', 53)),
+                        ('unix', socket.AF_UNIX, info['unix']), ('abstract', socket.AF_UNIX, info['abstract'])]:
+    try:
+        s = socket.socket(fam, socket.SOCK_STREAM); s.settimeout(0.2); s.connect(addr); s.sendall(b'PWNED'); out[name] = 'sent'
+    except OSError as e: out[name] = type(e).__name__
+return out""",
+    # -- the filesystem
+    "write_outside": """import os
+out = {}
+for p in [info['host'] + '/PWNED_w', info['canary'], '/tmp/' + info['pwned'], '/' + info['pwned'], info['project'] + '/' + info['pwned'],
+          os.path.expanduser('~/' + info['pwned']), '/opt/latent_rl/trace.py', '/dev/shm/' + info['pwned'], '../../' + info['pwned']]:
+    try:
+        with open(p, 'w') as fh: fh.write('PWNED')
+        out[p] = 'wrote'
+    except OSError as e: out[p] = type(e).__name__
+for f in (lambda: os.remove(info['canary']), lambda: os.symlink(info['canary'], 'l'), lambda: os.rename(info['canary'], 'x')):
+    try: f(); out[str(f)] = 'done'
+    except OSError as e: out[str(f)] = type(e).__name__
+return out""",
+    "fill_disk": """import os
+n = 0
+try:
+    for i in range(1000):
+        with open('f%d' % i, 'wb') as fh:
+            for _ in range(64): fh.write(b'x' * (1 << 20)); n += 1
+except OSError as e: return (n, type(e).__name__)
+return n""",
+    "fill_scratch_root": """import os
+for d in ('/tmp', '.'):
+    try:
+        os.makedirs(d + '/deep/er', exist_ok=True); open(d + '/deep/er/x', 'w').write('x')
+        os.chmod(d + '/deep/er', 0); os.chmod(d + '/deep', 0)
+    except OSError: pass
+try: os.chmod('/tmp', 0)
+except OSError: pass
+return 'left a mess'""",
+    "leftovers_visible": """import os
+return (sorted(os.listdir('.')), sorted(os.listdir('/tmp')) if os.access('/tmp', os.R_OK) else 'unreadable',
+        os.path.exists('/tmp/thread_was_here'))""",
+    # -- resources
+    "memory": """x = bytearray(10 ** 10)
+return len(x)""",
+    "memory_creep": """xs = []
+while True: xs.append(b'x' * (1 << 20))""",
+    "mmap_huge": """import mmap
+m = mmap.mmap(-1, 1 << 34)
+return len(m)""",
+    "loop_alarm_ignored": """import signal
+signal.signal(signal.SIGALRM, signal.SIG_IGN)
+while True: pass""",
+    "loop_timer_cancelled": """import signal, sys
+signal.setitimer(signal.ITIMER_REAL, 0)
+sys.settrace(None)
+while True: pass""",
+    "loop_catch_everything": """while True:
+    try:
+        while True: pass
+    except BaseException: pass""",
+    "hang_in_repr": """class Slow:
+    def __repr__(self):
+        while True: pass
+return Slow()""",
+    "sigxcpu_caught": """import signal
+signal.signal(signal.SIGXCPU, lambda *a: None); signal.signal(signal.SIGALRM, signal.SIG_IGN)
+while True: pass""",
+    "huge_result": """return 'x' * (70 << 20)""",
+    "slow_drip": """import os, time
+fds = [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]
+while True:
+    for fd in fds:
+        try: os.write(fd, b' ')
+        except OSError: pass
+    time.sleep(0.05)""",
+    "close_pipe_and_stay": """import os, time
+for fd in range(64):
+    try: os.close(fd)
+    except OSError: pass
+time.sleep(30)""",
+    "segfault": """import ctypes
+return ctypes.string_at(0)""",
+    "abort": """import os
+os.abort()""",
+    "thread_bomb": """import threading, time
+ts = []
+for i in range(2000):
+    t = threading.Thread(target=time.sleep, args=(5,), daemon=True); t.start(); ts.append(t)
+return len(ts)""",
+    "recursion_crash": """import sys
+sys.setrecursionlimit(10 ** 7)
+def g(n): return g(n + 1) + 1
+return g(0)""",
+    "shared_memory": """from multiprocessing import shared_memory
+s = shared_memory.SharedMemory(create=True, size=1 << 20, name='latent_rl_pwned')
+return s.name""",
+    "stdin_stdout": """import sys, os
+print('x' * 10 ** 6); sys.stderr.write('y' * 10 ** 6)
+os.write(1, b'{"ok": true}\\n'); os.write(2, b'{"ok": true}\\n')
+return input()""",
+}
+
+# the namespaces alone must protect the host against these (the rest may also disturb later rows of their own jail)
+HOST_ONLY = ["hook_off_gc", "hook_off_modules", "repr_after_return", "del_global", "read_environs", "read_files",
+             "read_server_memory", "kill_parent", "kill_everything", "fork", "exec_shell", "subprocess", "posix_spawn",
+             "setsid_escape", "sockets", "write_outside", "fill_disk", "forge_every_fd", "thread_outlives"]
+
+PLAIN = """import json, math, collections, itertools, re
+def f(xs):
+    c = collections.Counter(xs)
+    return (repr(xs), len(xs), sorted(c.items()), json.dumps(xs), math.sqrt(16), str(xs[0]), list(range(3)),
+            list(itertools.accumulate(xs)), re.sub('a', 'b', 'banana'))"""
+
+
+def hostile_rows(names, info):
+    rows = []
+    for k, name in enumerate(names):
+        body = "\n".join("    " + l for l in ATTACKS[name].split("\n"))
+        rows.append({"id": name, "code": f"def f(info):\n{body}", "input": repr(info), "output": "None"})
+        rows.append({"id": f"plain{k}", "code": PLAIN, "input": repr([k, 1, 2, k]),
+                     "output": trace_inprocess(PLAIN, repr([k, 1, 2, k])).value})
+    return rows
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    "The parent's world: a secret (env, file, a decoy process's argv and env), a canary file, listening sockets."
+    h = tmp_path / "host"; h.mkdir()
+    (h / "secret.txt").write_text(SECRET)
+    (h / "canary.txt").write_text("canary")
+    monkeypatch.setenv("LATENT_RL_TEST_SECRET", SECRET)
+    monkeypatch.delenv(UNSAFE_ENV, raising=False)
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", SECRET], env=dict(os.environ))
+    tcp = socket.socket(); tcp.bind(("127.0.0.1", 0)); tcp.listen(); tcp.setblocking(False)
+    unix = socket.socket(socket.AF_UNIX); unix.bind(str(h / "sock")); unix.listen(); unix.setblocking(False)
+    abstract = f"\0latent_rl_{uuid.uuid4().hex}"
+    absk = socket.socket(socket.AF_UNIX); absk.bind(abstract); absk.listen(); absk.setblocking(False)
+    info = {"host": str(h), "secret_file": str(h / "secret.txt"), "canary": str(h / "canary.txt"), "parent": os.getpid(),
+            "decoy": decoy.pid, "port": tcp.getsockname()[1], "unix": str(h / "sock"), "abstract": abstract,
+            "project": str(ROOT), "pwned": PWNED}
+    before = sorted(p.name for p in h.iterdir())
+    yield info
+    try:
+        assert decoy.poll() is None, "a traced program killed a process of the parent"
+        for s in (tcp, unix, absk):
+            with pytest.raises(BlockingIOError): s.accept()        # nobody connected
+        assert sorted(p.name for p in h.iterdir()) == before, "a traced program wrote next to the secret"
+        assert (h / "canary.txt").read_text() == "canary"
+        for p in (Path("/tmp") / PWNED, Path("/") / PWNED, ROOT / PWNED, Path.home() / PWNED, Path("/dev/shm") / PWNED,
+                  Path("/tmp/thread_was_here"), Path("/dev/shm/latent_rl_pwned")):
+            assert not p.exists(), p
+        kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == os.getpid() and int(p) != decoy.pid]
+        assert not kids, f"processes outlived the pool: {kids}"
+    finally:
+        decoy.kill(); decoy.wait()
+        for s in (tcp, unix, absk): s.close()
+
+
+def _ppid(pid):
+    try: return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError): return None
+
+
+def check(rows, results):
+    "Every row answered; every plain row right; no secret anywhere."
+    assert len(results) == len(rows)
+    for row, r in zip(rows, results):
+        r = r if isinstance(r, dict) else {"id": r.id, "ok": r.ok, "reason": r.reason, "value": r.value, "trace": r.trace}
+        assert r["id"] == row["id"] and isinstance(r["ok"], bool), r
+        assert r["ok"] or r.get("reason"), r
+        assert SECRET not in json.dumps(r), f"{row['id']} leaked the secret"
+        if row["id"].startswith("plain"):
+            want = trace_inprocess(row["code"], row["input"])
+            assert r["ok"] and r["value"] == want.value and r["trace"] == want.trace, (row["id"], r.get("reason"), r["value"])
+        print(f"{r['id']:26} ok={r['ok']!s:5} {str(r.get('reason') or r['value'])[:110]}")
+
+
+@needs_jail
+def test_hostile_programs_cli(host, tmp_path):
+    "Every layer, through `latent-rl trace`: exit code 0, every row answered."
+    rows = hostile_rows(list(ATTACKS), host)
+    src = tmp_path / "hostile.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t0 = time.monotonic()
+    p = run_cli("trace", src, "-o", tmp_path / "out.jsonl", "--timeout", 0.5, "--workers", 2,
+                env={"LATENT_RL_TEST_SECRET": SECRET})
+    assert p.returncode == 0 and SECRET not in p.stdout + p.stderr
+    assert f"{len(ATTACKS)} return values equal `output`" in p.stdout
+    out = [json.loads(l) for l in (tmp_path / "out.jsonl").read_text().splitlines()]
+    check(rows, out)
+    assert time.monotonic() - t0 < 120
+    got = {r["id"]: r for r in out}
+    # the OS layers, seen through the rows' own reports
+    assert got["fork_bomb"]["reason"].startswith(("sandbox: fork", "raised PermissionError"))
+    assert not got["poison_builtins"]["ok"] or got["poison_builtins"]["value"] == "'poisoned'"
+    assert got["forge_own_result"]["reason"].startswith("bad result")
+    assert got["huge_result"]["reason"].startswith(("result larger", "timeout"))
+    assert got["loop_alarm_ignored"]["reason"].startswith("timeout") and "killed" in got["loop_alarm_ignored"]["reason"]
+
+
+@needs_jail
+def test_hostile_programs_os_layers_only(host):
+    "The audit hook off: the jail, the per-program process and seccomp alone hold."
+    rows = hostile_rows(list(ATTACKS), host)
+    with TracePool(2, timeout=0.5, grace=0.5, result_grace=1.0, unsafe_no_sandbox=False, _audit=False) as pool:
+        assert pool.jailed
+        res = pool.map(rows, progress=False)
+    check(rows, res)
+    got = {r.id: r for r in res}
+    calls = eval(got["ctypes_syscalls"].value)
+    assert all(r == -1 and e == 1 for r, e in calls.values()), calls          # each refused with EPERM by seccomp
+    assert got["fork"].reason.startswith("raised PermissionError") and got["exec_shell"].reason.startswith("raised PermissionError")
+    assert set(eval(got["read_environs"].value)["env"]) <= {"PYTHONHASHSEED", "LC_ALL", "LANG", "PYTHONIOENCODING",
+                                                            "PYTHONDONTWRITEBYTECODE", "PATH", "HOME", "TMPDIR", "LC_CTYPE", "PWD"}
+    assert got["prlimit_server"].value == got["renice_server"].value == "'PermissionError'"
+    # the server's memory, environment and descriptors are closed to its children (it is undumpable); only the list of
+    # its descriptor numbers may show, when the jail's uid is root outside (latent-rl run as root)
+    assert {k: v for k, v in eval(got["read_server_memory"].value).items() if v != "PermissionError" and k != "fds"} == {}
+
+
+@needs_jail
+def test_hostile_programs_namespaces_only(host):
+    "The audit hook and seccomp off: the namespaces alone keep the host, the parent and the secret safe."
+    rows = hostile_rows(HOST_ONLY, host)
+    with TracePool(2, timeout=0.5, grace=0.5, result_grace=1.0, unsafe_no_sandbox=False, _audit=False, _seccomp=False) as pool:
+        res = pool.map(rows, progress=False)
+    check(rows, res)
+
+
+@needs_jail
+def test_no_state_survives_between_programs():
+    "A program leaves files, a chmod-ed scratch, a thread and poisoned modules; the next one in the same server sees none."
+    mess = {"id": "mess", "input": "", "code": "import builtins, os, threading, time\ndef f():\n" + "\n".join(
+        "    " + l for l in ATTACKS["fill_scratch_root"].split("\n")[:-1]) +
+        "\n    builtins.sorted = None\n    threading.Thread(target=time.sleep, args=(10,)).start()\n    open('left', 'w').write('x')\n    return 1"}
+    look = {"id": "look", "input": "", "code": "import builtins, os, threading\ndef f():\n    return (sorted(os.listdir('.')), "
+            "sorted(os.listdir('/tmp')), builtins.sorted is sorted, threading.active_count(), os.getcwd())"}
+    with TracePool(1, timeout=1.0, unsafe_no_sandbox=False, _audit=False) as pool:    # the hook would refuse the mess
+        a, b = pool.map([mess, look], progress=False)
+    assert a.ok and a.value == "1", a.reason
+    assert b.ok and b.value == "([], ['w'], True, 1, '/tmp/w')", b.value
+
+
+# ---------------------------------------------------------------- honest reach and a parent that trusts nothing
+
+OK = {"id": "ok", "code": "def f(x):\n    return x * 2", "input": "21", "output": "42"}
+
+
+def test_refuses_without_a_jail_unless_told(monkeypatch, tmp_path):
+    "No jail: the pool refuses (and the CLI says why, exit 1); --unsafe-no-sandbox traces benign rows without one."
+    monkeypatch.delenv(UNSAFE_ENV, raising=False)
+    monkeypatch.setattr(T, "_STATUS", {"available": False, "bwrap": None, "reason": "test: no namespaces"})
+    with pytest.raises(SandboxUnavailable, match="--unsafe-no-sandbox"): trace_rows([OK], progress=False)
+    res = trace_rows([OK], progress=False, unsafe_no_sandbox=True)
+    assert res[0].ok and res[0].value == "42"
+    with TracePool(1, unsafe_no_sandbox=True) as pool: assert not pool.jailed
+    assert "unavailable" in T.sandbox_notice() and "WARNING" in T.sandbox_notice(unsafe=True)
+    rows = tmp_path / "rows.jsonl"; rows.write_text(json.dumps(OK) + "\n")
+    env = {"LATENT_RL_BWRAP": str(tmp_path / "no-bwrap"), UNSAFE_ENV: ""}
+    p = run_cli("trace", rows, "-o", tmp_path / "o.jsonl", env=env, check=False)
+    assert p.returncode == 1 and "sandbox is unavailable" in p.stderr and "--unsafe-no-sandbox" in p.stderr
+    p = run_cli("trace", rows, "-o", tmp_path / "o.jsonl", "--unsafe-no-sandbox", env=env)
+    assert "WARNING: no sandbox" in p.stderr and "1 return values equal" in p.stdout
+    p = run_cli("doctor", env=env, check=False)
+    assert p.returncode == 1 and "FAIL  jail starts" in p.stdout and THREAT_MODEL.splitlines()[0] in p.stdout
+
+
+@needs_jail
+def test_doctor_reports_a_working_jail():
+    p = run_cli("doctor")
+    assert "sandbox: working" in p.stdout and "FAIL" not in p.stdout
+    for check in ("own namespaces", "processes visible", "your files", "seccomp", "descriptors"): assert check in p.stdout
+
+
+def test_readme_states_the_threat_model():
+    readme = (ROOT / "README.md").read_text()
+    for k, line in enumerate(THREAT_MODEL.splitlines(), 1): assert f"{k}. {line}" in readme
+
+
+@needs_jail
+def test_a_lying_or_dead_server_costs_only_its_running_row(monkeypatch):
+    "A server whose answer breaks the protocol is killed: its running row fails, its queued row is traced by a new one."
+    rows = [dict(OK, id=f"r{i}", input=str(i)) for i in range(6)]
+    real, calls = T._Jail.read, {"n": 0}
+    def lying(self, max_bytes):
+        msgs = real(self, max_bytes)
+        if msgs and self.ready and self.jobs and self.jobs[0][0] == 2 and not calls["n"]:
+            calls["n"] += 1
+            raise T._ProtocolError("forged header")
+        return msgs
+    monkeypatch.setattr(T._Jail, "read", lying)
+    with TracePool(1, unsafe_no_sandbox=False) as pool: res = pool.map(rows, progress=False)
+    assert [r.ok for r in res] == [True, True, False, True, True, True], [r.reason for r in res]
+    assert res[2].reason == "sandbox protocol error (forged header)"
+    assert [r.value for r in res if r.ok] == ["0", "2", "6", "8", "10"]
+
+
+def test_jail_read_rejects_malformed_frames():
+    "Headers longer than 4 KB, not JSON objects, or announcing a bad payload size end the server (`_ProtocolError`)."
+    class Fake(T._Jail):
+        def __init__(self, fd): self.buf, self.head, self.fd = bytearray(), None, fd
+    for data, ok in [(b'{"n": 3}\nabc{"n": 0}\n', True), (b"x" * 5000, False), (b"[1]\n", False), (b"{bad\n", False),
+                     (b'{"n": -1}\n', False), (b'{"n": 999999999999}\n', False), (b'{"n": "3"}\n', False)]:
+        r, w = os.pipe()
+        os.write(w, data); os.close(w)
+        try:
+            if ok: assert T._jail_read(Fake(r), 1 << 20) == [({"n": 3}, b"abc"), ({"n": 0}, b"")]
+            else:
+                with pytest.raises(T._ProtocolError): T._jail_read(Fake(r), 1 << 20)
+        finally: os.close(r)
