@@ -11,7 +11,7 @@ from typing import Iterable
 
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'PRESETS', 'RowError', 'check_row', 'load_rows', 'save_rows', 'GenConfig', 'generate_programs',
-           'split_of', 'dedupe', 'split_rows', 'trace_and_fill', 'build_corpus']
+           'split_of', 'dedupe', 'split_rows', 'trace_and_fill', 'build_corpus', 'build_heldout']
 
 # %% ../nbs/01_corpus.ipynb #53115b07
 REQUIRED_FIELDS = ("id", "code", "input", "output")
@@ -220,18 +220,20 @@ def trace_and_fill(rows: list[dict], *, max_line_frames: int | None = None, prog
         kept.append({**row, "output": tr.value, "trace": tr.trace, "n_line_frames": tr.n_line_frames})
     return kept, skipped
 
+def _small_output(output: str, cfg: GenConfig, max_chars: int) -> bool:
+    "A short literal return value (ints within `cfg.max_abs_value`): the corpus keeps only these."
+    if len(output) > max_chars: return False
+    try: v = ast.literal_eval(output)
+    except Exception: return False
+    return not (isinstance(v, int) and abs(v) > cfg.max_abs_value)
+
 def build_corpus(n: int, cfg: GenConfig | str = "easy", seed: int = 0, out_dir=None, progress: bool = True,
                  max_output_chars: int = 40, fracs=(0.9, 0.05, 0.05)) -> dict[str, list[dict]]:
     "Generate, trace, filter, dedupe and split `n` candidate programs; write `{train,val,test}.jsonl` to `out_dir`."
     cfg_ = PRESETS[cfg] if isinstance(cfg, str) else cfg
     cands = generate_programs(n, cfg_, seed)
     kept, skipped = trace_and_fill(cands, max_line_frames=cfg_.max_line_frames, progress=progress, desc="trace corpus")
-    def small(r):
-        if len(r["output"]) > max_output_chars: return False
-        try: v = ast.literal_eval(r["output"])
-        except Exception: return False
-        return not (isinstance(v, int) and abs(v) > cfg_.max_abs_value)
-    kept = [r for r in kept if small(r)]
+    kept = [r for r in kept if _small_output(r["output"], cfg_, max_output_chars)]
     splits = split_rows(kept, fracs)
     if out_dir is not None:
         out_dir = Path(out_dir)
@@ -240,3 +242,18 @@ def build_corpus(n: int, cfg: GenConfig | str = "easy", seed: int = 0, out_dir=N
                 "sizes": {k: len(v) for k, v in splits.items()}}
         (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return splits
+
+# %% ../nbs/01_corpus.ipynb #b30f343e
+def build_heldout(n: int, cfg: GenConfig | str = "easy", seed: int = 0, exclude: Iterable[str] = (), progress: bool = True,
+                  max_output_chars: int = 40, max_rounds: int = 20) -> list[dict]:
+    "`n` traced programs from the generator stream `seed + 1000` whose code is not in `exclude` (nor repeated)."
+    cfg_ = PRESETS[cfg] if isinstance(cfg, str) else cfg
+    seen, out = set(exclude), []
+    for r in range(max_rounds):
+        cands = [c for c in generate_programs(n + n // 2, cfg_, seed + 1000 + r) if c["code"] not in seen]
+        kept, _ = trace_and_fill(cands, max_line_frames=cfg_.max_line_frames, progress=progress, desc="trace held-out")
+        for row in kept:
+            if row["code"] in seen or not _small_output(row["output"], cfg_, max_output_chars): continue
+            seen.add(row["code"]); out.append({**row, "id": f"heldout_{len(out):06d}"})
+            if len(out) == n: return out
+    raise RuntimeError(f"build_heldout: only {len(out)} new programs after {max_rounds} rounds (widen GenConfig or lower n)")

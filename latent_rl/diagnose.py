@@ -4,23 +4,28 @@
 
 # %% ../nbs/16_diagnose.ipynb #97757c18
 from __future__ import annotations
-import argparse, json, math, sys, time
+import argparse, json, math, re, sys, time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 # %% auto #0
-__all__ = ['BUCKETS', 'OUTCOMES', 'LAMBDAS', 'MODE_COLORS', 'MODE_FILES', 'record_frames', 'length_bucket', 'accuracy_by_length',
-           'length_table', 'frame_path', 'compare_paths', 'classify', 'faithfulness', 'value_bucket', 'span_targets',
-           'fit_probe', 'collect_states', 'feature_sets', 'run_probes', 'smooth', 'plateau_step', 'kd_floor',
-           'fig_accuracy_by_length', 'fig_faithfulness', 'fig_probes', 'fig_kd_floor', 'diagnostics_figures',
-           'render_markdown', 'load_report', 'write_report', 'resolve_run', 'find_records', 'diagnose', 'main']
+__all__ = ['BUCKETS', 'OUTCOMES', 'LAMBDAS', 'USAGE_VARIANTS', 'MODE_COLORS', 'MODE_FILES', 'record_frames', 'length_bucket',
+           'accuracy_by_length', 'length_table', 'frame_path', 'compare_paths', 'classify', 'faithfulness',
+           'value_bucket', 'span_targets', 'fit_probe', 'collect_states', 'feature_sets', 'run_probes', 'LatentBank',
+           'explicit_prefix', 'latent_collapse', 'latent_usage', 'usage_verdict', 'usage_markdown', 'fig_usage',
+           'smooth', 'plateau_step', 'kd_floor', 'fig_accuracy_by_length', 'fig_faithfulness', 'fig_probes',
+           'fig_kd_floor', 'diagnostics_figures', 'render_markdown', 'load_report', 'write_report', 'resolve_run',
+           'find_records', 'diagnose', 'main']
 
 # %% ../nbs/16_diagnose.ipynb #6568a70b
-from .trace import parse_trace
-from .evaluate import frames_json, true_line_frames, load_records, save_records
+from .trace import parse_trace, prompt_text, same_value, LINE_SEP
+from .tokens import encode
+from .evaluate import frames_json, true_line_frames, load_records, save_records, bootstrap_mean, paired_delta, within_noise
 from .stages import RunRecord     # run records are read as a running job writes them (half-written last line skipped)
 
 # %% ../nbs/16_diagnose.ipynb #b9012a7d
@@ -248,6 +253,163 @@ def run_probes(train: dict, test: dict, progress: bool = False) -> dict:
     return {"rows": rows, "targets": tinfo, "best": best, "layers": list(train["layers"]),
             "n_spans": {"train": len(train["var"]), "test": len(test["var"])}}
 
+# %% ../nbs/16_diagnose.ipynb #3890aa6b
+class LatentBank:
+    "The latents a student fed on each program (`[n_blocks, latent_steps, H]` per program), for counterfactual runs."
+    def __init__(self, latents: list, seed: int = 0):
+        self.per_row, self.seed = [torch.as_tensor(z).float() for z in latents], seed
+        self.K = max((z.shape[0] for z in self.per_row), default=0)
+        ref = next((z for z in self.per_row if z.shape[0]), None)
+        if ref is None: raise ValueError("LatentBank: no program ran a latent block (is this a latent student?)")
+        self.S, self.H = ref.shape[1], ref.shape[2]
+        allz = torch.cat([z for z in self.per_row if z.shape[0]])                    # [N_blocks, S, H]
+        self.mean, self.std = allz.mean(0), allz.std(0)                              # [S, H] each
+        self.donor = self._derangement()                                             # [N_rows, K] donor row per block
+
+    def _derangement(self) -> torch.Tensor:
+        "For each (program, block k): another program that also ran block k (the next one in a fixed shuffled order)."
+        n, g = len(self.per_row), torch.Generator().manual_seed(self.seed)
+        D = torch.full((n, self.K), -1, dtype=torch.long)
+        for k in range(self.K):
+            have = [i for i, z in enumerate(self.per_row) if z.shape[0] > k]
+            if len(have) < 2: continue
+            order = torch.tensor(have)[torch.randperm(len(have), generator=g)]
+            D[order, k] = order.roll(1)                                               # each takes its predecessor's
+            D[D[:, k] < 0, k] = order[0]                                              # programs without block k
+        return D
+
+    def table(self, rows: list[int], kind: str, gen: torch.Generator | None = None) -> torch.Tensor:
+        "`[len(rows), K + 1, S, H]`: the vector each row is fed at (block, step); the last block index repeats."
+        B, K = len(rows), self.K + 1
+        if kind == "zero": return torch.zeros(B, K, self.S, self.H)
+        if kind == "mean": return self.mean.expand(B, K, self.S, self.H).clone()
+        if kind == "noise": return self.mean + self.std * torch.randn(B, K, self.S, self.H, generator=gen)
+        if kind != "shuffle": raise ValueError(f"unknown counterfactual {kind!r}: shuffle, zero, mean or noise")
+        out = self.mean.expand(B, K, self.S, self.H).clone()
+        for b, i in enumerate(rows):
+            for k in range(self.K):
+                d = int(self.donor[i, k])
+                if d >= 0: out[b, k] = self.per_row[d][k]
+            out[b, self.K] = out[b, self.K - 1]
+        return out
+
+    def fn(self, rows: list[int], kind: str, seed: int = 0):
+        "The `latent_fn(z, block, step)` of `generate_latent` for a batch of `rows` (indices into the bank)."
+        tab = self.table(rows, kind, torch.Generator().manual_seed(self.seed * 1_000_003 + seed))
+        def latent_fn(z, block, step):                                               # z [B, H], block/step [B]
+            k = block.clamp(0, tab.shape[1] - 1).cpu(); j = step.clamp(0, self.S - 1).cpu()
+            return tab[torch.arange(len(rows)), k, j].to(device=z.device, dtype=z.dtype)
+        return latent_fn
+
+# %% ../nbs/16_diagnose.ipynb #8cfd2ea8
+USAGE_VARIANTS = ("shuffle", "zero", "mean", "noise", "explicit_last", "explicit_last2")
+
+def explicit_prefix(trace: str, j: int) -> str:
+    "The true trace up to and including its j-th last LINE frame's `<|line_sep|>` (the blocks from there on stay latent)."
+    cuts = [m.end() for m in re.finditer(re.escape(LINE_SEP), trace)]
+    return trace[:cuts[-j]] if len(cuts) >= j else ""
+
+def latent_collapse(latents: list) -> list[dict]:
+    "Per block position: mean cosine similarity between different programs' latents (1.0 = one constant vector)."
+    out, K = [], max((z.shape[0] for z in latents), default=0)
+    for k in range(K):
+        Z = torch.stack([torch.as_tensor(z[k]).float().flatten() for z in latents if z.shape[0] > k])   # [n, S·H]
+        n = len(Z)
+        if n < 2: continue
+        s = torch.nn.functional.normalize(Z, dim=-1).sum(0)
+        out.append({"block": k, "n": n, "cos": float((s @ s - n) / (n * (n - 1)))})
+    return out
+
+# %% ../nbs/16_diagnose.ipynb #508a8591
+def _decode_rows(generate, tok, rows, prefixes, fn_for, batch_size, desc, progress, return_latents=False):
+    "Correctness of every row (and, optionally, the latents it fed) when decoding from prompt + prefix."
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i]["code"]), len(prefixes[i])))
+    correct, lat = [False] * len(rows), [None] * len(rows)
+    for s in tqdm(range(0, len(rows), batch_size), desc=desc, disable=not progress, leave=False):
+        idx = order[s:s + batch_size]
+        prompts = [encode(tok, prompt_text(rows[i]["code"], rows[i]["input"]) + prefixes[i]) for i in idx]
+        ro = generate(prompts, latent_fn=fn_for(idx) if fn_for else None, return_latents=return_latents)
+        for k, i in enumerate(idx):
+            v = parse_trace(prefixes[i] + tok.decode(ro.completion_ids[k])).value
+            correct[i] = same_value(v, rows[i]["output"])
+            if return_latents: lat[i] = ro.latents[k]
+    return correct, lat
+
+def latent_usage(lm, tok, rows: list[dict], *, variants=USAGE_VARIANTS, batch_size: int = 32, max_new_tokens: int = 384,
+                 seed: int = 0, progress: bool = True, generate=None) -> dict:
+    """Accuracy of a latent student with its latents intact and under each counterfactual in `variants`, as paired
+    deltas with 95% bootstrap intervals; latent collapse per block; and a verdict in words. `generate(prompts,
+    latent_fn=, return_latents=) -> Rollout` defaults to greedy `generate_latent` on `lm`."""
+    from latent_rl.generate import generate_latent
+    generate = generate or partial(generate_latent, lm, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                                   max_new_tokens=max_new_tokens)
+    none = [""] * len(rows)
+    base, lat = _decode_rows(generate, tok, rows, none, None, batch_size, "usage: intact", progress, return_latents=True)
+    res = {"n": len(rows), "accuracy": bootstrap_mean(base, seed=seed), "variants": {}, "collapse": latent_collapse(lat)}
+    if not any(z.shape[0] for z in lat):
+        return {**res, "used": None, "verdict": "the student ran no latent block on these programs: usage cannot be measured"}
+    bank = LatentBank(lat, seed)
+    for v in variants:
+        if v.startswith("explicit_last"):
+            j = int(v[len("explicit_last"):] or 1)
+            c, _ = _decode_rows(generate, tok, rows, [explicit_prefix(r["trace"], j) for r in rows], None, batch_size,
+                                f"usage: {v}", progress)
+        else: c, _ = _decode_rows(generate, tok, rows, none, lambda idx, v=v: bank.fn(idx, v), batch_size, f"usage: {v}", progress)
+        res["variants"][v] = {"accuracy": float(np.mean(c)), **paired_delta(base, c, seed=seed)}
+    res["used"], res["verdict"] = usage_verdict(res)
+    return res
+
+# %% ../nbs/16_diagnose.ipynb #98099290
+def usage_verdict(res: dict) -> tuple[bool | None, str]:
+    "Read the shuffle counterfactual: are the latents used? (None when no shuffle run exists.)"
+    sh = res["variants"].get("shuffle")
+    if sh is None: return None, "no shuffle counterfactual was run"
+    pts = lambda d: f"{100 * d['mean']:+.1f} points (95% CI {100 * d['lo']:+.1f} to {100 * d['hi']:+.1f})"
+    if within_noise(sh):
+        return False, (f"latents unused: replacing each program's latents with another program's changes accuracy by "
+                       f"{pts(sh)}, within noise; the answer does not depend on the latent blocks")
+    if sh["mean"] > 0: return False, f"shuffling the latents *helps* ({pts(sh)}): they carry misleading state"
+    return True, f"latents used: replacing each program's latents with another program's costs {pts(sh)}"
+
+# %% ../nbs/16_diagnose.ipynb #2d82ab3f
+_VARIANT_DESC = {"shuffle": "another program's latents (same block, same step)", "zero": "zero vectors",
+                 "mean": "the mean latent over programs", "noise": "Gaussian noise at the latents' own scale",
+                 "explicit_last": "true trace explicit, only the last block latent",
+                 "explicit_last2": "true trace explicit, only the last two blocks latent"}
+
+def usage_markdown(u: dict) -> list[str]:
+    "The latent-usage section of a report: the counterfactual table, collapse per block, the verdict."
+    a = u["accuracy"]
+    L = [f"**{u['verdict'][0].upper() + u['verdict'][1:]}.**", "",
+         f"Greedy decoding of the same {u['n']} programs with the latents intact ({100 * a['mean']:.1f}%, 95% CI "
+         f"{100 * a['lo']:.1f}–{100 * a['hi']:.1f}) and with each counterfactual; Δ is paired (bootstrap over programs).", "",
+         "| latents fed | accuracy | Δ (points) | 95% CI |", "|---|---:|---:|---:|",
+         f"| intact | {100 * a['mean']:.1f}% | — | — |"]
+    for v, d in u["variants"].items():
+        L.append(f"| {_VARIANT_DESC.get(v, v)} | {100 * d['accuracy']:.1f}% | {100 * d['mean']:+.1f} | "
+                 f"{100 * d['lo']:+.1f} to {100 * d['hi']:+.1f} |")
+    if u.get("collapse"):
+        L += ["", "Collapse: mean cosine similarity between different programs' latents at each block "
+              "(1.0 = the same vector for every program).", "",
+              "| block | " + " | ".join(str(c["block"]) for c in u["collapse"]) + " |", "|---|" + "---:|" * len(u["collapse"]),
+              "| cosine | " + " | ".join(f"{c['cos']:.2f}" for c in u["collapse"]) + " |",
+              "| programs | " + " | ".join(str(c["n"]) for c in u["collapse"]) + " |"]
+    return L + ["", "![latent usage](usage.png)", ""]
+
+def fig_usage(u: dict | None):
+    "Counterfactual deltas with their 95% intervals."
+    if not u or not u.get("variants"): return None
+    fig, axs = _fig(7, 0.9 + 0.45 * len(u["variants"]))
+    ax, names = axs[0], list(u["variants"])
+    d = [u["variants"][v] for v in names]
+    ax.barh(range(len(names)), [100 * x["mean"] for x in d], color=["#d62728" if not within_noise(x) else "#bbbbbb" for x in d])
+    ax.errorbar([100 * x["mean"] for x in d], range(len(names)), xerr=[[100 * (x["mean"] - x["lo"]) for x in d],
+                [100 * (x["hi"] - x["mean"]) for x in d]], fmt="none", ecolor="k", capsize=3)
+    ax.axvline(0, c="k", lw=1); ax.set_yticks(range(len(names)), [_VARIANT_DESC.get(v, v) for v in names], fontsize=7)
+    ax.invert_yaxis(); ax.set_xlabel("accuracy change vs intact latents (points, 95% CI)")
+    ax.set_title(f"latent usage ({u['n']} programs; grey: within noise)")
+    return fig
+
 # %% ../nbs/16_diagnose.ipynb #4fa949c6
 def smooth(values, window: int | None = None) -> list[float]:
     "Trailing moving average (`window` default: a tenth of the series, at least 1)."
@@ -378,17 +540,18 @@ def fig_kd_floor(kd: dict):
     return fig
 
 def diagnostics_figures(report: dict) -> dict:
-    "`{name: matplotlib Figure}` for every view the report has data for (accuracy_by_length, faithfulness, probes, kd_floor)."
+    "`{name: matplotlib Figure}` for every view the report has data for (accuracy_by_length, faithfulness, probes, kd_floor, usage)."
     figs = {"accuracy_by_length": fig_accuracy_by_length(report.get("by_length") or {}),
             "faithfulness": fig_faithfulness(report.get("faithfulness") or {}),
             "probes": fig_probes(report.get("probes") if isinstance(report.get("probes"), dict) and "rows" in report["probes"] else None),
-            "kd_floor": fig_kd_floor(report.get("kd_floor"))}
+            "kd_floor": fig_kd_floor(report.get("kd_floor")), "usage": fig_usage(report.get("usage"))}
     return {k: f for k, f in figs.items() if f is not None}
 
 # %% ../nbs/16_diagnose.ipynb #93232033
 def _findings(rep: dict) -> list[str]:
     "A few plain sentences read off the numbers."
     out, m = [], rep.get("modes", {})
+    if isinstance(rep.get("usage"), dict) and rep["usage"].get("verdict"): out.append(rep["usage"]["verdict"][0].upper() + rep["usage"]["verdict"][1:] + ".")
     if "latent" in m and "explicit" in m:
         gap = m["latent"]["accuracy"] - m["explicit"]["accuracy"]
         out.append(f"The latent student is {_pts(gap)} the explicit teacher ({_pct(m['latent']['accuracy'])} vs "
@@ -441,10 +604,12 @@ def render_markdown(rep: dict) -> str:
     L += ["## 1. Accuracy", "", "| mode | model | exact match | format valid | n | records |", "|---|---|---:|---:|---:|---|"]
     for mode, m in rep.get("modes", {}).items():
         L.append(f"| {mode} | `{m.get('model')}` | {_pct(m['accuracy'])} | {_pct(m['format_valid'])} | {m['n']} | {m.get('source')} |")
-    L += ["", "## 2. Accuracy by trace length", "",
+    L += ["", "## 2. Latent usage", ""] + (usage_markdown(rep["usage"]) if isinstance(rep.get("usage"), dict) and "variants" in rep["usage"]
+                                         else [f"_not measured: {(rep.get('usage') or {}).get('error', 'disabled')}_", ""])
+    L += ["## 3. Accuracy by trace length", "",
           "Exact match and format validity per bucket of LINE frames in the true trace (= latent blocks the student runs).", "",
           length_table(rep.get("by_length") or {}), "", "![accuracy by trace length](accuracy_by_length.png)", ""]
-    L += ["## 3. Control-flow faithfulness", "",
+    L += ["## 4. Control-flow faithfulness", "",
           "The path of a trace is its frames' `(kind, source line)` sequence, values ignored. *right path, wrong value*: "
           "the control flow matches the true trace but the answer does not; *wrong path*: the generated path leaves the true "
           "one (malformed generations included). The no-trace baseline writes no path.", ""]
@@ -459,7 +624,7 @@ def render_markdown(rep: dict) -> str:
                      f"{x['wrong_path_malformed']} | {'—' if x['median_diverge_at'] is None else x['median_diverge_at']} |")
         L += ["", "![control-flow faithfulness](faithfulness.png)", ""]
     else: L += ["_no trace-writing mode was evaluated_", ""]
-    L += ["## 4. Latent probes", ""]
+    L += ["## 5. Latent probes", ""]
     pb = rep.get("probes")
     if isinstance(pb, dict) and pb.get("rows"):
         tg = pb["targets"]
@@ -475,7 +640,7 @@ def render_markdown(rep: dict) -> str:
             L.append(f"| {r['features']} | {_pct(r.get('var'))} | {_pct(r.get('value'))} |")
         L += ["", "![latent probes](probes.png)", ""]
     else: L += [f"_probes not run: {pb.get('error') if isinstance(pb, dict) else 'disabled'}_", ""]
-    L += ["## 5. Distillation floor", ""]
+    L += ["## 6. Distillation floor", ""]
     kd = rep.get("kd_floor")
     if kd and kd.get("table"):
         L += ["Per-layer KD residual (mean student–teacher distance over the anchors of each `kd_anchors.jsonl` record). "
@@ -556,9 +721,9 @@ def _device(device: str) -> str:
 
 def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", train_rows="data/corpus/train.jsonl",
              limit: int = 0, probe_train: int = 2000, out=None, batch_size: int = 32, max_new_tokens: int = 384,
-             max_len: int = 384, records_dirs=(), fresh: bool = False, probes: bool = True, device: str = "auto",
-             progress: bool = True) -> dict:
-    "Evaluate (or reuse records of) the latent student, explicit teacher and no-trace model; probe; write the report."
+             max_len: int = 384, records_dirs=(), fresh: bool = False, probes: bool = True, usage: bool = True,
+             device: str = "auto", progress: bool = True) -> dict:
+    "Evaluate (or reuse records of) the latent student, explicit teacher and no-trace model; test latent usage; probe; report."
     from latent_rl.stages import load_traced
     from latent_rl.evaluate import evaluate, load_policy
     run_dir, model = resolve_run(run)
@@ -598,6 +763,11 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
             if r.get("n_line_frames") is None: r["n_line_frames"] = true_line_frames(row)
     rep["by_length"] = accuracy_by_length(recs)
     rep["faithfulness"] = {m: faithfulness(rs, true) for m, rs in recs.items() if m != "no-trace"}
+    if usage:
+        from latent_rl.latent import LatentModel
+        lm, ltok = LatentModel.load(model, device=dev); lm.eval()
+        rep["usage"] = latent_usage(lm, ltok, test, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+    else: rep["usage"] = {"error": "disabled (--no_usage)"}
     if probes:
         rep["probes"] = _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, max_len, dev, progress)
     else: rep["probes"] = {"error": "disabled (--no_probes)"}
@@ -644,6 +814,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--records", action="append", default=[], help="another directory to look for *.records.jsonl in (repeatable)")
     ap.add_argument("--fresh", action="store_true", help="evaluate again even when records exist")
     ap.add_argument("--no_probes", action="store_true", help="skip the latent probes")
+    ap.add_argument("--no_usage", action="store_true", help="skip the latent-usage counterfactuals (shuffled, zeroed, ... latents)")
     ap.add_argument("--batch_size", type=int, default=32); ap.add_argument("--max_new_tokens", type=int, default=384)
     ap.add_argument("--max_len", type=int, default=384, help="longest prompt+trace used for the probes")
     ap.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when available)")
@@ -651,7 +822,8 @@ def main(argv: list[str] | None = None):
     try:
         rep = diagnose(a.run, teacher=a.teacher, notrace=a.notrace, rows=a.rows, train_rows=a.train_rows, limit=a.limit,
                        probe_train=a.probe_train, out=a.out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
-                       max_len=a.max_len, records_dirs=a.records, fresh=a.fresh, probes=not a.no_probes, device=a.device)
+                       max_len=a.max_len, records_dirs=a.records, fresh=a.fresh, probes=not a.no_probes, usage=not a.no_usage,
+                       device=a.device)
     except (FileNotFoundError, ValueError) as e: raise SystemExit(str(e))
     for s in _findings(rep): print("-", s)
     print(f"wrote {rep['path']}")

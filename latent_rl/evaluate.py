@@ -7,25 +7,45 @@ from __future__ import annotations
 import json, time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .trace import prompt_text, parse_trace
+from .trace import prompt_text, parse_trace, same_value
 from .tokens import encode
 from .generate import generate_text
 
 # %% auto #0
-__all__ = ['score', 'frame_json', 'frames_json', 'true_line_frames', 'evaluate', 'results_table', 'save_records', 'load_records',
-           'load_policy', 'evaluate_path']
+__all__ = ['score', 'bootstrap_mean', 'paired_delta', 'within_noise', 'frame_json', 'frames_json', 'true_line_frames', 'evaluate',
+           'results_table', 'save_records', 'load_records', 'load_eval_rows', 'load_policy', 'evaluate_path']
 
 # %% ../nbs/11_evaluate.ipynb #a1ba1f48
 def _score_parsed(p, truth: str) -> dict:
-    return {"well_formed": p.well_formed, "predicted": p.value, "correct": p.value is not None and p.value == truth,
+    return {"well_formed": p.well_formed, "predicted": p.value, "correct": same_value(p.value, truth),
             "n_frames": len(p.frames)}
 
 def score(generated: str, truth: str) -> dict:
-    "Parse a generation and compare its predicted return value with `truth` (a repr string)."
+    "Parse a generation and compare its predicted return value with `truth` (a repr string) as values (`same_value`)."
     return _score_parsed(parse_trace(generated), truth)
+
+# %% ../nbs/11_evaluate.ipynb #2bb5ca22
+def bootstrap_mean(x, n_boot: int = 2000, seed: int = 0) -> dict:
+    "Mean of `x` (e.g. per-program correctness, or paired differences) with a 95% bootstrap interval over its entries."
+    x = np.asarray(x, np.float64)                                                   # [N]
+    if not len(x): return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0}
+    idx = np.random.default_rng(seed).integers(0, len(x), (n_boot, len(x)))        # [n_boot, N]
+    bs = x[idx].mean(1)
+    return {"mean": float(x.mean()), "lo": float(np.percentile(bs, 2.5)), "hi": float(np.percentile(bs, 97.5)), "n": len(x)}
+
+def paired_delta(base, other, n_boot: int = 2000, seed: int = 0) -> dict:
+    "`other − base` over the same programs (bools or scores) with a paired 95% bootstrap interval."
+    a, b = np.asarray(base, np.float64), np.asarray(other, np.float64)
+    if a.shape != b.shape: raise ValueError(f"paired_delta: {a.shape} vs {b.shape}: the two runs must cover the same programs")
+    return bootstrap_mean(b - a, n_boot, seed)
+
+def within_noise(d: dict) -> bool:
+    "Does a `bootstrap_mean` interval contain 0?"
+    return d["lo"] <= 0.0 <= d["hi"]
 
 # %% ../nbs/11_evaluate.ipynb #302aa1b5
 def frame_json(fr) -> dict:
@@ -64,15 +84,17 @@ def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_toke
             recs[i] = {"id": r.get("id"), "n_line_frames": true_line_frames(r), "truth": r["output"], "generated": text,
                        "forward_passes": ro.forward_passes, "n_tokens": len(ro.completion_ids[k]), **_score_parsed(p, r["output"]),
                        "parse_error": p.error, "frames": frames_json(p.frames)}
-    n = len(rows)
-    return {"accuracy": sum(r["correct"] for r in recs) / max(n, 1), "format_valid": sum(r["well_formed"] for r in recs) / max(n, 1),
-            "n": n, "seconds": time.time() - t0, "records": recs}
+    n, ci = len(rows), bootstrap_mean([r["correct"] for r in recs])
+    return {"accuracy": sum(r["correct"] for r in recs) / max(n, 1), "ci": [ci["lo"], ci["hi"]],
+            "format_valid": sum(r["well_formed"] for r in recs) / max(n, 1), "n": n, "seconds": time.time() - t0, "records": recs}
 
 def results_table(results: dict[str, dict], title: str = "") -> str:
     "A markdown table of `{name: evaluate(...) result}`."
-    lines = ([f"**{title}**", ""] if title else []) + ["| model | accuracy | format valid | n | eval s |", "|---|---:|---:|---:|---:|"]
+    lines = ([f"**{title}**", ""] if title else []) + ["| model | pass@1 (greedy) | 95% CI | format valid | n | eval s |",
+                                                       "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['accuracy']:.1%} | {r['format_valid']:.1%} | {r['n']} | {r['seconds']:.1f} |")
+        ci = r.get("ci") or [float("nan")] * 2
+        lines.append(f"| {name} | {r['accuracy']:.1%} | {ci[0]:.1%}–{ci[1]:.1%} | {r['format_valid']:.1%} | {r['n']} | {r['seconds']:.1f} |")
     return "\n".join(lines)
 
 def save_records(result: dict, path):
@@ -97,6 +119,22 @@ def load_records(path) -> list[dict]:
             if missing: raise ValueError(f"{path}:{n}: record lacks {missing}")
             out.append(r)
     return out
+
+# %% ../nbs/11_evaluate.ipynb #9032edad
+def load_eval_rows(path, limit: int = 0, progress: bool = True) -> list[dict]:
+    "Every row of a CRUXEval-format file, its own `output` the truth; untraced rows get `trace`/`n_line_frames` when the sandbox can."
+    from latent_rl.corpus import load_rows, trace_and_fill
+    rows = load_rows(path, limit or None)
+    need = [r for r in rows if "trace" not in r]
+    if need:
+        done, _ = trace_and_fill(need, progress=progress, desc=f"trace {Path(path).name}")
+        byid = {r["id"]: r for r in done}
+        bad = [r["id"] for r in need if r["id"] in byid and not same_value(byid[r["id"]]["output"], r["output"])]
+        if bad: print(f"warning: {path}: {len(bad)} rows trace to a value other than their `output` (e.g. {bad[:3]}); "
+                      "the file's `output` is used as the truth")
+        rows = [r if "trace" in r or r["id"] not in byid else
+                {**r, "trace": byid[r["id"]]["trace"], "n_line_frames": byid[r["id"]]["n_line_frames"]} for r in rows]
+    return rows
 
 # %% ../nbs/11_evaluate.ipynb #8feec751
 def load_policy(path, max_new_tokens: int = 384, dtype="fp32", device="cpu"):

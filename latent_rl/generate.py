@@ -24,6 +24,7 @@ class Rollout:
     latent_at: list[list[int]] = field(default_factory=list)  # completion indices after which a latent block ran
     finished: list[bool] = field(default_factory=list)         # produced eos within the budget
     forward_passes: int = 0
+    latents: list | None = None              # per row [n_blocks, latent_steps, H]: the vectors fed (return_latents)
 
     def __len__(self): return len(self.prompt_ids)
 
@@ -113,8 +114,10 @@ def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, 
 def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int = 256,
                     temperature: float = 0.0, generator: torch.Generator | None = None,
                     forced: list[list[int]] | None = None, max_forward_passes: int | None = None,
-                    keys: list[int] | None = None) -> Rollout:
-    "Batched latent-policy decoding with a KV cache; returns text tokens, their logprobs and latent positions."
+                    keys: list[int] | None = None, latent_fn=None, return_latents: bool = False) -> Rollout:
+    """Batched latent-policy decoding with a KV cache; returns text tokens, their logprobs and latent positions.
+    `latent_fn(z [B, H], block [B], step [B]) -> z` replaces the vectors fed inside blocks (counterfactuals: only rows
+    in a block use the result); `return_latents` records them. A prompt ending in `<|line_sep|>` starts in a block."""
     sp, body, W = lm.spec, lm.body, lm.head_weight
     dev = W.device
     ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))                 # [B, L]
@@ -124,9 +127,12 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     cache, h, passes = out_cache(out), out.last_hidden_state[:, -1], 1     # h: [B, H]
     next_pos = pos[:, -1] + 1
     # state per row: 0 = sample a token from h; 1 = feed <ls>; 2..s+1 = feed prj(h); s+2 = feed <le>; s+3 = force <as>
-    state = torch.zeros(B, dtype=torch.long, device=dev)
+    starts = torch.tensor([bool(p) and p[-1] == sp.line_sep_id for p in prompts], device=dev)   # [B] prompt opens a block
+    state = starts.long()                                                     # 1 = feed <|latent_start|> next
+    blk = starts.long() - 1                                                   # [B] index of the current block
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     steps_tok, steps_lp, steps_emit = [], [], []                             # per column: [B] each
+    fed = []                                                                  # (z [B, H], rows [B], block [B]) per block column
     n_fed = torch.zeros(B, dtype=torch.long, device=dev)                       # text tokens emitted per row
     if forced is not None:
         Fpad = torch.tensor([list(f) + [eos_id] * (max(map(len, forced)) + 1 - len(f)) for f in forced], device=dev)  # [B, N+1]
@@ -155,7 +161,11 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         tok_emb = lm.embed(torch.where(emit, nxt, torch.full_like(nxt, pad_id)))  # [B, H]
         inp = torch.where((state == 1)[:, None], e_ls, tok_emb)
         in_block = (state >= 2) & (state <= s + 1)
-        if in_block.any(): inp = torch.where(in_block[:, None], lm.prj(h), inp)
+        if in_block.any():
+            z = lm.prj(h)                                                     # [B, H]
+            if latent_fn is not None: z = latent_fn(z, blk, state - 2)
+            if return_latents: fed.append((z, in_block & ~done, blk.clone()))
+            inp = torch.where(in_block[:, None], z, inp)
         inp = torch.where((state == s + 2)[:, None], e_le, inp)
         col = (~done).long()[:, None]
         mask = torch.cat([mask, col], 1)
@@ -165,6 +175,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         next_pos = next_pos + col[:, 0]
         # 3) state transitions: a fed <|line_sep|> starts a block; a block runs its steps; after <|action_sep|>, sample
         fed_line_sep = emit & (nxt == sp.line_sep_id)
+        blk = blk + fed_line_sep.long()
         state = torch.where(fed_line_sep, torch.ones_like(state),
                 torch.where((state >= 1) & (state <= s + 2), state + 1, torch.zeros_like(state)))
     # gather each row's emitted tokens once, after decoding (no per-step Python loop over the batch)
@@ -174,4 +185,17 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     # a block ran after every <|line_sep|> except one that ended the completion
     lat = [[i for i, t in enumerate(c) if t == sp.line_sep_id and i + 1 < len(c)] for c in comp]
     fin = [bool(c) and c[-1] == eos_id for c in comp]
-    return Rollout(list(map(list, prompts)), comp, lps, temperature, lat, fin, passes)
+    ro = Rollout(list(map(list, prompts)), comp, lps, temperature, lat, fin, passes)
+    if return_latents: ro.latents = _per_row_latents(fed, B, s, h.shape[-1])
+    return ro
+
+def _per_row_latents(fed, B: int, s: int, H: int) -> list:
+    "The recorded block vectors as one `[n_blocks, latent_steps, H]` tensor per row (CPU)."
+    if not fed: return [torch.zeros(0, s, H) for _ in range(B)]
+    Z = torch.stack([z for z, _, _ in fed], 1).float().cpu()                  # [B, C, H]
+    R = torch.stack([r for _, r, _ in fed], 1).cpu()                          # [B, C] row was in a block
+    out = []
+    for b in range(B):
+        zb = Z[b, R[b]]
+        out.append(zb[:zb.shape[0] // s * s].view(-1, s, H))                  # a block cut by max_forward_passes is dropped
+    return out

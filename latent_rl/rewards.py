@@ -4,7 +4,7 @@
 
 # %% ../nbs/12_rewards.ipynb #e2a70966
 from __future__ import annotations
-from .trace import parse_trace, trace_rows
+from .trace import parse_trace, trace_rows, same_value
 
 # %% auto #0
 __all__ = ['REWARDS', 'correct_reward', 'format_reward', 'executed_reward', 'parse_weights', 'weighted']
@@ -14,7 +14,7 @@ def correct_reward(texts: list[str], rows: list[dict]) -> list[float]:
     out = []
     for t, r in zip(texts, rows):
         v = parse_trace(t).value
-        out.append(float(v is not None and v == r["output"]))
+        out.append(float(same_value(v, r["output"])))
     return out
 
 def format_reward(texts: list[str], rows: list[dict]) -> list[float]:
@@ -31,7 +31,7 @@ def executed_reward(texts: list[str], rows: list[dict], timeout: float = 2.0) ->
     out = []
     for t, r in zip(texts, rows):
         truth, v = _EXEC_CACHE[(r["code"], r["input"])], parse_trace(t).value
-        out.append(float(truth is not None and v == truth))
+        out.append(float(same_value(v, truth)))
     return out
 
 REWARDS = {"correct": correct_reward, "format": format_reward, "executed": executed_reward}

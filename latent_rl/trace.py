@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_trace.ipynb #00eb3e26
 from __future__ import annotations
-import builtins, collections, dis, errno, io, itertools, json, linecache, os, platform, select, shutil, signal, struct, sys, time
+import ast, builtins, collections, dis, errno, io, itertools, json, linecache, os, platform, select, shutil, signal, struct, sys, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,9 +12,9 @@ from pathlib import Path
 __all__ = ['TRACE_CONTEXT_START', 'CALL_SEP', 'LINE_SEP', 'RETURN_SEP', 'EXCEPTION_SEP', 'ACTION_SEP', 'ARG_SEP', 'FRAME_SEP',
            'END_OF_TEXT', 'LATENT_START', 'LATENT_END', 'TRACE_TOKENS', 'THREAT_MODEL', 'UNSAFE_ENV', 'make_context',
            'prompt_text', 'Frame', 'render_frame', 'render_trace', 'TraceTimeout', 'TraceResult', 'trace_inprocess',
-           'ParsedTrace', 'parse_trace', 'predicted_value', 'seccomp_program', 'SandboxUnavailable', 'unsafe_allowed',
-           'sandbox_status', 'sandbox_notice', 'TracePool', 'trace_rows', 'trace_one', 'sandbox_report',
-           'find_cruxeval', 'bench']
+           'ParsedTrace', 'parse_trace', 'predicted_value', 'same_value', 'seccomp_program', 'SandboxUnavailable',
+           'unsafe_allowed', 'sandbox_status', 'sandbox_notice', 'TracePool', 'trace_rows', 'trace_one',
+           'sandbox_report', 'find_cruxeval', 'bench']
 
 # %% ../nbs/00_trace.ipynb #058e45e0
 TRACE_CONTEXT_START = "<|trace_context_start|>"
@@ -282,6 +282,15 @@ def parse_trace(text: str) -> ParsedTrace:
 def predicted_value(text: str) -> str | None:
     "The repr in the last RETURN frame of generated text (the predicted `f(input)`), or None."
     return parse_trace(text).value
+
+# %% ../nbs/00_trace.ipynb #9627c026
+def same_value(pred: str | None, truth: str | None, max_chars: int = 10_000) -> bool:
+    "Does the predicted repr `pred` denote the same Python value as `truth` (CRUXEval's `==`)?"
+    if pred is None or truth is None: return False
+    if pred == truth: return True
+    if len(pred) > max_chars or len(truth) > max_chars: return False
+    try: return bool(ast.literal_eval(pred) == ast.literal_eval(truth))
+    except Exception: return False                                   # not a literal (or absurdly nested): strings decide
 
 # %% ../nbs/00_trace.ipynb #aa317fc3
 THREAT_MODEL = (

@@ -40,17 +40,27 @@ DATA_DEFAULTS = dict(out="data", n=12000, preset="easy", seed=0, vocab=384)
 PENDING: dict[str, int] = {}   # commands announced but not implemented yet -> their issue number
 
 def cmd_data(argv):
-    from latent_rl.corpus import build_corpus
+    from latent_rl.corpus import build_corpus, build_heldout, save_rows
     from latent_rl.tokens import train_tokenizer
     from latent_rl.trace import prompt_text
     ap = argparse.ArgumentParser(prog="latent-rl data", description="Build the traced program corpus and the local tokenizer.")
     ap.add_argument("--out", default=DATA_DEFAULTS["out"]); ap.add_argument("--n", type=int, default=DATA_DEFAULTS["n"], help="candidate programs")
     ap.add_argument("--preset", default=DATA_DEFAULTS["preset"]); ap.add_argument("--seed", type=int, default=DATA_DEFAULTS["seed"])
     ap.add_argument("--vocab", type=int, default=DATA_DEFAULTS["vocab"], help="tokenizer vocabulary size")
+    ap.add_argument("--heldout", type=int, default=None,
+                    help="extra held-out programs (heldout.jsonl), disjoint by text from train/val/test (default n/5; 0: none)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     t0 = time.time()
     splits = build_corpus(a.n, a.preset, a.seed, out / "corpus")
+    if a.heldout is None: a.heldout = a.n // 5
+    if a.heldout:
+        held = build_heldout(a.heldout, a.preset, a.seed, exclude={r["code"] for v in splits.values() for r in v})
+        save_rows(held, out / "corpus" / "heldout.jsonl")
+        meta = json.loads((out / "corpus" / "meta.json").read_text())
+        meta["sizes"]["heldout"] = len(held); meta["heldout_seed"] = a.seed + 1000
+        (out / "corpus" / "meta.json").write_text(json.dumps(meta, indent=1))
+        splits["heldout"] = held
     texts = [prompt_text(r["code"], r["input"]) + r["trace"] for r in splits["train"]]
     tok = train_tokenizer(texts, a.vocab, out / "tokenizer")
     print(f"corpus: { {k: len(v) for k, v in splits.items()} } in {out/'corpus'}; tokenizer: {len(tok)} tokens in {out/'tokenizer'} "
@@ -79,23 +89,23 @@ def cmd_sft(argv):
     return run_sft(parse_config(SFTConfig, argv, "latent-rl sft"))
 
 def cmd_eval(argv):
-    from latent_rl.stages import load_traced
-    from latent_rl.evaluate import evaluate_path, results_table, save_records
-    ap = argparse.ArgumentParser(prog="latent-rl eval", description="Exact-match output prediction on held-out programs "
-                                 "(text models decode traces or answers; latent students decode with latent blocks).")
+    from latent_rl.evaluate import evaluate_path, results_table, save_records, load_eval_rows
+    ap = argparse.ArgumentParser(prog="latent-rl eval", description="Output prediction (pass@1, greedy) on any CRUXEval-format "
+                                 "file, e.g. CRUXEval-O itself: text models decode traces or answers, latent students decode "
+                                 "with latent blocks; the predicted value is read from the RETURN frame and compared as a value.")
     ap.add_argument("--model", action="append", required=True, help="model dir (repeatable); NAME=PATH to label it")
     ap.add_argument("--rows", default="data/corpus/test.jsonl"); ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--batch_size", type=int, default=32); ap.add_argument("--max_new_tokens", type=int, default=384)
     ap.add_argument("--out", default="runs/eval", help="directory for per-example records (NAME.records.jsonl)")
     a = ap.parse_args(argv)
-    rows = load_traced(a.rows, a.limit)
+    rows = load_eval_rows(a.rows, a.limit)
     res = {}
     for spec in a.model:
         name, _, path = spec.rpartition("=")
         if not Path(path).exists(): raise SystemExit(f"latent-rl eval: model {path} does not exist")
         res[name or path] = r = evaluate_path(path, rows, a.max_new_tokens, a.batch_size, desc=f"eval {name or path}")
         if a.out: save_records(r, Path(a.out) / f"{(name or Path(path).name)}.records.jsonl")
-    print(results_table(res, f"exact-match output prediction on {a.rows} ({len(rows)} programs)"))
+    print(results_table(res, f"output prediction on {a.rows} ({len(rows)} programs)"))
     return res
 
 def cmd_codi(argv):

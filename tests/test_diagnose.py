@@ -3,8 +3,8 @@ import json
 import pytest
 from conftest import run_cli
 
-SECTIONS = ("## 1. Accuracy", "## 2. Accuracy by trace length", "## 3. Control-flow faithfulness", "## 4. Latent probes",
-            "## 5. Distillation floor")
+SECTIONS = ("## 1. Accuracy", "## 2. Latent usage", "## 3. Accuracy by trace length", "## 4. Control-flow faithfulness",
+            "## 5. Latent probes", "## 6. Distillation floor")
 FIGS = ("accuracy_by_length", "faithfulness", "probes", "kd_floor")
 ONE = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -30,6 +30,7 @@ def test_diagnose_writes_report(tiny_data, tiny_codi):
     for f in FIGS: assert (out / f"{f}.png").stat().st_size > 1000, f
     assert "| LINE frames | n | explicit exact | latent exact | no-trace exact |" in md
     assert "| latent |" in md and "plateau step" in md and "| *chance (majority class)* |" in md
+    assert "usage cannot be measured" in md or "| intact |" in md        # a 4-step student may not write <|line_sep|> yet
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["modes"]) == {"explicit", "latent", "no-trace"} and rep["n"] == 8
     assert {r["features"] for r in rep["probes"]["rows"]} >= {"latent step 1", "student layer 2", "teacher layer 2"}
@@ -52,3 +53,45 @@ def test_diagnose_refuses_what_is_not_a_run(tmp_path):
     with pytest.raises(SystemExit, match="neither a CODI run directory"): main([tmp_path])
     (tmp_path / "final").mkdir(); (tmp_path / "final" / "latent_spec.json").write_text("{}")
     with pytest.raises(SystemExit, match="--notrace"): main([tmp_path, "--notrace", tmp_path / "missing"])
+
+# ---------------------------------------------------------------- latent usage on students that provably do / do not use latents
+import re, torch
+from latent_rl.generate import Rollout
+from latent_rl.tokens import encode
+from latent_rl.trace import prompt_text
+
+class Oracle:
+    "Writes each program's true trace in the latent format; its answer is read back from its last fed latent (uses) or not."
+    def __init__(self, tok, rows, uses, H=16):
+        self.tok, self.uses = tok, uses
+        self.rows = {tuple(encode(tok, prompt_text(r["code"], r["input"]))): r for r in rows}
+        vals = sorted({r["output"] for r in rows})
+        self.code = dict(zip(vals, torch.randn(len(vals), H, generator=torch.Generator().manual_seed(0))))
+    def __call__(self, prompts, latent_fn=None, return_latents=False):
+        rs = [self.rows[tuple(p)] for p in prompts]; n = [r["n_line_frames"] for r in rs]
+        Z = torch.stack([self.code[r["output"]] for r in rs])[:, None].repeat(1, max(n), 1)     # [B, blocks, H]
+        if latent_fn:
+            Z = torch.stack([latent_fn(Z[:, k], torch.full((len(rs),), k), torch.zeros(len(rs), dtype=torch.long))
+                             for k in range(max(n))], 1)
+        comp, lats = [], []
+        for b, r in enumerate(rs):
+            z = Z[b, :n[b]]
+            said = min(self.code, key=lambda v: (self.code[v] - z[-1]).norm()) if self.uses else r["output"]
+            text = re.sub(r"<\|line_sep\|>\{[^}]*\}", "<|line_sep|>", r["trace"]).replace(json.dumps(r["output"]), json.dumps(said))
+            comp.append(encode(self.tok, text)); lats.append(z[:, None])
+        return Rollout([list(p) for p in prompts], comp, [[0.0] * len(c) for c in comp], latents=lats)
+
+def test_latent_usage_tells_users_from_ignorers(tiny_data):
+    from latent_rl.models import load_tokenizer
+    from latent_rl.diagnose import latent_usage, usage_markdown
+    tok = load_tokenizer(tiny_data / "tokenizer")
+    rows = [json.loads(l) for l in (tiny_data / "corpus/train.jsonl").read_text().splitlines()][:120]
+    res = {u: latent_usage(None, tok, rows, variants=("shuffle", "zero", "mean", "noise"), generate=Oracle(tok, rows, u),
+                           progress=False) for u in (True, False)}
+    for u in (True, False): assert res[u]["accuracy"]["mean"] == 1.0
+    user, ignorer = res[True]["variants"], res[False]["variants"]
+    assert all(ignorer[v]["mean"] == 0.0 and ignorer[v]["lo"] == ignorer[v]["hi"] == 0.0 for v in ignorer)   # delta exactly 0
+    assert user["shuffle"]["mean"] < -0.5 and user["shuffle"]["hi"] < -0.4 and res[True]["used"]             # large delta
+    assert res[False]["used"] is False and res[False]["verdict"].startswith("latents unused")
+    md = "\n".join(usage_markdown(res[True]))
+    assert md.startswith("**Latents used: replacing") and "| another program's latents (same block, same step) |" in md
