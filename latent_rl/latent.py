@@ -5,7 +5,7 @@
 # %% ../nbs/06_latent.ipynb #58d37a9e
 from __future__ import annotations
 import json
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, field
 from pathlib import Path
 
 import torch
@@ -16,10 +16,12 @@ from .trace import LATENT_START, LATENT_END, LINE_SEP, ACTION_SEP
 from .tokens import IGNORE_INDEX, trace_token_ids
 from .models import backbone, lm_head_weight, cache_kw, out_cache, copy_cache, load_model
 from .logprobs import token_logprobs
+from .losses import state_kd_loss, embed_kd_loss
 
 # %% auto #0
-__all__ = ['LatentSpec', 'Projector', 'LatentModel', 'pack_phases', 'CodiOptions', 'kd_layer_indices', 'teacher_pass',
-           'CodiOutput', 'StudentPass', 'check_codi_model', 'student_pass', 'codi_forward', 'bench']
+__all__ = ['LatentSpec', 'Projector', 'LatentModel', 'pack_phases', 'CodiOptions', 'kd_layer_indices', 'TeacherPass',
+           'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model', 'student_pass', 'recon_loss',
+           'codi_forward', 'bench']
 
 # %% ../nbs/06_latent.ipynb #2440d8e2
 @dataclass
@@ -79,6 +81,14 @@ class LatentModel(nn.Module):
     @staticmethod
     def is_latent_dir(path) -> bool: return (Path(path) / "latent_spec.json").exists()
 
+    @torch.no_grad()
+    def init_projector_to_embeddings(self):
+        "Start the projector's output at the token embeddings' scale: LayerNorm gain/shift = their per-dim std/mean."
+        E = self.model.get_input_embeddings().weight.float()                          # [V, H]
+        ln = self.prj[-1]
+        ln.weight.copy_(E.std(0)); ln.bias.copy_(E.mean(0))
+        return self
+
 # %% ../nbs/06_latent.ipynb #ec8010f6
 def pack_phases(examples: list[dict], spec: LatentSpec, allow_empty: bool = False) -> list[list[tuple[list[int], list[int]]]]:
     "phases[k][b] = (tokens, trace index of each token or -1) of example b in phase k."
@@ -98,12 +108,12 @@ def pack_phases(examples: list[dict], spec: LatentSpec, allow_empty: bool = Fals
             out[k][b] = (toks, idx)
     return out
 
-# %% ../nbs/06_latent.ipynb #a49ce82d
+# %% ../nbs/06_latent.ipynb #e99a9c84
 @dataclass
 class CodiOptions:
     a: float = 1.0                      # teacher CE weight (shared weights only)
     b: float = 1.0                      # student CE weight
-    g: float = 1.0                      # KD weight
+    g: float = 1.0                      # KD weight at the <|action_sep|> anchors (the seed's)
     kd_target: str = "hidden"           # 'hidden' (smooth-L1) or 'logit' (KL on the head)
     kd_layers: tuple | None = None      # indices into hidden_states; None = all layers (frozen teacher: last)
     kd_temp: float = 2.0
@@ -111,26 +121,43 @@ class CodiOptions:
     single_anchor: bool = False         # KD at the last span only
     ss_p: float = 0.0                   # scheduled-sampling probability (per post-latent segment)
     grad_ckpt: bool = False             # gradient checkpointing of the (shared-weight) teacher forward
+    value_kd: float = 0.0               # blocks' latent states → the teacher's states at the value each replaced
+    value_kd_at: str = "predict"        # 'predict' | 'tokens' | 'embed' (see above)
+    answer_kd: float = 0.0              # student states predicting the RETURN value → the teacher's
+    answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
+    recon: float = 0.0                  # block-local reconstruction of the replaced state (weight)
+
+    def __post_init__(self):
+        if self.kd_target not in ("hidden", "logit"): raise ValueError(f"kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
+        if self.value_kd_at not in ("predict", "tokens", "embed"):
+            raise ValueError(f"value_kd_at must be 'predict', 'tokens' or 'embed', got {self.value_kd_at!r}")
+    @property
+    def needs_targets(self) -> bool: return bool(self.value_kd or self.answer_kd or self.recon or self.answer_weight != 1.0)
 
 def kd_layer_indices(opts: CodiOptions, n_layers: int, frozen: bool) -> list[int]:
     if opts.kd_target == "logit": return [n_layers]
     if opts.kd_layers is None: return [n_layers] if frozen else list(range(1, n_layers + 1))
     return [l % (n_layers + 1) for l in opts.kd_layers]
 
-# %% ../nbs/06_latent.ipynb #6756e353
+# %% ../nbs/06_latent.ipynb #0a33ec35
 def _pad(seqs, fill):
     L = max(1, max(map(len, seqs)))
     return torch.tensor([list(s) + [fill] * (L - len(s)) for s in seqs], dtype=torch.long)
 
+@dataclass
+class TeacherPass:
+    ce: torch.Tensor | None                     # [B] per-example CE on the trace (shared weights), else None
+    anchors: torch.Tensor                       # [B, K, L_sel, H] states at each span's <|action_sep|> (detached)
+    logits: torch.Tensor | None = None          # [B, K, V] the head at the anchors (logit KD)
+    states: dict = field(default_factory=dict)  # name -> [M, L+1, H] states at `gather[name]` (detached)
+
 def teacher_pass(lm: LatentModel, examples, layers, teacher=None, want_logits=False, chunk_size: int = 1024,
-                 grad_ckpt: bool = False):
-    """(per-example teacher CE [B] or None, anchor states [B, K, L_sel, H] detached, anchor logits or None).
-    `grad_ckpt` recomputes the shared-weight teacher's layers in backward (the full-sequence pass is the memory peak);
-    the student's cached, step-by-step calls are not checkpointed."""
+                 grad_ckpt: bool = False, gather: dict | None = None) -> TeacherPass:
+    """The teacher's CE, anchor states and any `gather = {name: (rows [M], positions [M])}` states, from one forward.
+    `grad_ckpt` recomputes the shared-weight teacher's layers in backward (the full-sequence pass is the memory peak)."""
     dev = lm.head_weight.device
     full = [list(e["prompt_ids"]) + list(e["trace_ids"]) for e in examples]
-    ids = _pad(full, 0).to(dev)                                                       # [B, S]
-    am = _pad([[1] * len(f) for f in full], 0).to(dev)                                # [B, S]
+    ids, am = _pad(full, 0).to(dev), _pad([[1] * len(f) for f in full], 0).to(dev)  # [B, S] each
     model = teacher if teacher is not None else lm.model
     ckpt = grad_ckpt and teacher is None and torch.is_grad_enabled() and model.training
     if ckpt: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -143,21 +170,20 @@ def teacher_pass(lm: LatentModel, examples, layers, teacher=None, want_logits=Fa
     pos = torch.tensor([[len(e["prompt_ids"]) + (e["spans"][q][1] if q < len(e["spans"]) else 0) for q in range(K)]
                         for e in examples], device=dev)                               # [B, K]
     bi = torch.arange(len(examples), device=dev)[:, None]
-    anchors = torch.stack([out.hidden_states[l][bi, pos] for l in layers], 2).detach()  # [B, K, L_sel, H]
-    logits = None
-    if want_logits:
-        logits = (out.hidden_states[-1][bi, pos] @ lm_head_weight(model).T).detach()     # [B, K, V]
-    ce = None
+    tp = TeacherPass(None, torch.stack([out.hidden_states[l][bi, pos] for l in layers], 2).detach())  # [B, K, L_sel, H]
+    if want_logits: tp.logits = (out.hidden_states[-1][bi, pos] @ lm_head_weight(model).T).detach()   # [B, K, V]
+    for name, (r, p) in (gather or {}).items():
+        tp.states[name] = torch.stack([h[r.to(dev), p.to(dev)] for h in out.hidden_states], 1).detach()  # [M, L+1, H]
     if teacher is None:
         lab = torch.full_like(ids, IGNORE_INDEX)
         for b, e in enumerate(examples):
             p, t = len(e["prompt_ids"]), len(e["trace_ids"])
             lab[b, p - 1:p + t - 1] = ids[b, p:p + t]                                    # aligned: t predicts t+1
         lp = token_logprobs(out.last_hidden_state, lm.head_weight, lab, 1.0, chunk_size)  # [B, S]
-        ce = -lp.sum(1) / (lab != IGNORE_INDEX).sum(1).clamp_min(1)                      # [B]
-    return ce, anchors, logits
+        tp.ce = -lp.sum(1) / (lab != IGNORE_INDEX).sum(1).clamp_min(1)                   # [B]
+    return tp
 
-# %% ../nbs/06_latent.ipynb #a11bb8f8
+# %% ../nbs/06_latent.ipynb #51c9ad04
 @dataclass
 class CodiOutput:
     loss: torch.Tensor
@@ -173,14 +199,17 @@ class CodiOutput:
 @dataclass
 class StudentPass:
     "What one lockstep pass of the latent student over `{prompt_ids, trace_ids, spans}` examples produced."
-    ce_sum: torch.Tensor                        # [B] summed CE over scored trace tokens (T = 1)
-    ce_cnt: torch.Tensor                        # [B] scored trace tokens
+    ce_sum: torch.Tensor                        # [B] summed (weighted) CE over scored trace tokens (T = 1)
+    ce_cnt: torch.Tensor                        # [B] scored trace tokens (weighted)
     anchors: list                               # per span: [B, L_sel, H] state at <|action_sep|>
     calls: int                                  # model calls
     trace_lp: torch.Tensor | None = None        # [B, T_max] logprob of each scored trace token, nan elsewhere
     pred_hidden: torch.Tensor | None = None     # [B, T_max, H] the final hidden state that predicts each trace token
     pred_mask: torch.Tensor | None = None       # [B, T_max] trace tokens that are predicted (dropped locals are not)
-    latents: torch.Tensor | None = None         # [B, K, latent_steps, H] the latent input vectors
+    latents: torch.Tensor | None = None         # [B, K, latent_steps, H] the latent input vectors (with graph)
+    latent_states: torch.Tensor | None = None   # [B, K, latent_steps, L+1, H] every latent step at every layer
+    states_at: tuple | None = None              # (rows [M], trace index [M], states [M, L+1, H]) sorted by (row, index)
+    n_scored: int = 0                           # scored trace tokens (unweighted)
 
 def check_codi_model(model):
     "Refuse models the lockstep batch cannot serve exactly: sliding-window attention counts padded columns."
@@ -189,9 +218,32 @@ def check_codi_model(model):
         raise ValueError(f"{type(model).__name__} uses sliding-window attention: the batched latent forward pads inside the "
                          "KV cache, which would shift the window; disable use_sliding_window for CODI training")
 
+# %% ../nbs/06_latent.ipynb #f9151779
+def _phase_batch(phase: list, dev):
+    "One phase of every example as padded tensors: ids, mask, trace index (-1: not a trace token), labels [B, L]; lengths [B]."
+    lens = torch.tensor([len(t) for t, _ in phase], device=dev)                      # [B]
+    ids, ti = _pad([t for t, _ in phase], 0).to(dev), _pad([i for _, i in phase], -1).to(dev)   # [B, L] each
+    m = (torch.arange(ids.shape[1], device=dev)[None] < lens[:, None]).long()          # [B, L]
+    lab = torch.full_like(ids, IGNORE_INDEX)
+    lab[:, :-1] = torch.where(ti[:, 1:] >= 0, ids[:, 1:], IGNORE_INDEX)               # aligned: p predicts p+1
+    return ids, m, ti, lab, lens
+
+def _scheduled_input(body, W, ids, m, lens, mask_cols, p_ids, cache, coins, final):
+    "Scheduled sampling: the code after `<|action_sep|>` replaced by the student's own argmax (side pass, detached cache)."
+    with torch.no_grad():
+        side = body(input_ids=ids, attention_mask=torch.cat(mask_cols + [m], 1), position_ids=p_ids, use_cache=True,
+                    **cache_kw(body, copy_cache(cache)))
+        am = (side.last_hidden_state @ W.T).argmax(-1)                               # [B, L]
+    end = torch.where(final, lens - 1, lens - 3)                                      # [B] last replaced column (seed)
+    col = torch.arange(ids.shape[1], device=ids.device)[None]
+    repl = (col >= 2) & (col <= end[:, None]) & coins[:, None].to(ids.device)
+    return torch.where(repl, torch.cat([am[:, :1], am[:, :-1]], 1), ids)              # argmax at p-1 feeds position p
+
+# %% ../nbs/06_latent.ipynb #982eafaf
 def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None = None, ss_coins: torch.Tensor | None = None,
                  chunk_size: int = 1024, ce: bool = True, return_logprobs: bool = False, return_hidden: bool = False,
-                 return_latents: bool = False) -> StudentPass:
+                 return_latents: bool = False, latent_states: bool = False, states_at: torch.Tensor | None = None,
+                 token_weight: torch.Tensor | None = None) -> StudentPass:
     """The batched student: prompt, then per span text up to `<|line_sep|>` + `<|latent_start|>`, a latent block, and
     `<|latent_end|>` + the text from `<|action_sep|>`; all examples in lockstep in one KV cache. `layers` (hidden_states
     indices) selects the anchor states to return (None: the last layer only, without `output_hidden_states`)."""
@@ -201,80 +253,168 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
     for e in examples:
         if not e["prompt_ids"]: raise ValueError(f"example {e.get('id')}: empty prompt")
     n_sp = torch.tensor([len(e["spans"]) for e in examples], device=dev)            # [B]
-    K = int(n_sp.max())
+    K, S = int(n_sp.max()), spec.latent_steps
     if ss_coins is None: ss_coins = torch.zeros(B, K + 1, dtype=torch.bool)
     phases = pack_phases(examples, spec, allow_empty=True)
     Tmax = max(1, max(len(e["trace_ids"]) for e in examples))
-    trace_lp = torch.full((B, Tmax), float("nan"), device=dev) if return_logprobs else None
-    H = W.shape[1]
-    pred_parts = []                                                                  # (rows, trace positions, states) per phase
-    pmask = torch.zeros(B, Tmax, dtype=torch.bool, device=dev)
-    lat = []                                                                          # per (span, step): [B, H]
-    cache, cols = None, []                                                           # cols: attention-mask columns
-    pos = torch.zeros(B, dtype=torch.long, device=dev)                               # next position id per example
-    ce_sum, ce_cnt = torch.zeros(B, device=dev), torch.zeros(B, device=dev)
-    s_anc = []                                                                        # per span q: [B, L_sel, H]
-    calls, bi = 0, torch.arange(B, device=dev)
+    r = StudentPass(torch.zeros(B, device=dev), torch.zeros(B, device=dev), [], 0,
+                    torch.full((B, Tmax), float("nan"), device=dev) if return_logprobs else None,
+                    pred_mask=torch.zeros(B, Tmax, dtype=torch.bool, device=dev))
+    pred_parts, at_parts, lat, lat_hs = [], [], [], []
+    cache, cols, pos, bi = None, [], torch.zeros(B, dtype=torch.long, device=dev), torch.arange(B, device=dev)
     for k in range(K + 1):
-        toks = [phases[k][b][0] for b in range(B)]
-        tidx = [phases[k][b][1] for b in range(B)]
-        lens = torch.tensor([len(t) for t in toks], device=dev)                       # [B]
-        ids = _pad(toks, 0).to(dev)                                                   # [B, L]
-        L = ids.shape[1]
-        m = (torch.arange(L, device=dev)[None] < lens[:, None]).long()                # [B, L]
-        ti = _pad(tidx, -1).to(dev)                                                   # [B, L] trace index or -1
-        lab = torch.full_like(ids, IGNORE_INDEX)
-        lab[:, :-1] = torch.where(ti[:, 1:] >= 0, ids[:, 1:], IGNORE_INDEX)           # aligned: p predicts p+1
-        p_ids = pos[:, None] + torch.arange(L, device=dev)[None]                      # [B, L]
+        ids, m, ti, lab, lens = _phase_batch([phases[k][b] for b in range(B)], dev)
+        p_ids = pos[:, None] + torch.arange(ids.shape[1], device=dev)[None]          # [B, L]
         inp = ids
         if k >= 1 and ss_coins[:, k].any():
-            with torch.no_grad():
-                side = body(input_ids=ids, attention_mask=torch.cat(cols + [m], 1), position_ids=p_ids, use_cache=True,
-                            **cache_kw(body, copy_cache(cache)))
-                am = (side.last_hidden_state @ W.T).argmax(-1)                       # [B, L]
-            # seed: code tokens after <|action_sep|> (and before a trailing <|line_sep|>) become the student's argmax
             final = torch.tensor([k == len(e["spans"]) for e in examples], device=dev)
-            end = torch.where(final, lens - 1, lens - 3)                              # [B] last replaced column
-            col = torch.arange(L, device=dev)[None]
-            repl = (col >= 2) & (col <= end[:, None]) & ss_coins[:, k, None].to(dev)
-            shifted = torch.cat([am[:, :1], am[:, :-1]], 1)                           # argmax at p-1 feeds position p
-            inp = torch.where(repl, shifted, ids)
-        need_hs = k >= 1 and layers is not None
+            inp = _scheduled_input(body, W, ids, m, lens, cols, p_ids, cache, ss_coins[:, k], final)
+        tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)               # [B, L] trace index each position predicts
+        sel = lab != IGNORE_INDEX                                                     # [B, L]
+        at = sel & states_at[bi[:, None], tgt.clamp(min=0)] if states_at is not None else None   # [B, L]
+        need_hs = (k >= 1 and layers is not None) or (at is not None and bool(at.any()))
         out = body(input_ids=inp, attention_mask=torch.cat(cols + [m], 1), position_ids=p_ids, use_cache=True,
                    output_hidden_states=need_hs, **cache_kw(body, cache))
-        calls += 1
+        r.calls += 1
         cache, hid = out_cache(out), out.last_hidden_state                            # [B, L, H]
         cols.append(m)
-        sel = lab != IGNORE_INDEX                                                     # [B, L]
-        tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)               # trace index each position predicts
         rows_b, rows_t = bi[:, None].expand_as(tgt)[sel], tgt[sel]
-        pmask[rows_b, rows_t] = True
+        r.pred_mask[rows_b, rows_t] = True
         if ce or return_logprobs:
             lp = token_logprobs(hid, W, lab, 1.0, chunk_size)                         # [B, L]
-            ce_sum = ce_sum - lp.sum(1); ce_cnt = ce_cnt + sel.sum(1)
-            if return_logprobs: trace_lp[rows_b, rows_t] = lp.detach()[sel]
+            w = sel.float() if token_weight is None else token_weight[bi[:, None], tgt.clamp(min=0)] * sel  # [B, L]
+            r.ce_sum = r.ce_sum - (lp * w).sum(1); r.ce_cnt = r.ce_cnt + w.sum(1); r.n_scored += int(sel.sum())
+            if return_logprobs: r.trace_lp[rows_b, rows_t] = lp.detach()[sel]
         if return_hidden: pred_parts.append((rows_b, rows_t, hid[sel]))
+        if at is not None and at.any():
+            at_parts.append((bi[:, None].expand_as(tgt)[at], tgt[at], torch.stack([h[at] for h in out.hidden_states], 1)))
         if k >= 1:                                                                    # anchor: <|action_sep|> at position 1
-            s_anc.append(torch.stack([out.hidden_states[l][:, 1] for l in layers], 1) if need_hs else hid[:, 1:2])  # [B, L_sel, H]
+            r.anchors.append(torch.stack([out.hidden_states[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2])
         pos = pos + lens
         if k == K: break
         has = (n_sp > k).long()[:, None]                                              # [B, 1] rows with latent block k
         h = hid[bi, (lens - 1).clamp(min=0)]                                          # [B, H] state at <|latent_start|>
-        for _ in range(spec.latent_steps):
+        for _ in range(S):
             z = lm.prj(h)                                                             # [B, H]
-            if return_latents: lat.append(z.detach())
-            out = body(inputs_embeds=z[:, None], attention_mask=torch.cat(cols + [has], 1),
-                       position_ids=pos[:, None], use_cache=True, **cache_kw(body, cache))
-            calls += 1
+            lat.append(z)
+            out = body(inputs_embeds=z[:, None], attention_mask=torch.cat(cols + [has], 1), position_ids=pos[:, None],
+                       use_cache=True, output_hidden_states=latent_states, **cache_kw(body, cache))
+            r.calls += 1
             cache, h = out_cache(out), out.last_hidden_state[:, 0]
+            if latent_states: lat_hs.append(torch.stack([x[:, 0] for x in out.hidden_states], 1))   # [B, L+1, H]
             cols.append(has); pos = pos + has[:, 0]
-    latents = torch.stack(lat, 1).view(B, K, spec.latent_steps, -1) if return_latents and lat else None
-    pred = None
-    if return_hidden:   # one scatter for all phases (keeps the graph)
-        pred = torch.zeros(B, Tmax, H, device=dev, dtype=W.dtype).index_put(
-            tuple(torch.cat(x) for x in zip(*pred_parts))[:2], torch.cat([p[2] for p in pred_parts]))   # [B, T, H]
-    return StudentPass(ce_sum, ce_cnt, s_anc, calls, trace_lp, pred, pmask, latents)
+    return _finish_pass(r, B, K, S, Tmax, W, lat if return_latents else None, lat_hs, at_parts, pred_parts if return_hidden else None)
 
+# %% ../nbs/06_latent.ipynb #2d3ffed8
+def _finish_pass(r: StudentPass, B, K, S, Tmax, W, lat, lat_hs, at_parts, pred_parts) -> StudentPass:
+    "Stack what the phases collected: latents, latent-step states, states at chosen tokens, predicting states."
+    if lat: r.latents = torch.stack(lat, 1).view(B, K, S, -1)                          # [B, K, S, H]
+    if lat_hs: r.latent_states = torch.stack(lat_hs, 1).view(B, K, S, *lat_hs[0].shape[1:])   # [B, K, S, L+1, H]
+    if at_parts:
+        rb, rt, st = (torch.cat(x) for x in zip(*at_parts))
+        order = torch.argsort(rb * Tmax + rt)                                         # canonical (row, index) order
+        r.states_at = (rb[order], rt[order], st[order])
+    if pred_parts is not None:   # one scatter for all phases (keeps the graph)
+        rb, rt, st = (torch.cat(x) for x in zip(*pred_parts))
+        r.pred_hidden = torch.zeros(B, Tmax, W.shape[1], device=W.device, dtype=W.dtype).index_put((rb, rt), st)  # [B, T, H]
+    return r
+
+# %% ../nbs/06_latent.ipynb #0dc4bbd8
+def _value_pairs(examples, mode: str, S: int) -> list[tuple]:
+    "(row, span, latent step, teacher trace index or -1, target token id) for value distillation in `mode`."
+    out = []
+    for b, e in enumerate(examples):
+        T = e["trace_ids"]
+        for k, vt in enumerate(e["value_tok"]):
+            if not vt: continue                                                       # nothing changed before this line
+            if mode == "predict": out.append((b, k, S - 1, vt[0] - 1, T[vt[0]]))
+            else:   # step j ↔ value token j; steps past the value stand for the token after it (the closing quote)
+                for j in range(S if mode == "embed" else min(S, len(vt))):
+                    t = vt[j] if j < len(vt) else min(vt[-1] + 1, len(T) - 1)
+                    out.append((b, k, j, t, T[t]))
+    return out
+
+def _objective_plan(examples, opts: CodiOptions, S: int, dev) -> dict:
+    "Index tensors for the value/answer objectives and the answer CE weights of a batch."
+    plan, B = {"gather": {}}, len(examples)
+    if opts.needs_targets:
+        bad = [e.get("id", i) for i, e in enumerate(examples) if "value_tok" not in e]
+        if bad: raise ValueError(f"examples {bad[:3]} have no value/answer targets: value_kd, answer_kd, answer_weight and recon "
+                                 "need CWM traces built with codi_example(..., targets=True) and a fast tokenizer")
+    P = [len(e["prompt_ids"]) for e in examples]
+    if opts.value_kd:
+        v = _value_pairs(examples, opts.value_kd_at, S)
+        rows, span, step, tpos, tid = (torch.tensor([x[i] for x in v], dtype=torch.long, device=dev) for i in range(5))
+        plan["value"] = (rows, span, step, tid)
+        if opts.value_kd_at != "embed":
+            plan["gather"]["value"] = (rows, torch.tensor([P[x[0]] + x[3] for x in v], dtype=torch.long, device=dev))
+    if opts.answer_kd or opts.answer_weight != 1.0:
+        Tmax = max(1, max(len(e["trace_ids"]) for e in examples))
+        amask = torch.zeros(B, Tmax, dtype=torch.bool, device=dev)
+        for b, e in enumerate(examples): amask[b, list(e["answer_tok"])] = True
+        plan["answer_mask"] = amask                                                   # [B, T] trace tokens of RETURN values
+        plan["weight"] = 1.0 + (opts.answer_weight - 1.0) * amask.float()             # [B, T]
+        rb, rt = amask.nonzero(as_tuple=True)                                         # (row, token) order
+        plan["gather"]["answer"] = (rb, torch.tensor(P, device=dev)[rb] + rt - 1)      # the teacher state predicting it
+    return plan
+
+# %% ../nbs/06_latent.ipynb #50459be6
+def recon_loss(lm: LatentModel, examples: list[dict], latents: torch.Tensor,   # [B, K, S, H] with their graph
+               chunk_size: int = 1024) -> tuple[torch.Tensor, dict]:
+    "Mean CE of rebuilding each block's replaced state (`recon_ids` + `<|action_sep|>`) from the block alone."
+    spec, dev = lm.spec, latents.device
+    blocks = [(b, k) for b, e in enumerate(examples) for k in range(len(e["spans"]))]
+    tgt = [list(examples[b]["recon_ids"][k]) + [spec.action_sep_id] for b, k in blocks]
+    ids, S = _pad(tgt, 0).to(dev), latents.shape[2]                                   # [N, Lr]
+    lens = torch.tensor([len(t) for t in tgt], device=dev)
+    Z = latents[torch.tensor([b for b, _ in blocks], device=dev), torch.tensor([k for _, k in blocks], device=dev)]  # [N, S, H]
+    mark = lambda i: lm.embed(torch.tensor([i], device=dev)).expand(len(blocks), 1, -1)  # [N, 1, H]
+    inp = torch.cat([mark(spec.latent_start_id), Z, mark(spec.latent_end_id), lm.embed(ids)], 1)   # [N, S + 2 + Lr, H]
+    real = (torch.arange(ids.shape[1], device=dev)[None] < lens[:, None])             # [N, Lr]
+    am = torch.cat([torch.ones(len(blocks), S + 2, dtype=torch.long, device=dev), real.long()], 1)
+    hid = lm.body(inputs_embeds=inp, attention_mask=am).last_hidden_state             # [N, S + 2 + Lr, H]
+    lab = torch.full(am.shape, IGNORE_INDEX, dtype=torch.long, device=dev)
+    lab[:, S + 1:S + 1 + ids.shape[1]] = torch.where(real, ids, IGNORE_INDEX)         # <|latent_end|> predicts the first token
+    lp = token_logprobs(hid, lm.head_weight, lab, 1.0, chunk_size)                    # [N, S + 2 + Lr]
+    n = (lab != IGNORE_INDEX).sum()
+    loss = -lp.sum() / n.clamp_min(1)
+    return loss, {"recon_loss": loss.item(), "recon_tokens": int(n)}
+
+# %% ../nbs/06_latent.ipynb #e64b6c8d
+def _anchor_kd(opts: CodiOptions, S, tp: TeacherPass, valid, W):
+    "The seed's KD at each span's `<|action_sep|>`: per-example loss [B] and per-anchor distances [B, K, L_sel]."
+    vf = valid.float()
+    if opts.kd_target == "logit":
+        T = opts.kd_temp
+        zs, zt = (S[:, :, 0] @ W.T).float() / T, tp.logits.float() / T                # [B, K, V] each
+        kl = (F.softmax(zt, -1) * (F.log_softmax(zt, -1) - F.log_softmax(zs, -1))).sum(-1)  # [B, K]
+        return (kl * vf).sum(1) / vf.sum(1).clamp_min(1) * T * T, kl.detach()[:, :, None]
+    d = F.smooth_l1_loss(S, tp.anchors, reduction="none").mean(-1)                    # [B, K, L_sel]
+    if opts.kd_norm_std:   # CODI: each layer's loss divided by the teacher's std over the batch's anchors
+        d = d / tp.anchors[valid].std(dim=(0, 2)).clamp_min(1e-6)[None, None, :]
+    return (d * vf[:, :, None]).sum((1, 2)) / (vf.sum(1) * d.shape[-1]).clamp_min(1), d.detach()
+
+def _value_kd(opts: CodiOptions, plan, sp: StudentPass, tp: TeacherPass, lm: LatentModel):
+    "Value distillation of the blocks (see `CodiOptions`): (loss, metrics)."
+    rows, span, step, tid = plan["value"]
+    if opts.value_kd_at == "embed":
+        E = lm.model.get_input_embeddings().weight.detach()                           # [V, H]
+        return embed_kd_loss(sp.latents[rows, span, step], E[tid], (E.norm(dim=-1) ** 2).mean())
+    s = sp.latent_states[rows, span, step]                                            # [M, L+1, H]
+    t = tp.states["value"]
+    if s.shape[1] != t.shape[1]:
+        raise ValueError(f"value_kd compares layer by layer: the student has {s.shape[1] - 1} layers, the teacher {t.shape[1] - 1}")
+    lo = 1 if opts.value_kd_at == "predict" else 0                                    # 'tokens' includes the embeddings
+    return state_kd_loss(s[:, lo:], t[:, lo:])
+
+def _answer_kd(sp: StudentPass, tp: TeacherPass, plan):
+    "Answer distillation: the student's states predicting each RETURN-value token vs the teacher's (layers 1..L)."
+    rb, rt, s = sp.states_at
+    t = tp.states["answer"]
+    if len(rb) != len(t): raise RuntimeError(f"answer_kd: {len(rb)} student states for {len(t)} teacher states")
+    return state_kd_loss(s[:, 1:], t[:, 1:])
+
+# %% ../nbs/06_latent.ipynb #6b5cc13f
 def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = CodiOptions(), teacher=None,
                  ss_coins: torch.Tensor | None = None, chunk_size: int = 1024, return_logprobs: bool = False,
                  generator: torch.Generator | None = None, return_states: bool = False) -> CodiOutput:
@@ -286,37 +426,36 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     n_sp = torch.tensor([len(e["spans"]) for e in examples], device=dev)            # [B]
     K, n_layers = int(n_sp.max()), lm.model.config.num_hidden_layers
     layers = kd_layer_indices(opts, n_layers, teacher is not None)
-    t_ce, t_anc, t_logits = teacher_pass(lm, examples, layers, teacher, opts.kd_target == "logit", chunk_size, opts.grad_ckpt)
+    plan = _objective_plan(examples, opts, lm.spec.latent_steps, dev)
+    tp = teacher_pass(lm, examples, layers, teacher, opts.kd_target == "logit", chunk_size, opts.grad_ckpt, plan["gather"])
     if ss_coins is None:
         ss_coins = torch.rand(B, K + 1, generator=generator) < opts.ss_p if opts.ss_p > 0 else torch.zeros(B, K + 1, dtype=torch.bool)
     sp = student_pass(lm, examples, layers=layers if opts.kd_target == "hidden" else None, ss_coins=ss_coins,
-                      chunk_size=chunk_size, return_logprobs=return_logprobs, return_latents=return_states)
+                      chunk_size=chunk_size, return_logprobs=return_logprobs,
+                      return_latents=return_states or bool(opts.recon) or (bool(opts.value_kd) and opts.value_kd_at == "embed"),
+                      latent_states=bool(opts.value_kd) and opts.value_kd_at != "embed",
+                      states_at=plan.get("answer_mask") if opts.answer_kd else None,
+                      token_weight=plan["weight"] if opts.answer_weight != 1.0 else None)
     # ---- losses, each a per-example mean averaged over the batch
-    s_ce = sp.ce_sum / sp.ce_cnt.clamp_min(1)                                         # [B]
     S = torch.stack(sp.anchors, 1)                                                    # [B, K, L_sel, H]
     valid = torch.arange(K, device=dev)[None] < n_sp[:, None]                         # [B, K]
     if opts.single_anchor: valid = torch.arange(K, device=dev)[None] == (n_sp[:, None] - 1)
-    vf = valid.float()
-    if opts.kd_target == "logit":
-        T = opts.kd_temp
-        zs = (S[:, :, 0] @ W.T).float() / T                                           # [B, K, V]
-        zt = t_logits.float() / T
-        kl = (F.softmax(zt, -1) * (F.log_softmax(zt, -1) - F.log_softmax(zs, -1))).sum(-1)  # [B, K]
-        kd_ex = (kl * vf).sum(1) / vf.sum(1).clamp_min(1) * T * T
-        dist = kl.detach()[:, :, None]
-    else:
-        d = F.smooth_l1_loss(S, t_anc, reduction="none").mean(-1)                     # [B, K, L_sel]
-        if opts.kd_norm_std:   # CODI: each layer's loss divided by the teacher's std over the batch's anchors
-            d = d / t_anc[valid].std(dim=(0, 2)).clamp_min(1e-6)[None, None, :]
-        kd_ex = (d * vf[:, :, None]).sum((1, 2)) / (vf.sum(1) * d.shape[-1]).clamp_min(1)
-        dist = d.detach()
-    L_t = t_ce.mean() if t_ce is not None else None
-    L_s, L_kd = s_ce.mean(), kd_ex.mean()
+    kd_ex, dist = _anchor_kd(opts, S, tp, valid, W)
+    L_t = tp.ce.mean() if tp.ce is not None else None
+    L_s, L_kd = (sp.ce_sum / sp.ce_cnt.clamp_min(1)).mean(), kd_ex.mean()
     loss = opts.b * L_s + opts.g * L_kd + (opts.a * L_t if L_t is not None else 0.0)
-    metrics = {"loss": loss.item(), "teacher_loss": L_t.item() if L_t is not None else 0.0, "student_loss": L_s.item(),
-               "kd_loss": L_kd.item(), "model_calls": sp.calls, "n_spans": int(n_sp.sum()), "n_tokens": int(sp.ce_cnt.sum())}
+    metrics = {"teacher_loss": L_t.item() if L_t is not None else 0.0, "student_loss": L_s.item(), "kd_loss": L_kd.item(),
+               "model_calls": sp.calls, "n_spans": int(n_sp.sum()), "n_tokens": sp.n_scored}
+    for w, name, fn in ((opts.value_kd, "value_kd", lambda: _value_kd(opts, plan, sp, tp, lm)),
+                        (opts.answer_kd, "answer_kd", lambda: _answer_kd(sp, tp, plan)),
+                        (opts.recon, "recon", lambda: recon_loss(lm, examples, sp.latents, chunk_size))):
+        if not w: continue
+        l, m = fn()
+        loss = loss + w * l; metrics[f"{name}_loss"] = l.item()
+    metrics["loss"] = loss.item()
     out = CodiOutput(loss, metrics, dist, valid, layers, sp.trace_lp)
-    if return_states: out.latents, out.student_states, out.teacher_states = sp.latents, S.detach(), t_anc
+    if return_states:
+        out.latents, out.student_states, out.teacher_states = sp.latents.detach(), S.detach(), tp.anchors
     return out
 
 # %% ../nbs/06_latent.ipynb #eb1e9aa1

@@ -21,7 +21,7 @@ from .logprobs import (IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, token_logpro
 
 # %% auto #0
 __all__ = ['BENCH_CHUNK', 'group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput', 'generalized_jsd',
-           'generalized_jsd_from_hidden', 'hidden_kd_loss', 'logit_kd_loss', 'bench']
+           'generalized_jsd_from_hidden', 'hidden_kd_loss', 'logit_kd_loss', 'state_kd_loss', 'embed_kd_loss', 'bench']
 
 # %% ../nbs/05_losses.ipynb #76fb23d0
 def _floats(d: dict) -> dict:
@@ -530,6 +530,31 @@ def logit_kd_loss(student_logits: torch.Tensor,   # [N, V]
     kl = torch.where(pt > 0, pt * (t - s), torch.zeros_like(s)).sum(-1)   # [N]
     loss = kl.sum() / max(kl.shape[0], 1) * T * T
     return loss, _floats({"loss": loss.detach(), "kl": (kl.sum() / max(kl.shape[0], 1)).detach()})
+
+# %% ../nbs/05_losses.ipynb #965f0680
+def state_kd_loss(student: torch.Tensor,   # [M, L, H] student states
+                  teacher: torch.Tensor,   # [M, L, H] teacher states at the matched places (detached here)
+                  beta: float = 1.0,
+                  eps: float = 1e-6,
+                 ) -> tuple[torch.Tensor, dict]:
+    "Smooth-L1 between states after dividing each layer by the teacher's std (over places and features); mean."
+    if student.shape != teacher.shape: raise ValueError(f"student {tuple(student.shape)} vs teacher {tuple(teacher.shape)}")
+    if student.shape[0] == 0:
+        return student.sum() * 0.0, {"loss": 0.0, "n": 0}                            # nothing to distil in this batch
+    t = teacher.detach().to(student.dtype)
+    sd = t.std(dim=(0, 2), keepdim=True).clamp_min(eps) if t.shape[0] * t.shape[2] > 1 else torch.ones_like(t[:1, :, :1])  # [1, L, 1]
+    per_layer = F.smooth_l1_loss(student / sd, t / sd, reduction="none", beta=beta).mean(dim=(0, 2))   # [L]
+    loss = per_layer.mean()
+    return loss, _floats({"loss": loss.detach(), "per_layer_loss": per_layer.detach(), "n": torch.tensor(float(student.shape[0]))})
+
+def embed_kd_loss(z: torch.Tensor,        # [M, H] latent input vectors
+                  target: torch.Tensor,   # [M, H] embedding rows they should stand for (detached here)
+                  scale,                  # mean squared norm of the embedding table
+                 ) -> tuple[torch.Tensor, dict]:
+    "Mean squared distance of latent vectors to their target embeddings, in units of the table's mean squared norm."
+    if z.shape[0] == 0: return z.sum() * 0.0, {"loss": 0.0, "n": 0}
+    loss = ((z - target.detach().to(z.dtype)) ** 2).sum(-1).mean() / scale
+    return loss, _floats({"loss": loss.detach(), "n": torch.tensor(float(z.shape[0]))})
 
 # %% ../nbs/05_losses.ipynb #d3499092
 BENCH_CHUNK = DEFAULT_CHUNK    # rows per chunk, the library default (tuned on CPU at V = 32768)

@@ -469,6 +469,14 @@ class CodiConfig:
     ss_prob: float = 0.0
     ss_ramp_frac: float = 0.5
     grad_ckpt: bool = False             # gradient checkpointing of the teacher forward
+    value_kd: float = 0.0               # distil each block's latent states to the teacher's at the value it replaced
+    value_kd_at: str = "predict"        # predict | tokens | embed (latent_rl.latent.CodiOptions)
+    answer_kd: float = 0.0              # distil the states predicting the RETURN value
+    answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
+    recon: float = 0.0                  # block-local reconstruction of each block's replaced state
+    curriculum: float = 0.0             # fraction of the steps over which the latent share of spans grows to all (0: off)
+    curriculum_from: str = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
+    prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
     steps: int = 300
     batch_size: int = 16
     grad_accum: int = 1
@@ -493,16 +501,22 @@ class CodiConfig:
         from latent_rl.latent import CodiOptions
         layers = tuple(int(x) for x in self.kd_layers.split(",") if x.strip()) or None
         if self.kd_target not in ("hidden", "logit"): raise ValueError(f"CodiConfig.kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
+        if self.curriculum_from not in ("end", "start"): raise ValueError(f"CodiConfig.curriculum_from must be 'end' or 'start', got {self.curriculum_from!r}")
+        if self.prj_init not in ("default", "embed"): raise ValueError(f"CodiConfig.prj_init must be 'default' or 'embed', got {self.prj_init!r}")
         return CodiOptions(a=self.a, b=self.b, g=self.g, kd_target=self.kd_target, kd_layers=layers, kd_temp=self.kd_temp,
-                           kd_norm_std=self.kd_norm_std, single_anchor=self.single_anchor, grad_ckpt=self.grad_ckpt)
+                           kd_norm_std=self.kd_norm_std, single_anchor=self.single_anchor, grad_ckpt=self.grad_ckpt,
+                           value_kd=self.value_kd, value_kd_at=self.value_kd_at, answer_kd=self.answer_kd,
+                           answer_weight=self.answer_weight, recon=self.recon)
 
 def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     "Train a CODI latent student; returns `{out}/final` (a latent model directory)."
     from latent_rl.latent import LatentModel, codi_forward
-    from latent_rl.tokens import codi_example
+    from latent_rl.tokens import codi_example, latent_subset
     acc = setup(cfg.seed); write_config(cfg, acc)
+    opts = cfg.options()
     lm, tok = LatentModel.load(cfg.model, dtype=cfg.dtype, latent_steps=cfg.latent_steps)
     lm.spec.latent_steps = cfg.latent_steps
+    if cfg.prj_init == "embed" and not LatentModel.is_latent_dir(cfg.model): lm.init_projector_to_embeddings()
     lm.to(acc.device)
     teacher = None
     if cfg.teacher:
@@ -510,9 +524,9 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
         if len(ttok) != len(tok): raise ValueError(f"teacher {cfg.teacher} has {len(ttok)} tokens, student {cfg.model} has {len(tok)}")
         teacher.to(acc.device).eval().requires_grad_(False)
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)
-    exs = [e for e in (codi_example(tok, r, cfg.max_len, cfg.max_spans or None) for r in rows) if e is not None]
+    exs = [e for e in (codi_example(tok, r, cfg.max_len, cfg.max_spans or None, targets=opts.needs_targets) for r in rows)
+           if e is not None]
     if not exs: raise ValueError(f"{cfg.train}: no usable CODI examples (need ≥1 LINE frame within max_len={cfg.max_len})")
-    opts = cfg.options()
     rec = RunRecord(cfg.out, acc.is_main_process, "kd_anchors.jsonl")
     log0(acc, f"codi: {n_params(lm):,} params (projector included), {len(exs)} examples, latent_steps={cfg.latent_steps}, "
               f"{'frozen' if teacher is not None else 'shared-weight'} teacher, {cfg.steps} steps × {cfg.batch_size}")
@@ -523,6 +537,9 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     logged = set()
     def micro_loss(step, part, idx):
         batch = [exs[i] for i in part]
+        if cfg.curriculum > 0:   # the latent share of each example's spans grows linearly to 1 over `curriculum` of the run
+            frac = min(1.0, (step + 1) / max(1.0, cfg.curriculum * cfg.steps))
+            batch = [latent_subset(e, math.ceil(frac * len(e["spans"])), cfg.curriculum_from == "start") for e in batch]
         coins = None
         if opts.ss_p > 0:   # a coin per (seed, step, example): the same on any number of processes and after a resume
             K = max(len(e["spans"]) for e in batch)
@@ -533,7 +550,7 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
             logged.add(step)
             rec.log(step=step, ids=[e.get("id") for e in batch], layers=o.layers,
                     dist=[d[v].tolist() for d, v in zip(o.kd_dist, o.kd_valid)])       # per example: [anchors][layers]
-        m = dict(o.metrics, ss_p=opts.ss_p)
+        m = dict(o.metrics, ss_p=opts.ss_p, latent_share=sum(len(e["spans"]) for e in batch) / sum(len(exs[i]["spans"]) for i in part))
         return o.loss * len(part) / len(idx), m
 
     def save(d): lm.save(d, tok)

@@ -4,14 +4,16 @@
 
 # %% ../nbs/02_tokens.ipynb #c1a003d7
 from __future__ import annotations
+import json, re
 from typing import Iterable, Sequence
 
 import torch
-from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, END_OF_TEXT, prompt_text
+from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, prompt_text, parse_trace
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'add_trace_tokens', 'resize_embeddings', 'trace_token_ids', 'train_tokenizer', 'encode',
-           'answer_text', 'sft_example', 'find_spans', 'codi_example', 'pad_collate', 'left_pad']
+           'answer_text', 'sft_example', 'find_spans', 'codi_example', 'resolved_locals', 'trace_targets',
+           'latent_subset', 'pad_collate', 'left_pad']
 
 # %% ../nbs/02_tokens.ipynb #dfebc108
 IGNORE_INDEX = -100
@@ -96,14 +98,65 @@ def find_spans(trace_ids: Sequence[int], line_sep_id: int, action_sep_id: int) -
         i += 1
     return spans
 
-def codi_example(tok, row: dict, max_len: int | None = None, max_spans: int | None = None) -> dict | None:
-    "`{prompt_ids, trace_ids, spans}` for a traced row; None if too long or without any LINE frame."
+def codi_example(tok, row: dict, max_len: int | None = None, max_spans: int | None = None, targets: bool = True) -> dict | None:
+    """`{prompt_ids, trace_ids, spans}` for a traced row (+ `value_tok`, `answer_tok`, `recon_ids` with `targets`,
+    see `trace_targets`); None if too long or without any LINE frame."""
     ids = trace_token_ids(tok)
-    p, t = encode(tok, prompt_text(row["code"], row["input"])), encode(tok, row["trace"])
+    p = encode(tok, prompt_text(row["code"], row["input"]))
+    tt = trace_targets(tok, row["trace"]) if targets and getattr(tok, "is_fast", False) else {"trace_ids": encode(tok, row["trace"])}
+    t = tt["trace_ids"]
     if max_len and len(p) + len(t) > max_len: return None
     spans = find_spans(t, ids[LINE_SEP], ids[ACTION_SEP])
     if not spans or (max_spans and len(spans) > max_spans): return None
-    return {"prompt_ids": p, "trace_ids": t, "spans": spans, "id": row.get("id")}
+    ex = {"prompt_ids": p, "trace_ids": t, "spans": spans, "id": row.get("id")}
+    if len(tt.get("value_tok", ())) == len(spans) and len(tt.get("recon_ids", ())) == len(spans):   # a CWM trace
+        ex.update(value_tok=tt["value_tok"], answer_tok=tt["answer_tok"], recon_ids=tt["recon_ids"])
+    return ex
+
+# %% ../nbs/02_tokens.ipynb #77a51a52
+_LOCAL = re.compile(r'"((?:[^"\\]|\\.)*)": "((?:[^"\\]|\\.)*)"')                       # "name": "repr" in a locals dict
+_ANSWER = re.compile(re.escape(ARG_SEP) + r'"((?:[^"\\]|\\.)*)"' + re.escape(FRAME_SEP))
+
+def _char_targets(trace: str) -> tuple[list, list]:
+    "Char spans of each LINE frame's changed value (or None) and of every RETURN value."
+    values, i = [], 0
+    while (i := trace.find(LINE_SEP, i)) >= 0:
+        j = trace.find(ACTION_SEP, i)
+        if j < 0: break
+        ch = [m for m in _LOCAL.finditer(trace, i, j) if m.group(2) != ".."]
+        values.append(ch[-1].span(2) if ch else None); i = j
+    return values, [m.span(1) for m in _ANSWER.finditer(trace)]
+
+def resolved_locals(trace: str) -> list[dict]:
+    "Each LINE frame's full state: its locals with `\"..\"` replaced by the value the same scope last showed."
+    stack, out = [{}], []
+    for f in parse_trace(trace).frames:
+        if f.kind == "call": stack.append({})
+        if f.kind in ("call", "line"):
+            stack[-1] = {k: stack[-1].get(k, "?") if v == ".." else v for k, v in (f.locals or {}).items()}
+            if f.kind == "line": out.append(dict(stack[-1]))
+        elif len(stack) > 1: stack.pop()                                              # return / exception leaves a scope
+    return out
+
+# %% ../nbs/02_tokens.ipynb #bb0471d0
+def trace_targets(tok, trace: str) -> dict:
+    "`{trace_ids, value_tok, answer_tok, recon_ids}` of a CWM trace (see above); None-free lists, [] where nothing applies."
+    enc = tok(trace, add_special_tokens=False, return_offsets_mapping=True)
+    ids, off = enc["input_ids"], enc["offset_mapping"]                                # [T], [T] (start, end) chars
+    covering = lambda s, e: [t for t, (a, b) in enumerate(off) if a < e and b > s]    # tokens overlapping [s, e)
+    values, answers = _char_targets(trace)
+    return {"trace_ids": ids, "value_tok": [covering(*v) if v else [] for v in values],
+            "answer_tok": [t for s, e in answers for t in covering(s, e)],
+            "recon_ids": [encode(tok, json.dumps(l)) for l in resolved_locals(trace)]}
+
+# %% ../nbs/02_tokens.ipynb #f338f836
+_PER_SPAN = ("spans", "value_tok", "recon_ids")
+
+def latent_subset(ex: dict, k: int, from_start: bool = False) -> dict:
+    "`ex` with only `k` (≥ 1) of its spans latent: the last `k`, or the first `k` with `from_start`."
+    n = len(ex["spans"]); k = max(1, min(k, n))
+    sl = slice(0, k) if from_start else slice(n - k, n)
+    return {**ex, **{key: ex[key][sl] for key in _PER_SPAN if key in ex}}
 
 # %% ../nbs/02_tokens.ipynb #aab98cf0
 def pad_collate(examples: list[dict], pad_id: int, keys=("input_ids", "labels")) -> dict[str, torch.Tensor]:

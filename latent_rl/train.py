@@ -10,7 +10,7 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['TRACING', 'UNSAFE_FLAG', 'DATA_DEFAULTS', 'PENDING', 'COMMANDS', 'sandbox_flag', 'cmd_doctor', 'cmd_data',
            'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot',
-           'cmd_diagnose', 'cmd_presets', 'cmd_serve_teacher', 'main']
+           'cmd_diagnose', 'cmd_sweep', 'cmd_presets', 'cmd_serve_teacher', 'main']
 
 # %% ../nbs/14_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -145,6 +145,10 @@ def cmd_diagnose(argv):
     from latent_rl.diagnose import main as diagnose_main
     return diagnose_main(argv)
 
+def cmd_sweep(argv):
+    from latent_rl.sweep import main as sweep_main
+    return sweep_main(argv)
+
 def cmd_presets(argv):
     from latent_rl.presets import PRESETS, preset_toml
     names = argv or sorted(PRESETS)
@@ -158,7 +162,7 @@ def cmd_serve_teacher(argv):
 
 COMMANDS = {"data": cmd_data, "trace": cmd_trace, "sft": cmd_sft, "codi": cmd_codi, "gkd": cmd_gkd, "grpo": cmd_grpo, "eval": cmd_eval,
             "demo": cmd_demo, "bench": cmd_bench, "serve-teacher": cmd_serve_teacher, "plot": cmd_plot,
-            "diagnose": cmd_diagnose, "presets": cmd_presets, "doctor": cmd_doctor}
+            "diagnose": cmd_diagnose, "presets": cmd_presets, "doctor": cmd_doctor, "sweep": cmd_sweep}
 
 def main(argv: list[str] | None = None):
     argv = sandbox_flag(list(sys.argv[1:] if argv is None else argv))
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None):
               "  eval   output-prediction accuracy (per-example records under --out, default runs/eval)\n"
               "  plot   figures of a run directory (PNG)\n  diagnose  why a latent student trails its teacher (markdown report)\n"
               "  presets  print the named recipes (--recipe NAME on any stage)\n  demo   the whole pipeline on CPU\n"
+              "  sweep  a grid of runs × seeds with held-out CIs and latent counterfactuals (resumable)\n"
               "  bench  benchmarks (python -m latent_rl.bench)\n  doctor  what the tracer's sandbox does on this machine\n\n"
               "  --unsafe-no-sandbox  (any command) trace untrusted programs even where the sandbox cannot start")
         return 0

@@ -213,7 +213,7 @@ def test_kd_norm_std_divides_each_layer_loss_by_teacher_std():
     a = codi_forward(lm, exs, CodiOptions())
     b = codi_forward(lm, exs, CodiOptions(kd_norm_std=True))
     from latent_rl.latent import teacher_pass
-    _, t_anc, _ = teacher_pass(lm, exs, a.layers)
+    t_anc = teacher_pass(lm, exs, a.layers).anchors
     std = t_anc[a.kd_valid].std(dim=(0, 2))                                    # per layer
     assert torch.allclose(b.kd_dist * std[None, None, :], a.kd_dist, atol=1e-6)
     assert b.metrics["student_loss"] == pytest.approx(a.metrics["student_loss"])
@@ -234,3 +234,102 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     for x, y in zip(ga, gb):
         if x is not None: assert torch.allclose(x, y, atol=1e-6)
     assert not lm.model.is_gradient_checkpointing     # switched off again for the cached student calls
+
+# ---------------------------------------------------------------- the latent objectives against a per-example reference
+from latent_rl.losses import state_kd_loss, embed_kd_loss
+
+def with_targets(ex, rng):
+    "Synthetic CWM-like targets: value tokens inside each span's dropped locals (or none), answer tokens after the last block."
+    e = dict(ex)
+    e["value_tok"] = [list(range(i + 1, min(j, i + 1 + rng.randrange(1, 4)))) if rng.random() < 0.8 else [] for i, j in ex["spans"]]
+    last = ex["spans"][-1][1]
+    e["answer_tok"] = sorted(rng.sample(range(last + 1, len(ex["trace_ids"])), min(2, len(ex["trace_ids"]) - last - 1)))
+    e["recon_ids"] = [[rng.randrange(1, 30) for _ in range(rng.randrange(1, 5))] for _ in ex["spans"]]
+    return e
+
+def ref_objectives(lm, examples, opts, teacher=None):
+    "The value/answer/recon terms and the answer-weighted student CE, one example at a time (the seed's call pattern)."
+    model, prj, S = lm.model, lm.prj, lm.spec.latent_steps
+    body, emb = model.model, model.get_input_embeddings()
+    E, tmodel = emb.weight, teacher if teacher is not None else model
+    sv, tv, sa, ta, rec_lp, ces = [], [], [], [], [], []
+    for ex in examples:
+        prompt, trace = torch.tensor(ex["prompt_ids"]), torch.tensor(ex["trace_ids"])
+        with torch.no_grad(): ths = tmodel(input_ids=torch.cat([prompt, trace])[None], output_hidden_states=True).hidden_states
+        T_at = lambda p: torch.stack([h[0, len(prompt) + p] for h in ths])              # [L+1, H]
+        o = model(inputs_embeds=emb(prompt[None]), use_cache=True)
+        cache, prev = out_cache(o), o.logits[:, -1]
+        segs, pv = [], 0
+        for k, (i, j) in enumerate(ex["spans"]): segs.append(("text", pv, i + 1)); segs.append(("latent", k, None)); pv = j
+        segs.append(("text", pv, len(trace)))
+        lps, ws = [], []
+        for kind, a, b in segs:
+            if kind == "latent":
+                o = body(inputs_embeds=emb(torch.tensor([[lm.spec.latent_start_id]])), use_cache=True, **cache_kw(body, cache))
+                cache, h = out_cache(o), o.last_hidden_state[:, -1:]
+                zs, hs = [], []
+                for _ in range(S):
+                    z = prj(h); zs.append(z[0, 0])
+                    o = body(inputs_embeds=z, use_cache=True, output_hidden_states=True, **cache_kw(body, cache))
+                    cache, h = out_cache(o), o.last_hidden_state[:, -1:]; hs.append(torch.stack([x[0, 0] for x in o.hidden_states]))
+                vt = ex["value_tok"][a]
+                if vt and opts.value_kd_at == "predict": sv.append(hs[-1]); tv.append(T_at(vt[0] - 1))
+                if vt and opts.value_kd_at == "tokens":
+                    for q in range(min(S, len(vt))): sv.append(hs[q]); tv.append(T_at(vt[q]))
+                if vt and opts.value_kd_at == "embed":
+                    for q in range(S): sv.append(zs[q]); tv.append(E[trace[vt[q] if q < len(vt) else min(vt[-1] + 1, len(trace) - 1)]])
+                dec = torch.cat([emb(torch.tensor([lm.spec.latent_start_id])), torch.stack(zs), emb(torch.tensor([lm.spec.latent_end_id])),
+                                 emb(torch.tensor(ex["recon_ids"][a] + [lm.spec.action_sep_id]))])[None]
+                dl = model(inputs_embeds=dec).logits[0, S + 1:-1]
+                rec_lp.append(F.log_softmax(dl, -1).gather(-1, torch.tensor(ex["recon_ids"][a] + [lm.spec.action_sep_id])[:, None]))
+                o = body(inputs_embeds=emb(torch.tensor([[lm.spec.latent_end_id]])), use_cache=True, **cache_kw(body, cache))
+                cache, prev = out_cache(o), model.lm_head(o.last_hidden_state[:, -1])
+                continue
+            ids = trace[a:b]
+            lps.append(F.log_softmax(prev, -1)[0, ids[0]][None]); ws.append(a)
+            o = model(inputs_embeds=emb(ids[None]), use_cache=True, output_hidden_states=True, **cache_kw(model, cache))
+            cache = out_cache(o)
+            if len(ids) > 1:
+                lps.append(F.log_softmax(o.logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]); ws.extend(range(a + 1, b))
+                for t in ex["answer_tok"]:
+                    if a < t < b: sa.append(torch.stack([x[0, t - 1 - a] for x in o.hidden_states])); ta.append(T_at(t - 1))
+            prev = o.logits[:, -1]
+        w = torch.tensor([opts.answer_weight if t in ex["answer_tok"] else 1.0 for t in ws])
+        ces.append(-(torch.cat(lps) * w).sum() / w.sum())
+    out = {"student_loss": torch.stack(ces).mean()}
+    if opts.value_kd:
+        out["value_kd_loss"] = (embed_kd_loss(torch.stack(sv), torch.stack(tv), (E.detach().norm(dim=-1) ** 2).mean())[0]
+                                if opts.value_kd_at == "embed" else
+                                state_kd_loss(torch.stack(sv)[:, 1 if opts.value_kd_at == "predict" else 0:],
+                                              torch.stack(tv)[:, 1 if opts.value_kd_at == "predict" else 0:])[0])
+    if opts.answer_kd: out["answer_kd_loss"] = state_kd_loss(torch.stack(sa)[:, 1:], torch.stack(ta)[:, 1:])[0]
+    if opts.recon: out["recon_loss"] = -torch.cat(rec_lp).mean()
+    return out
+
+OBJ = [dict(value_kd=1.0, value_kd_at=m) for m in ("predict", "tokens", "embed")] + [dict(answer_kd=1.0), dict(answer_weight=4.0), dict(recon=1.0)]
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("obj", OBJ, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_latent_objectives_equal_reference(obj, steps):
+    import random
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps))
+    rng = random.Random(11)
+    exs = [with_targets(e, rng) for e in batch(6)]
+    opts = CodiOptions(g=0.0, a=0.0, **obj)                                    # only the student CE and the new term
+    out = codi_forward(lm, exs, opts)
+    ref = ref_objectives(lm, exs, opts)
+    name = next(k for k in ref if k != "student_loss") if len(ref) > 1 else "student_loss"
+    assert abs(out.metrics["student_loss"] - ref["student_loss"].item()) < 1e-5
+    assert abs(out.metrics[name] - ref[name].item()) < 1e-5 * max(1.0, abs(ref[name].item())), (out.metrics[name], ref[name].item())
+    params = [p for p in lm.parameters()]
+    ref_total = opts.b * ref["student_loss"] + (getattr(opts, name.replace("_loss", ""), 0.0) if name != "student_loss" else 0.0) * ref[name]
+    gb = torch.autograd.grad(out.loss, params, allow_unused=True)
+    gr = torch.autograd.grad(ref_total, params, allow_unused=True)
+    for a, b in zip(gb, gr):
+        if a is None and b is None: continue
+        a = torch.zeros_like(b) if a is None else a; b = torch.zeros_like(a) if b is None else b
+        assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-8) + 1e-7, ((a - b).norm(), b.norm())
+
+def test_objectives_refuse_examples_without_targets():
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP))
+    with pytest.raises(ValueError, match="targets=True"): codi_forward(lm, batch(0), CodiOptions(value_kd=1.0))
