@@ -1,5 +1,5 @@
 "The teacher server under careless and hostile clients: every abuse gets a clear 4xx/503 and the server keeps answering."
-import concurrent.futures, json, os, re, socket, subprocess, sys, time, urllib.error, urllib.request
+import concurrent.futures, importlib.util, json, os, re, socket, subprocess, sys, time, urllib.error, urllib.request
 import pytest
 from conftest import ROOT, TEACHER, ROWS, ONE, rows_of
 
@@ -167,3 +167,25 @@ def test_http_teacher_explains_a_logprob_cap_it_finds_by_probing(server):
     t._request = (lambda orig: lambda path, payload=None: (lambda r: (r["data"][0].pop("max_logprobs", None), r)[1])(orig(path, payload))
                   if path == "/v1/models" else orig(path, payload))(t._request)     # a server that, like vLLM, does not say
     with pytest.raises(TeacherUnavailable, match=r"vllm serve MODEL --max-logprobs 64"): t.models()
+
+def test_serve_rollouts_command_and_engine_choice():
+    "The vLLM server command (printed, no vLLM needed here) and the stage's engine choice, on CPU."
+    from conftest import run_cli
+    out = run_cli("serve-rollouts", "--model", TEACHER, "--max-logprobs", 64, "--print").stdout
+    for part in ("VLLM_SERVER_DEV_MODE=1 vllm serve", "--max-logprobs 64", "--logprobs-mode processed_logprobs",
+                 "--weight-transfer-config", "--max-model-len 2048", "--served-model-name teacher", "--host 127.0.0.1"):
+        assert part in out, (part, out)
+    p = run_cli("serve-rollouts", "--model", TEACHER, "--host", "0.0.0.0", "--print", check=False, env={"LATENT_RL_API_KEY": ""})
+    assert p.returncode != 0 and "--api-key" in p.stderr
+    p = run_cli("serve-rollouts", "--model", TEACHER, "--max-model-len", 4096, "--print", check=False)
+    assert p.returncode != 0 and "context" in p.stderr
+    from types import SimpleNamespace
+    from latent_rl.policy import make_rollout_engine
+    from latent_rl.grpo import GRPOConfig
+    text, latent = SimpleNamespace(kind="text"), SimpleNamespace(kind="latent")
+    assert make_rollout_engine(GRPOConfig(), text) is None
+    with pytest.raises(ValueError, match="vllm_mode"): make_rollout_engine(GRPOConfig(use_vllm=True, vllm_mode="remote"), text)
+    with pytest.raises(ValueError, match="latent blocks"): make_rollout_engine(GRPOConfig(use_vllm=True), latent)
+    if importlib.util.find_spec("vllm") is None:      # the colocated engine needs the extra: the error says how to get it
+        with pytest.raises(ImportError, match=r"pip install 'latent_rl\[vllm\]'"):
+            make_rollout_engine(GRPOConfig(use_vllm=True, model=str(TEACHER)), text)
