@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 FROM_SCRATCH ?= 0
 DEMO_ARGS ?=
 
-.PHONY: venv demo test export check-export check-clean check-readme readme nbtest pytest bench clean-venv
+.PHONY: venv demo test export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -55,7 +55,32 @@ readme: venv
 check-readme: venv
 	$(BIN)/python .ci/readme.py --check
 
-test: check-export check-clean check-readme nbtest pytest
+# The vLLM extra resolves together with the core's pins: a dry run (package metadata only, nothing installed). It fails on a
+# conflict, and fails (never hangs) when the index cannot be reached: 30 s per connection, one retry, 10 minutes in all.
+check-deps: venv
+	@rm -f /tmp/latent_rl-vllm-resolve.json; \
+	if ! timeout 600 $(BIN)/pip install --dry-run --ignore-installed --quiet --timeout 30 --retries 1 \
+	     --report /tmp/latent_rl-vllm-resolve.json ".[vllm]"; then \
+	  echo "check-deps: '.[vllm]' does not resolve with the core requirements (or the package index is unreachable): see above"; exit 1; fi; \
+	$(BIN)/python -c "import json; r = {p['metadata']['name'].lower(): p['metadata']['version'] for p in json.load(open('/tmp/latent_rl-vllm-resolve.json'))['install']}; print('check-deps: .[vllm] resolves:', ', '.join(f'{k} {r[k]}' for k in ('vllm', 'torch', 'transformers', 'tokenizers', 'accelerate')))"
+
+test: check-export check-clean check-readme check-deps nbtest pytest
+
+# The CPU suite on the lowest transformers the core accepts (pyproject: transformers>=5.16.1), in its own venv.
+LOWEST_TRANSFORMERS ?= 5.16.1
+.venv-lowest/.installed: pyproject.toml
+	@test -x .venv-lowest/bin/python || $(PY) -m venv .venv-lowest
+	@.venv-lowest/bin/python -c "import torch" 2>/dev/null || .venv-lowest/bin/pip install -q "$(TORCH_SPEC)"
+	.venv-lowest/bin/pip install -q -e ".[dev]" "transformers==$(LOWEST_TRANSFORMERS)"
+	@touch $@
+
+test-lowest: .venv-lowest/.installed
+	.venv-lowest/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	.venv-lowest/bin/python -m pytest tests -q -ra
+
+# GPU and vLLM checks (tests/test_gpu.py) as one script with PASS/FAIL lines, for a machine with a CUDA GPU.
+gpu-check:
+	@bash .ci/gpu_check.sh
 
 bench: venv
 	$(BIN)/python -m latent_rl.bench all

@@ -15,7 +15,7 @@ from .trace import LINE_SEP, ACTION_SEP
 from .losses import generalized_jsd_from_hidden, sft_loss
 from .logprobs import token_logprobs
 from .generate import row_key
-from .policy import Policy, completion_labels, sampled_mask
+from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
 from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices
@@ -100,7 +100,14 @@ class GKDConfig:
     truncation_strategy: str = "delete"  # delete | keep
     max_resample_rounds: int = 10
     max_locals: int = 48                 # explicit-trace teacher: longest locals it writes per block
-    use_vllm: bool = False               # text students on a GPU
+    use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
+    vllm_mode: str = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
+    vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL
+    vllm_gpu_memory_utilization: float = 0.3    # colocate: the engine's share of each GPU
+    vllm_tensor_parallel_size: int = 1   # colocate: ranks that share one engine
+    vllm_max_model_len: int = 0          # colocate: 0 = the model's context
+    vllm_sleep: bool = True              # colocate: release the engine's memory between generations
+    vllm_group_port: int = 51216         # server mode: port of the NCCL weight-sync group (on rank 0's machine)
     http_timeout: float = 60.0
     http_retries: int = 3
     http_backoff: float = 1.0            # seconds before the first retry (doubling)
@@ -167,9 +174,7 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     n, W, spg = len(data), acc.num_processes, max(1, cfg.steps_per_generation)
     fits = (lambda i: len(data[i]["prompt"]) + len(data[i]["completion"]) <= cfg.max_len) if cfg.truncation_strategy == "delete" else (lambda i: True)
     engine = None
-    if cfg.use_vllm and policy.kind == "text":
-        from latent_rl.policy import VLLMEngine
-        engine = VLLMEngine(cfg.model, dtype="bfloat16" if cfg.dtype == "bf16" else "float32", seed=cfg.seed)
+    if cfg.use_vllm and policy.kind == "text": engine = make_rollout_engine(cfg, policy)
     log0(acc, f"gkd: {policy.kind} student {cfg.model} ({n_params(policy.module):,} params), teacher {cfg.teacher} "
               f"({type(teacher).__name__}), λ={cfg.lmbda}, β={cfg.beta}, {n} rows, {cfg.steps} steps × {cfg.batch_size}")
     buf = {}                 # step -> this rank's items for that step (the current generation cycle)

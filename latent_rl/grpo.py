@@ -12,7 +12,7 @@ import torch
 from .trace import prompt_text
 from .tokens import encode
 from .losses import grpo_loss, group_advantages
-from .policy import Policy, sampled_mask
+from .policy import Policy, sampled_mask, make_rollout_engine
 from .generate import row_key
 from .rewards import weighted
 from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, peak_memory_mb
@@ -60,7 +60,14 @@ class GRPOConfig:
     eps_high: float = 0.2
     norm: str = "sequence"               # sequence (seed) | token
     adv_scale: str = "group"             # group | batch | none
-    use_vllm: bool = False               # text policies on a GPU
+    use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
+    vllm_mode: str = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
+    vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL
+    vllm_gpu_memory_utilization: float = 0.3    # colocate: the engine's share of each GPU
+    vllm_tensor_parallel_size: int = 1   # colocate: ranks that share one engine
+    vllm_max_model_len: int = 0          # colocate: 0 = the model's context
+    vllm_sleep: bool = True              # colocate: release the engine's memory between generations
+    vllm_group_port: int = 51216         # server mode: port of the NCCL weight-sync group (on rank 0's machine)
     steps: int = 50
     lr: float = 1e-4
     min_lr_frac: float = 1.0             # constant after warmup (the seed's schedule)
@@ -92,10 +99,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     prompts = [encode(policy.tok, prompt_text(r["code"], r["input"])) for r in rows]
     n, W, spg, G = len(rows), acc.num_processes, max(1, cfg.steps_per_generation), cfg.group_size
     engine = None
-    if cfg.use_vllm:
-        if policy.kind == "latent": raise ValueError("use_vllm: vLLM cannot run latent blocks; latent policies use the latent decoder")
-        from latent_rl.policy import VLLMEngine
-        engine = VLLMEngine(cfg.model, dtype="bfloat16" if cfg.dtype == "bf16" else "float32", seed=cfg.seed)
+    if cfg.use_vllm: engine = make_rollout_engine(cfg, policy)
     log0(acc, f"grpo: {policy.kind} policy {cfg.model} ({n_params(policy.module):,} params), {n} prompts, "
               f"{cfg.steps} steps × {cfg.batch_size} prompts × {G} samples, rewards {reward_fn.weights}")
     buf, tcount = {}, {}

@@ -4,6 +4,8 @@
 
 # %% ../nbs/08_policy.ipynb #8234e296
 from __future__ import annotations
+import json, os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,9 @@ from .latent import LatentModel, student_pass
 from .generate import Rollout, generate_text, generate_latent
 
 # %% auto #0
-__all__ = ['replay_examples', 'completion_labels', 'sampled_mask', 'Policy', 'VLLMEngine']
+__all__ = ['replay_examples', 'completion_labels', 'sampled_mask', 'Policy', 'named_weights', 'layer_chunks',
+           'colocate_llm_kwargs', 'ensure_dist_env', 'VLLMEngine', 'completion_request', 'parse_completion_choice',
+           'VLLMServerEngine', 'vllm_serve_command', 'serve_rollouts', 'make_rollout_engine']
 
 # %% ../nbs/08_policy.ipynb #b1197e3c
 def replay_examples(prompts: list[list[int]], completions: list[list[int]], latent_at: list[list[int]] | None) -> list[dict]:
@@ -118,43 +122,252 @@ class Policy:
         lab = completion_labels(completions, h.shape[1], self.device)
         return token_logprobs(h, self.head_weight, lab, temperature, chunk_size), h
 
-# %% ../nbs/08_policy.ipynb #5eeaf369
+# %% ../nbs/08_policy.ipynb #355cdde5
+_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
+
+def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    "`(HF name, full tensor)` per parameter, gathered one at a time (a DTensor shard → `full_tensor()`), detached."
+    for name, p in model.named_parameters():     # tied weights appear once (vLLM re-ties them in `load_weights`)
+        for pre in _PREFIXES: name = name.replace(pre, "")
+        t = p.detach()
+        if hasattr(t, "full_tensor"): t = t.full_tensor()                      # FSDP2: all-gather this parameter only
+        yield name, t
+
+def layer_chunks(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    "Group a weight stream by decoder layer (the first integer in the name): at most one layer is materialised at a time."
+    key, cur = None, []
+    for name, t in weights:
+        k = next((".".join(name.split(".")[:i + 1]) for i, s in enumerate(name.split(".")) if s.isdigit()), None)
+        if cur and k != key: yield cur; cur = []
+        key = k; cur.append((name, t))
+    if cur: yield cur
+
+# %% ../nbs/08_policy.ipynb #d3c2fb07
+def _model_context(model_path) -> int | None:
+    try: cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError): return None
+    return cfg.get("max_position_embeddings")
+
+def colocate_llm_kwargs(model_path, *, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
+                        seed: int = 0, max_model_len: int | None = None, sleep: bool = True, world_size: int = 1) -> dict:
+    "Arguments of `vllm.LLM` for one engine per training rank (vLLM 0.33 `entrypoints/llm.py`, as TRL's colocate mode)."
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+        raise ValueError(f"vllm_tensor_parallel_size ({tensor_parallel_size}) must divide the number of training processes ({world_size})")
+    ctx = _model_context(model_path)
+    if max_model_len and ctx and max_model_len > ctx:
+        raise ValueError(f"vllm_max_model_len = {max_model_len} exceeds the model's context ({ctx}, max_position_embeddings)")
+    return dict(model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len or ctx,
+                distributed_executor_backend="external_launcher",   # each torchrun rank its own engine, on its own LOCAL_RANK GPU
+                enable_sleep_mode=sleep,                            # sleep(level=2) while training, wake_up before generating
+                logprobs_mode="processed_logprobs",                 # logprobs after temperature: what the ratio needs
+                enable_prefix_caching=True, max_num_batched_tokens=4096)
+
+def ensure_dist_env():
+    "`external_launcher` reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT: set them for a single process (torchrun sets them)."
+    import socket
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
+    os.environ.setdefault("RANK", "0"); os.environ.setdefault("WORLD_SIZE", "1"); os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s: s.bind(("127.0.0.1", 0)); os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+# %% ../nbs/08_policy.ipynb #8f36df4f
+def _as_rollout(prompts, comps: list[list[int]], lps: list[list[float]], temperature: float, eos_id: int) -> Rollout:
+    for b, (c, l) in enumerate(zip(comps, lps)):
+        if len(c) != len(l): raise RuntimeError(f"vLLM returned {len(l)} logprobs for {len(c)} tokens (row {b})")
+    fin = [bool(c) and c[-1] == eos_id for c in comps]
+    return Rollout([list(p) for p in prompts], comps, lps, temperature, [[] for _ in prompts], fin, 0)
+
+def _load_chunk(worker, blob: bytes):            # runs inside a vLLM worker process (multiprocessing on)
+    import io
+    weights = torch.load(io.BytesIO(blob), map_location=worker.device, weights_only=True)
+    worker.model_runner.get_model().load_weights(list(weights.items()))
+
 class VLLMEngine:
-    "In-process vLLM rollouts for a text policy; `sync(model)` pushes the trainer's weights after an optimizer step."
-    def __init__(self, model_path: str, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3, seed: int = 0,
-                 max_model_len: int = 4096):
-        try:
-            from vllm import LLM
+    "One colocated vLLM engine per training rank for a text policy: `sync(model)` after an optimizer step, `generate` with seeds."
+    def __init__(self, model_path, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3, seed: int = 0,
+                 max_model_len: int | None = None, tensor_parallel_size: int = 1, sleep: bool = True):
+        try: from vllm import LLM
         except ImportError as e:
             raise ImportError("vLLM rollouts need the optional extra: pip install 'latent_rl[vllm]' (GPU only); "
                               "or set use_vllm = false to generate with HF") from e
-        self.llm = LLM(model=str(model_path), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                       max_model_len=max_model_len, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+        ensure_dist_env()
+        world = int(os.environ["WORLD_SIZE"])
+        self.tp, self.sleep, self.tp_group = tensor_parallel_size, sleep, None
+        if tensor_parallel_size > 1:             # ranks [0..tp), [tp..2tp), ... share one engine's shards (as TRL)
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(i, i + tensor_parallel_size)) for i in range(0, world, tensor_parallel_size)])
+        kw = colocate_llm_kwargs(model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                                 seed=seed, max_model_len=max_model_len, sleep=sleep, world_size=world)
+        self.llm = LLM(**kw)
+        self.max_model_len, self.weights_loaded = kw["max_model_len"], True
+        if sleep: self.llm.sleep(level=2); self.weights_loaded = False     # level 2: weights are re-sent by sync()
+
+    @property
+    def in_process(self) -> bool:
+        "True when the engine core runs in this process (vLLM 0.33 forces this for `external_launcher`, config/parallel.py)."
+        return getattr(self.llm.llm_engine, "model_executor", None) is not None
+
+# %% ../nbs/08_policy.ipynb #1b4101f4
+@torch.no_grad()
+def _sync(self: VLLMEngine, model: nn.Module):
+    "Push `model`'s weights into the engine, one parameter (in-process) or one layer (multiprocessing) at a time."
+    if self.sleep:
+        if torch.cuda.is_available(): torch.cuda.empty_cache()
+        self.llm.wake_up(tags=["weights"])
+    if self.in_process:   # the worker's own reload path (vllm v1/worker/gpu_model_runner.py::reload_weights): streams the generator
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights(model), "is_checkpoint_format": True})
+    else:                 # engine core in another process: a generator cannot cross, so send one layer at a time as bytes
+        import io
+        if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            raise RuntimeError("VLLMEngine.sync with V1 multiprocessing on sends a function to the workers: set "
+                               "VLLM_ALLOW_INSECURE_SERIALIZATION=1 before creating the engine (or VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        for chunk in layer_chunks(named_weights(model)):
+            buf = io.BytesIO(); torch.save({n: t.cpu() for n, t in chunk}, buf)
+            self.llm.collective_rpc(_load_chunk, args=(buf.getvalue(),))
+    self.llm.reset_prefix_cache()                # cached KV was computed with the old weights
+    self.weights_loaded = True
+
+def _generate(self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None) -> Rollout:
+    "One completion per prompt with its sampled tokens' processed logprobs; `seeds` (one per row) make samples row-keyed."
+    from vllm import SamplingParams
+    if not self.weights_loaded: raise RuntimeError("VLLMEngine sleeps without weights (level 2): call sync(model) before generate")
+    prompts, seeds = [list(p) for p in prompts], list(seeds) if seeds is not None else [None] * len(prompts)
+    n_mine = len(prompts)
+    if self.tp_group is not None:                # every rank of a TP group runs the group's prompts; each keeps its own slice
+        got = [None] * self.tp; torch.distributed.all_gather_object(got, (prompts, seeds), group=self.tp_group)
+        prompts, seeds = [p for g in got for p in g[0]], [s for g in got for s in g[1]]
+    if self.sleep: self.llm.wake_up(tags=["kv_cache"])
+    sps = [SamplingParams(temperature=max(temperature, 0.0), max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[eos_id],
+                          seed=None if s is None else int(s) % 2**31) for s in seeds]
+    outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    if self.sleep: self.llm.sleep(level=2); self.weights_loaded = False
+    comp = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[d[t].logprob for t, d in zip(c, o.outputs[0].logprobs)] for c, o in zip(comp, outs)]
+    if self.tp_group is not None:
+        r = torch.distributed.get_rank(group=self.tp_group)
+        prompts, comp, lps = (x[r * n_mine:(r + 1) * n_mine] for x in (prompts, comp, lps))
+    return _as_rollout(prompts, comp, lps, temperature, eos_id)
+
+VLLMEngine.sync, VLLMEngine.generate = _sync, _generate
+
+# %% ../nbs/08_policy.ipynb #d64f1ae7
+def completion_request(model: str, prompt: list[int], *, max_new_tokens: int, temperature: float, eos_id: int, seed: int | None) -> dict:
+    "One row's `/v1/completions` body for a vLLM server: token ids in, token ids and the sampled tokens' logprobs out."
+    return {"model": model, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": max(temperature, 0.0),
+            "logprobs": 0, "stop_token_ids": [eos_id], "return_token_ids": True, "skip_special_tokens": False,
+            **({} if seed is None else {"seed": int(seed) % 2**31})}
+
+def parse_completion_choice(res: dict) -> tuple[list[int], list[float]]:
+    "(sampled token ids, their logprobs) from a vLLM completion answer (`return_token_ids`, `logprobs = 0`)."
+    ch = res["choices"][0]
+    ids, lp = ch.get("token_ids"), (ch.get("logprobs") or {}).get("token_logprobs")
+    if ids is None or lp is None or len(ids) != len(lp):
+        raise RuntimeError("the vLLM server did not return token_ids and one logprob per token (needs vLLM >= 0.33 and "
+                           "`return_token_ids`); start it with `latent-rl serve-rollouts`")
+    return list(ids), [float(x) for x in lp]
+
+# %% ../nbs/08_policy.ipynb #60d804f0
+class VLLMServerEngine:
+    "Rollouts from a vLLM server on other GPUs (`latent-rl serve-rollouts`); rank 0 pushes weights over NCCL (vLLM's weight-transfer API)."
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 600.0, max_workers: int = 64,
+                 group_port: int = 51216, sync_host: str | None = None):
+        self.url, self.timeout, self.max_workers, self.group_port = url.rstrip("/"), timeout, max_workers, group_port
+        self.api_key = api_key if api_key is not None else os.environ.get("LATENT_RL_API_KEY")
+        self.sync_host = sync_host or os.environ.get("MASTER_ADDR", "127.0.0.1")   # an address of this (trainer) machine
+        info = self._call("GET", "/v1/models")["data"][0]
+        self.model_id, self.max_model_len, self._transfer = info["id"], info.get("max_model_len"), None
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        import urllib.request, urllib.error
+        hdr = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode() if body is not None else None, hdr, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r: return json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"vLLM server {self.url}{path}: {e.code} {e.read()[:300].decode('utf-8', 'replace')}") from None
+        except urllib.error.URLError as e:
+            raise RuntimeError(f"vLLM server {self.url} unreachable ({e.reason}): start it with `latent-rl serve-rollouts`") from None
 
     def generate(self, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None) -> Rollout:
-        "One completion per prompt; `seeds` (one per row, e.g. the HF path's keys) make repeated prompts sample independently."
-        from vllm import SamplingParams, TokensPrompt
-        seeds = seeds if seeds is not None else [None] * len(prompts)
-        sps = [SamplingParams(temperature=max(temperature, 0.0), max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[eos_id],
-                              seed=None if s is None else int(s) % 2**31) for s in seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps, use_tqdm=False)
-        comp, lps, fin = [], [], []
-        for o in outs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            comp.append(ids)
-            lps.append([d[t].logprob for t, d in zip(ids, c.logprobs)])
-            fin.append(bool(ids) and ids[-1] == eos_id)
-        return Rollout([list(p) for p in prompts], comp, lps, temperature, [[] for _ in prompts], fin, 0)
+        "One request per row (each with its own seed), sent concurrently: the server batches them (continuous batching)."
+        from concurrent.futures import ThreadPoolExecutor
+        seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+        one = lambda ps: parse_completion_choice(self._call("POST", "/v1/completions", completion_request(
+            self.model_id, ps[0], max_new_tokens=max_new_tokens, temperature=temperature, eos_id=eos_id, seed=ps[1])))
+        with ThreadPoolExecutor(min(self.max_workers, max(1, len(prompts)))) as ex: res = list(ex.map(one, zip(prompts, seeds)))
+        return _as_rollout(prompts, [r[0] for r in res], [r[1] for r in res], temperature, eos_id)
 
-    def _runner_model(self):
-        ex = self.llm.llm_engine.model_executor
-        w = ex.driver_worker
-        w = getattr(w, "worker", w)                          # V1 wraps the worker
-        return w.model_runner.model
-
+    @torch.no_grad()
     def sync(self, model: nn.Module):
-        "Load `model`'s current weights into the engine (colocated, same process)."
-        sd = model.state_dict()
-        self._runner_model().load_weights(((k, v) for k, v in sd.items()))
-        self.llm.reset_prefix_cache()
+        "Every rank calls this (sharded weights are gathered on all); rank 0 broadcasts each tensor to the server's workers."
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if self._transfer is None:
+            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+            from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            workers = self._call("GET", "/get_world_size")["world_size"] if rank == 0 else 0
+            init = NCCLTrainerInitInfo(master_address=self.sync_host, master_port=self.group_port, world_size=1 + workers, rank=rank)
+            self._transfer = WeightTransferTrainerFactory.trainer_init(init, client=HTTPVLLMWeightSyncClient(self.url, self.timeout),
+                                                                       source=ModuleSource(model))
+        self._transfer.send_weights()           # start_weight_update, NCCL broadcast per tensor, finish_weight_update
+        if rank == 0: self._call("POST", "/reset_prefix_cache")
+        if torch.distributed.is_initialized(): torch.distributed.barrier()   # no rank generates with the old weights
+
+# %% ../nbs/08_policy.ipynb #57428847
+def vllm_serve_command(model, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None, dtype: str = "bfloat16",
+                       gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, max_logprobs: int = 20,
+                       max_model_len: int | None = None, api_key: str | None = None, extra: list[str] = ()) -> tuple[list[str], dict]:
+    "(argv, extra environment) of `vllm serve` for rollouts with weight sync, or a teacher with `--max-logprobs`."
+    ctx = _model_context(model)
+    if max_model_len and ctx and max_model_len > ctx: raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context ({ctx})")
+    argv = ["vllm", "serve", str(model), "--host", host, "--port", str(port),
+            "--served-model-name", name or Path(str(model).rstrip("/")).name, "--dtype", dtype,
+            "--gpu-memory-utilization", str(gpu_memory_utilization), "--tensor-parallel-size", str(tensor_parallel_size),
+            "--max-logprobs", str(max_logprobs), "--logprobs-mode", "processed_logprobs",
+            "--weight-transfer-config", json.dumps({"backend": "nccl"}), "--enable-prefix-caching"]
+    if max_model_len or ctx: argv += ["--max-model-len", str(max_model_len or ctx)]
+    if api_key: argv += ["--api-key", api_key]
+    return argv + list(extra), {"VLLM_SERVER_DEV_MODE": "1"}   # dev mode exposes the RL routes (/update_weights, ...)
+
+def serve_rollouts(argv=None):
+    "`latent-rl serve-rollouts --model PATH`: `vllm serve` set up for rollouts (weight sync over NCCL) and teachers (`--max-logprobs`)."
+    import argparse, shutil
+    from latent_rl.serve import check_exposure
+    ap = argparse.ArgumentParser(prog="latent-rl serve-rollouts", description=serve_rollouts.__doc__)
+    ap.add_argument("--model", required=True); ap.add_argument("--host", default="127.0.0.1"); ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--name", default=None); ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9); ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--max-logprobs", type=int, default=20, help="a teacher's top-k (HTTPTeacher checks it)")
+    ap.add_argument("--max-model-len", type=int, default=0)
+    ap.add_argument("--api-key", default=os.environ.get("LATENT_RL_API_KEY")); ap.add_argument("--no-auth", action="store_true")
+    ap.add_argument("--print", action="store_true", help="print the command instead of running it")
+    a, extra = ap.parse_known_args(argv)
+    try: warn = check_exposure(a.host, a.api_key, a.no_auth)
+    except ValueError as e: raise SystemExit(str(e).replace("serve-teacher", "serve-rollouts")) from None
+    cmd, env = vllm_serve_command(a.model, host=a.host, port=a.port, name=a.name, dtype=a.dtype, gpu_memory_utilization=a.gpu_memory_utilization,
+                                  tensor_parallel_size=a.tensor_parallel_size, max_logprobs=a.max_logprobs,
+                                  max_model_len=a.max_model_len or None, api_key=a.api_key, extra=extra)
+    shown = " ".join(c if c != a.api_key else "$LATENT_RL_API_KEY" for c in cmd)
+    if a.print: print(" ".join(f"{k}={v}" for k, v in env.items()), shown); return cmd
+    if warn: print(warn + " (the weight-sync routes are not covered by --api-key: keep the port on a private network)", flush=True)
+    if shutil.which("vllm") is None: raise SystemExit("latent-rl serve-rollouts: `vllm` is not installed: pip install 'latent_rl[vllm]' (GPU)")
+    print(shown, flush=True)
+    os.execvpe("vllm", cmd, {**os.environ, **env})
+
+# %% ../nbs/08_policy.ipynb #73cba7d5
+def make_rollout_engine(cfg, policy: Policy):
+    "The engine a GKD/GRPO config asks for: None (HF or latent generator), a colocated `VLLMEngine` or a `VLLMServerEngine`."
+    if not cfg.use_vllm: return None
+    if cfg.vllm_mode not in ("colocate", "server"): raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {cfg.vllm_mode!r}")
+    if policy.kind == "latent": raise ValueError("use_vllm: vLLM cannot run latent blocks; latent policies use the latent decoder")
+    if cfg.vllm_mode == "server": return VLLMServerEngine(cfg.vllm_server, group_port=cfg.vllm_group_port)
+    return VLLMEngine(cfg.model, dtype="bfloat16" if cfg.dtype == "bf16" else "float32", seed=cfg.seed,
+                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                      max_model_len=cfg.vllm_max_model_len or None, sleep=cfg.vllm_sleep)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_teachers.ipynb #987f352f
 from __future__ import annotations
-import json, threading, time, urllib.error, urllib.request
+import json, os, re, threading, time, urllib.error, urllib.request
 from dataclasses import dataclass
 from contextlib import nullcontext
 
@@ -18,8 +18,7 @@ from .tokens import left_pad
 
 # %% auto #0
 __all__ = ['ScoreBatch', 'Teacher', 'check_vocab', 'hidden_to_output', 'ModelTeacher', 'SelfTeacher', 'AdapterOffTeacher',
-           'PrivilegedTeacher', 'explicit_fill', 'ExplicitTraceTeacher', 'TeacherUnavailable', 'HTTPTeacher',
-           'make_teacher_server', 'serve_teacher']
+           'PrivilegedTeacher', 'explicit_fill', 'ExplicitTraceTeacher', 'TeacherUnavailable', 'HTTPTeacher']
 
 # %% ../nbs/09_teachers.ipynb #19999cde
 @dataclass
@@ -179,25 +178,40 @@ class ExplicitTraceTeacher(Teacher):
 # %% ../nbs/09_teachers.ipynb #d71434ce
 class TeacherUnavailable(RuntimeError): pass
 
+def _logprob_cap(msg: str) -> int | None:
+    "The cap in vLLM's 'Requested prompt logprobs of K, which is greater than max allowed: N' (None if not that error)."
+    m = re.search(r"greater than max allowed: (\d+)", msg)
+    return int(m.group(1)) if m else None
+
 class HTTPTeacher(Teacher):
-    "Top-k teacher logprobs from a vLLM-compatible `/v1/completions` server."
+    "Top-k teacher logprobs from a vLLM-compatible `/v1/completions` server (`vllm serve` or `latent-rl serve-teacher`)."
     def __init__(self, url: str, topk: int = 20, model: str | None = None, timeout: float = 60.0, retries: int = 3,
-                 backoff: float = 1.0, log=print):
+                 backoff: float = 1.0, log=print, api_key: str | None = None):
         self.url, self.topk, self.timeout, self.retries, self.backoff, self.log = url.rstrip("/"), topk, timeout, retries, backoff, log
-        self.model = model
-        self.info = None
+        self.model, self.info = model, None
+        self.api_key = api_key if api_key is not None else os.environ.get("LATENT_RL_API_KEY")   # never stored in a config
+
+    def _explain(self, code: int, body: str) -> str:
+        if code == 401: return "the server wants an API key: set $LATENT_RL_API_KEY (sent as 'Authorization: Bearer KEY')"
+        if (cap := _logprob_cap(body)) is not None:
+            return (f"the server returns at most {cap} prompt logprobs per position but topk = {self.topk}: start it with "
+                    f"`vllm serve MODEL --max-logprobs {self.topk}` (or `latent-rl serve-teacher --max-logprobs {self.topk}`), "
+                    f"or set topk <= {cap}")
+        if code == 413: return "the request is larger than the server accepts: lower batch_size or max_len"
+        return body[:300]
 
     def _request(self, path: str, payload: dict | None = None) -> dict:
         url, last = self.url + path, None
+        hdr = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
         for attempt in range(self.retries + 1):
             try:
                 data = json.dumps(payload).encode() if payload is not None else None
-                req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                             method="POST" if data else "GET")
+                req = urllib.request.Request(url, data=data, headers=hdr, method="POST" if data else "GET")
                 with urllib.request.urlopen(req, timeout=self.timeout) as r: return json.loads(r.read())
             except urllib.error.HTTPError as e:
-                if e.code < 500 and e.code != 429:
-                    raise TeacherUnavailable(f"HTTP teacher {url}: {e.code} {e.reason}: {e.read()[:300]!r}") from None
+                if e.code < 500 and e.code not in (408, 429):
+                    body = e.read().decode("utf-8", "replace")
+                    raise TeacherUnavailable(f"HTTP teacher {url}: {e.code} {e.reason}: {self._explain(e.code, body)}") from None
                 last = f"HTTP {e.code}"
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
@@ -208,9 +222,15 @@ class HTTPTeacher(Teacher):
         raise TeacherUnavailable(f"HTTP teacher {url} failed after {self.retries + 1} attempts: {last}")
 
     def models(self) -> dict:
+        "The served model (`/v1/models`), checked once: its logprob cap must admit `topk` (probed: vLLM does not advertise it)."
         if self.info is None:
-            self.info = self._request("/v1/models")["data"][0]
-            self.model = self.model or self.info["id"]
+            info = self._request("/v1/models")["data"][0]
+            cap = info.get("max_logprobs")
+            if cap is not None and 0 <= cap < self.topk: raise TeacherUnavailable(f"HTTP teacher {self.url}: {self._explain(400, f'greater than max allowed: {cap}')}")
+            self.model = self.model or info["id"]
+            self._request("/v1/completions", {"model": self.model, "prompt": [[0, 0]], "max_tokens": 1, "temperature": 0.0,
+                                              "prompt_logprobs": self.topk})          # a 400 here explains the cap
+            self.info = info
         return self.info
     def vocab(self): return None   # the server's tokenizer is not visible: ids are checked against the student's head
     def n_logits(self): return self.models().get("vocab_size")
@@ -237,78 +257,3 @@ class HTTPTeacher(Teacher):
         if V is not None and int(ids.max()) >= V: raise ValueError(f"HTTP teacher returned token id {int(ids.max())} >= vocabulary {V}")
         return TeacherOutput(topk_logprobs=lp.to(batch.mask.device), topk_ids=ids.to(batch.mask.device),
                              labels=torch.where(batch.mask, 0, IGNORE_INDEX))
-
-# %% ../nbs/09_teachers.ipynb #b78f02fc
-def _prompt_logprobs(model, seqs: list[list[int]], k: int):
-    "Per sequence: [None] + per position t >= 1 the top-k of log p(· | prefix) plus the actual token, vLLM style."
-    out, W = [], lm_head_weight(model)
-    for s in seqs:                                                   # one row at a time: exact, no padding effects
-        ids = torch.tensor([s], device=W.device)
-        h = backbone(model)(input_ids=ids).last_hidden_state[0]       # [L, H]
-        lp = torch.log_softmax((h[:-1] @ W.T).float(), -1)            # [L-1, V]
-        top_v, top_i = lp.topk(k, -1)
-        ranks = (lp > lp.gather(1, ids[0, 1:, None])).sum(-1) + 1     # rank of the actual token
-        rows = [None]
-        for t in range(lp.shape[0]):
-            d = {str(int(i)): {"logprob": float(v), "rank": r + 1, "decoded_token": None}
-                 for r, (v, i) in enumerate(zip(top_v[t].tolist(), top_i[t].tolist()))}
-            a = int(s[t + 1])
-            if str(a) not in d: d[str(a)] = {"logprob": float(lp[t, a]), "rank": int(ranks[t]), "decoded_token": None}
-            rows.append(d)
-        out.append((rows, h[-1]))
-    return out
-
-def make_teacher_server(model, tok, name: str, host: str = "127.0.0.1", port: int = 0):
-    "A `ThreadingHTTPServer` serving `model` in the vLLM completions protocol (`server.server_address` has the port)."
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    lock = threading.Lock()
-    W = lm_head_weight(model)
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a): pass
-        def _send(self, code, obj):
-            b = json.dumps(obj).encode()
-            self.send_response(code); self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
-        def do_GET(self):
-            if self.path == "/health": return self._send(200, {"status": "ok"})
-            if self.path == "/v1/models":
-                return self._send(200, {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "latent_rl",
-                                         "vocab_size": int(W.shape[0]), "max_model_len": int(getattr(model.config, "max_position_embeddings", 0))}]})
-            self._send(404, {"error": {"message": f"no route {self.path}"}})
-        def do_POST(self):
-            if self.path != "/v1/completions": return self._send(404, {"error": {"message": f"no route {self.path}"}})
-            try:
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                p = req["prompt"]
-                if isinstance(p, str) or (p and isinstance(p[0], str)):
-                    p = [tok.encode(x, add_special_tokens=False) for x in ([p] if isinstance(p, str) else p)]
-                elif p and isinstance(p[0], int): p = [p]
-                k = req.get("prompt_logprobs")
-                with lock, torch.no_grad():
-                    res = _prompt_logprobs(model, p, int(k or 1))
-                choices = []
-                for i, (rows, last) in enumerate(res):
-                    nxt = int((last @ W.T).argmax())
-                    choices.append({"index": i, "text": tok.decode([nxt]), "logprobs": None, "finish_reason": "length",
-                                    "prompt_logprobs": rows if k is not None else None})
-                self._send(200, {"id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()),
-                                 "model": name, "choices": choices,
-                                 "usage": {"prompt_tokens": sum(map(len, p)), "completion_tokens": len(p)}})
-            except (KeyError, ValueError, TypeError, IndexError) as e:
-                self._send(400, {"error": {"message": f"bad request: {type(e).__name__}: {e}"}})
-    return ThreadingHTTPServer((host, port), H)
-
-def serve_teacher(argv=None):
-    "`latent-rl serve-teacher --model PATH [--host 127.0.0.1] [--port 8000]`: serve a model's prompt logprobs over HTTP."
-    import argparse
-    ap = argparse.ArgumentParser(prog="latent-rl serve-teacher", description=serve_teacher.__doc__)
-    ap.add_argument("--model", required=True); ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000); ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--name", default=None, help="served model name (default: the path)")
-    a = ap.parse_args(argv)
-    model, tok = load_model(a.model, dtype=a.dtype)
-    model.eval()
-    srv = make_teacher_server(model, tok, a.name or a.model, a.host, a.port)
-    print(f"serving {a.model} at http://{a.host}:{srv.server_address[1]}/v1 (vLLM completions protocol)", flush=True)
-    try: srv.serve_forever()
-    except KeyboardInterrupt: pass

@@ -10,7 +10,7 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['TRACING', 'UNSAFE_FLAG', 'DATA_DEFAULTS', 'PENDING', 'COMMANDS', 'sandbox_flag', 'cmd_doctor', 'cmd_data',
            'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot',
-           'cmd_diagnose', 'cmd_sweep', 'cmd_presets', 'cmd_serve_teacher', 'main']
+           'cmd_diagnose', 'cmd_sweep', 'cmd_presets', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'main']
 
 # %% ../nbs/14_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -157,11 +157,15 @@ def cmd_presets(argv):
         print(preset_toml(n))
 
 def cmd_serve_teacher(argv):
-    from latent_rl.teachers import serve_teacher
+    from latent_rl.serve import serve_teacher
     return serve_teacher(argv)
 
+def cmd_serve_rollouts(argv):
+    from latent_rl.policy import serve_rollouts
+    return serve_rollouts(argv)
+
 COMMANDS = {"data": cmd_data, "trace": cmd_trace, "sft": cmd_sft, "codi": cmd_codi, "gkd": cmd_gkd, "grpo": cmd_grpo, "eval": cmd_eval,
-            "demo": cmd_demo, "bench": cmd_bench, "serve-teacher": cmd_serve_teacher, "plot": cmd_plot,
+            "demo": cmd_demo, "bench": cmd_bench, "serve-teacher": cmd_serve_teacher, "serve-rollouts": cmd_serve_rollouts, "plot": cmd_plot,
             "diagnose": cmd_diagnose, "presets": cmd_presets, "doctor": cmd_doctor, "sweep": cmd_sweep}
 
 def main(argv: list[str] | None = None):
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None):
               "  gkd    on-policy distillation from a teacher (local, self, or over HTTP)\n"
               "  grpo   GRPO with verifiable rewards for text or latent policies\n"
               "  serve-teacher  serve a model's prompt logprobs in the vLLM completions protocol\n"
+              "  serve-rollouts  vLLM server for rollouts and teachers on their own GPUs (wraps `vllm serve`)\n"
               "  eval   output-prediction accuracy (per-example records under --out, default runs/eval)\n"
               "  plot   figures of a run directory (PNG)\n  diagnose  why a latent student trails its teacher (markdown report)\n"
               "  presets  print the named recipes (--recipe NAME on any stage)\n  demo   the whole pipeline on CPU\n"
