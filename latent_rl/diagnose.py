@@ -25,7 +25,8 @@ __all__ = ['BUCKETS', 'OUTCOMES', 'LAMBDAS', 'USAGE_VARIANTS', 'MODE_COLORS', 'M
 # %% ../nbs/16_diagnose.ipynb #6568a70b
 from .trace import parse_trace, prompt_text, same_value, LINE_SEP
 from .tokens import encode
-from .evaluate import frames_json, true_line_frames, load_records, save_records, bootstrap_mean, paired_delta, within_noise
+from .evaluate import (frames_json, true_line_frames, load_records, save_records, bootstrap_mean, paired_delta,
+                                within_noise, evaluate, load_policy)
 from .stages import RunRecord     # run records are read as a running job writes them (half-written last line skipped)
 
 # %% ../nbs/16_diagnose.ipynb #b9012a7d
@@ -338,14 +339,18 @@ def _decode_rows(generate, tok, rows, prefixes, fn_for, batch_size, desc, progre
 def latent_usage(lm, tok, rows: list[dict], *, variants=USAGE_VARIANTS, batch_size: int = 32, max_new_tokens: int = 384,
                  seed: int = 0, progress: bool = True, generate=None) -> dict:
     """Accuracy of a latent student with its latents intact and under each counterfactual in `variants`, as paired
-    deltas with 95% bootstrap intervals; latent collapse per block; and a verdict in words. `generate(prompts,
-    latent_fn=, return_latents=) -> Rollout` defaults to greedy `generate_latent` on `lm`."""
+    deltas with 95% bootstrap intervals; latent collapse per block; and a verdict in words. The intact run is a full
+    `evaluate` (its per-program `records` come back too). `generate(prompts, latent_fn=, return_latents=) -> Rollout`
+    defaults to greedy `generate_latent` on `lm`."""
     from latent_rl.generate import generate_latent
     generate = generate or partial(generate_latent, lm, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                    max_new_tokens=max_new_tokens)
     none = [""] * len(rows)
-    base, lat = _decode_rows(generate, tok, rows, none, None, batch_size, "usage: intact", progress, return_latents=True)
-    res = {"n": len(rows), "accuracy": bootstrap_mean(base, seed=seed), "variants": {}, "collapse": latent_collapse(lat)}
+    ev = evaluate(None, tok, rows, batch_size=batch_size, progress=progress, desc="usage: intact",
+                  generate_fn=partial(generate, return_latents=True))
+    base, lat = [r["correct"] for r in ev["records"]], ev["latents"]
+    res = {"n": len(rows), "accuracy": bootstrap_mean(base, seed=seed), "format_valid": ev["format_valid"], "variants": {},
+           "collapse": latent_collapse(lat), "records": ev["records"], "seconds": ev["seconds"]}
     if not any(z.shape[0] for z in lat):
         return {**res, "used": None, "verdict": "the student ran no latent block on these programs: usage cannot be measured"}
     bank = LatentBank(lat, seed)
@@ -721,11 +726,11 @@ def _device(device: str) -> str:
 
 def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", train_rows="data/corpus/train.jsonl",
              limit: int = 0, probe_train: int = 2000, out=None, batch_size: int = 32, max_new_tokens: int = 384,
-             max_len: int = 384, records_dirs=(), fresh: bool = False, probes: bool = True, usage: bool = True,
+             max_len: int = 384, records_dirs=(), fresh: bool = False, probes: bool = True, usage: bool | dict = True,
              device: str = "auto", progress: bool = True) -> dict:
-    "Evaluate (or reuse records of) the latent student, explicit teacher and no-trace model; test latent usage; probe; report."
+    """Evaluate (or reuse records of) the latent student, explicit teacher and no-trace model; test latent usage; probe;
+    report. `usage` may be a `latent_usage` result already measured on the same rows (the demo passes its own)."""
     from latent_rl.stages import load_traced
-    from latent_rl.evaluate import evaluate, load_policy
     run_dir, model = resolve_run(run)
     out = Path(out) if out else (run_dir or model) / "diagnosis"
     dev = _device(device)
@@ -744,6 +749,13 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
     rep = {"run": str(run_dir) if run_dir else None, "model": str(model), "rows": str(rows), "train_rows": str(train_rows),
            "n": len(test), "date": time.strftime("%Y-%m-%d %H:%M"), "modes": {}}
     recs = {}
+    if usage is True:   # the intact run of the usage test is the latent student's evaluation too
+        from latent_rl.latent import LatentModel
+        lm, ltok = LatentModel.load(model, device=dev); lm.eval()
+        usage = latent_usage(lm, ltok, test, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+    if isinstance(usage, dict) and "records" in usage:
+        usage = dict(usage); save_records({"records": usage.pop("records")}, out / "latent.records.jsonl")
+    rep["usage"] = usage if isinstance(usage, dict) else {"error": "disabled (--no_usage)"}
     for mode, path in (("explicit", teacher), ("latent", model), ("no-trace", notrace)):
         found = find_records(mode, dirs, ids, path) if dirs else None
         if found: recs[mode], src = found[0], str(found[1])
@@ -763,11 +775,6 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
             if r.get("n_line_frames") is None: r["n_line_frames"] = true_line_frames(row)
     rep["by_length"] = accuracy_by_length(recs)
     rep["faithfulness"] = {m: faithfulness(rs, true) for m, rs in recs.items() if m != "no-trace"}
-    if usage:
-        from latent_rl.latent import LatentModel
-        lm, ltok = LatentModel.load(model, device=dev); lm.eval()
-        rep["usage"] = latent_usage(lm, ltok, test, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
-    else: rep["usage"] = {"error": "disabled (--no_usage)"}
     if probes:
         rep["probes"] = _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, max_len, dev, progress)
     else: rep["probes"] = {"error": "disabled (--no_probes)"}

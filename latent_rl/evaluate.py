@@ -69,12 +69,12 @@ def true_line_frames(row: dict) -> int | None:
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_tokens: int = 384, progress: bool = True,
              desc: str = "eval", generate_fn=None) -> dict:
-    "Greedy output prediction on `rows`; returns `{accuracy, format_valid, n, seconds, records}`."
+    "Greedy output prediction on `rows`; returns `{accuracy, ci, format_valid, n, seconds, records}` (+ `latents` per row when the rollouts carry them)."
     if model is not None: model.eval()
     gen = generate_fn or (lambda prompts: generate_text(model, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                          max_new_tokens=max_new_tokens))
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["code"]))   # similar lengths batch together
-    recs, t0 = [None] * len(rows), time.time()
+    recs, lat, t0 = [None] * len(rows), [None] * len(rows), time.time()
     for s in tqdm(range(0, len(rows), batch_size), desc=desc, disable=not progress):
         idx = order[s:s + batch_size]
         ro = gen([encode(tok, prompt_text(rows[i]["code"], rows[i]["input"])) for i in idx])
@@ -84,9 +84,12 @@ def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_toke
             recs[i] = {"id": r.get("id"), "n_line_frames": true_line_frames(r), "truth": r["output"], "generated": text,
                        "forward_passes": ro.forward_passes, "n_tokens": len(ro.completion_ids[k]), **_score_parsed(p, r["output"]),
                        "parse_error": p.error, "frames": frames_json(p.frames)}
+            if ro.latents is not None: lat[i] = ro.latents[k]
     n, ci = len(rows), bootstrap_mean([r["correct"] for r in recs])
-    return {"accuracy": sum(r["correct"] for r in recs) / max(n, 1), "ci": [ci["lo"], ci["hi"]],
-            "format_valid": sum(r["well_formed"] for r in recs) / max(n, 1), "n": n, "seconds": time.time() - t0, "records": recs}
+    out = {"accuracy": sum(r["correct"] for r in recs) / max(n, 1), "ci": [ci["lo"], ci["hi"]],
+           "format_valid": sum(r["well_formed"] for r in recs) / max(n, 1), "n": n, "seconds": time.time() - t0, "records": recs}
+    if any(z is not None for z in lat): out["latents"] = lat
+    return out
 
 def results_table(results: dict[str, dict], title: str = "") -> str:
     "A markdown table of `{name: evaluate(...) result}`."

@@ -19,8 +19,8 @@ from .logprobs import token_logprobs
 from .losses import state_kd_loss, embed_kd_loss
 
 # %% auto #0
-__all__ = ['LatentSpec', 'Projector', 'LatentModel', 'pack_phases', 'CodiOptions', 'kd_layer_indices', 'TeacherPass',
-           'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model', 'student_pass', 'recon_loss',
+__all__ = ['VALUE_KD_AT', 'LatentSpec', 'Projector', 'LatentModel', 'pack_phases', 'CodiOptions', 'kd_layer_indices',
+           'TeacherPass', 'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model', 'student_pass', 'recon_loss',
            'codi_forward', 'bench']
 
 # %% ../nbs/06_latent.ipynb #2440d8e2
@@ -109,6 +109,8 @@ def pack_phases(examples: list[dict], spec: LatentSpec, allow_empty: bool = Fals
     return out
 
 # %% ../nbs/06_latent.ipynb #e99a9c84
+VALUE_KD_AT = ("sequence", "predict", "tokens", "embed")
+
 @dataclass
 class CodiOptions:
     a: float = 1.0                      # teacher CE weight (shared weights only)
@@ -122,17 +124,18 @@ class CodiOptions:
     ss_p: float = 0.0                   # scheduled-sampling probability (per post-latent segment)
     grad_ckpt: bool = False             # gradient checkpointing of the (shared-weight) teacher forward
     value_kd: float = 0.0               # blocks' latent states → the teacher's states at the value each replaced
-    value_kd_at: str = "predict"        # 'predict' | 'tokens' | 'embed' (see above)
+    value_kd_at: str = "sequence"       # 'sequence' | 'predict' | 'tokens' | 'embed' (see above)
     answer_kd: float = 0.0              # student states predicting the RETURN value → the teacher's
     answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
     recon: float = 0.0                  # block-local reconstruction of the replaced state (weight)
+    latent_tf: float = 0.0              # latent teacher forcing: P(a block's steps ≥ 1 are fed the true tokens' embeddings)
 
     def __post_init__(self):
         if self.kd_target not in ("hidden", "logit"): raise ValueError(f"kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
-        if self.value_kd_at not in ("predict", "tokens", "embed"):
-            raise ValueError(f"value_kd_at must be 'predict', 'tokens' or 'embed', got {self.value_kd_at!r}")
+        if self.value_kd_at not in VALUE_KD_AT: raise ValueError(f"value_kd_at must be one of {VALUE_KD_AT}, got {self.value_kd_at!r}")
     @property
-    def needs_targets(self) -> bool: return bool(self.value_kd or self.answer_kd or self.recon or self.answer_weight != 1.0)
+    def needs_targets(self) -> bool:
+        return bool(self.value_kd or self.answer_kd or self.recon or self.latent_tf or self.answer_weight != 1.0)
 
 def kd_layer_indices(opts: CodiOptions, n_layers: int, frozen: bool) -> list[int]:
     if opts.kd_target == "logit": return [n_layers]
@@ -243,10 +246,11 @@ def _scheduled_input(body, W, ids, m, lens, mask_cols, p_ids, cache, coins, fina
 def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None = None, ss_coins: torch.Tensor | None = None,
                  chunk_size: int = 1024, ce: bool = True, return_logprobs: bool = False, return_hidden: bool = False,
                  return_latents: bool = False, latent_states: bool = False, states_at: torch.Tensor | None = None,
-                 token_weight: torch.Tensor | None = None) -> StudentPass:
+                 token_weight: torch.Tensor | None = None, forced_latents: torch.Tensor | None = None) -> StudentPass:
     """The batched student: prompt, then per span text up to `<|line_sep|>` + `<|latent_start|>`, a latent block, and
     `<|latent_end|>` + the text from `<|action_sep|>`; all examples in lockstep in one KV cache. `layers` (hidden_states
-    indices) selects the anchor states to return (None: the last layer only, without `output_hidden_states`)."""
+    indices) selects the anchor states to return (None: the last layer only, without `output_hidden_states`).
+    `forced_latents [B, K, S]` token ids (-1: none) replace latent inputs with those tokens' embeddings (teacher forcing)."""
     spec, body, W = lm.spec, lm.body, lm.head_weight
     dev, B = W.device, len(examples)
     check_codi_model(lm.model)
@@ -294,8 +298,10 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
         if k == K: break
         has = (n_sp > k).long()[:, None]                                              # [B, 1] rows with latent block k
         h = hid[bi, (lens - 1).clamp(min=0)]                                          # [B, H] state at <|latent_start|>
-        for _ in range(S):
+        for j in range(S):
             z = lm.prj(h)                                                             # [B, H]
+            if forced_latents is not None and (f := forced_latents[:, k, j].to(dev)).ge(0).any():
+                z = torch.where(f.ge(0)[:, None], lm.embed(f.clamp(min=0)), z)
             lat.append(z)
             out = body(inputs_embeds=z[:, None], attention_mask=torch.cat(cols + [has], 1), position_ids=pos[:, None],
                        use_cache=True, output_hidden_states=latent_states, **cache_kw(body, cache))
@@ -321,20 +327,24 @@ def _finish_pass(r: StudentPass, B, K, S, Tmax, W, lat, lat_hs, at_parts, pred_p
 
 # %% ../nbs/06_latent.ipynb #0dc4bbd8
 def _value_pairs(examples, mode: str, S: int) -> list[tuple]:
-    "(row, span, latent step, teacher trace index or -1, target token id) for value distillation in `mode`."
+    "(row, span, latent step, teacher trace index, target token id, first layer) for value distillation in `mode`."
     out = []
     for b, e in enumerate(examples):
         T = e["trace_ids"]
         for k, vt in enumerate(e["value_tok"]):
             if not vt: continue                                                       # nothing changed before this line
-            if mode == "predict": out.append((b, k, S - 1, vt[0] - 1, T[vt[0]]))
+            if mode == "predict": out.append((b, k, S - 1, vt[0] - 1, T[vt[0]], 1))
+            elif mode == "sequence":   # step j re-enacts the teacher's position j after the one predicting the value
+                for j in range(S):
+                    t = min(vt[0] - 1 + j, len(T) - 1)
+                    out.append((b, k, j, t, T[t], 1 if j == 0 else 0))   # step 0's input is prj(h): no embedding to match
             else:   # step j ↔ value token j; steps past the value stand for the token after it (the closing quote)
                 for j in range(S if mode == "embed" else min(S, len(vt))):
                     t = vt[j] if j < len(vt) else min(vt[-1] + 1, len(T) - 1)
-                    out.append((b, k, j, t, T[t]))
+                    out.append((b, k, j, t, T[t], 0))
     return out
 
-def _objective_plan(examples, opts: CodiOptions, S: int, dev) -> dict:
+def _objective_plan(examples, opts: CodiOptions, S: int, dev, tf_coins: torch.Tensor | None = None) -> dict:
     "Index tensors for the value/answer objectives and the answer CE weights of a batch."
     plan, B = {"gather": {}}, len(examples)
     if opts.needs_targets:
@@ -344,8 +354,8 @@ def _objective_plan(examples, opts: CodiOptions, S: int, dev) -> dict:
     P = [len(e["prompt_ids"]) for e in examples]
     if opts.value_kd:
         v = _value_pairs(examples, opts.value_kd_at, S)
-        rows, span, step, tpos, tid = (torch.tensor([x[i] for x in v], dtype=torch.long, device=dev) for i in range(5))
-        plan["value"] = (rows, span, step, tid)
+        rows, span, step, tpos, tid, lo = (torch.tensor([x[i] for x in v], dtype=torch.long, device=dev) for i in range(6))
+        plan["value"] = (rows, span, step, tid, lo)
         if opts.value_kd_at != "embed":
             plan["gather"]["value"] = (rows, torch.tensor([P[x[0]] + x[3] for x in v], dtype=torch.long, device=dev))
     if opts.answer_kd or opts.answer_weight != 1.0:
@@ -356,6 +366,14 @@ def _objective_plan(examples, opts: CodiOptions, S: int, dev) -> dict:
         plan["weight"] = 1.0 + (opts.answer_weight - 1.0) * amask.float()             # [B, T]
         rb, rt = amask.nonzero(as_tuple=True)                                         # (row, token) order
         plan["gather"]["answer"] = (rb, torch.tensor(P, device=dev)[rb] + rt - 1)      # the teacher state predicting it
+    if tf_coins is not None:   # forced blocks: their steps ≥ 1 get the tokens 'sequence' distils them to
+        K, S_ = max(len(e["spans"]) for e in examples), S
+        f = torch.full((B, K, S_), -1, dtype=torch.long)
+        for b, e in enumerate(examples):
+            for k, vt in enumerate(e["value_tok"]):
+                if vt and tf_coins[b, k]:
+                    for j in range(1, S_): f[b, k, j] = e["trace_ids"][min(vt[0] - 1 + j, len(e["trace_ids"]) - 1)]
+        plan["forced"] = f
     return plan
 
 # %% ../nbs/06_latent.ipynb #50459be6
@@ -396,7 +414,7 @@ def _anchor_kd(opts: CodiOptions, S, tp: TeacherPass, valid, W):
 
 def _value_kd(opts: CodiOptions, plan, sp: StudentPass, tp: TeacherPass, lm: LatentModel):
     "Value distillation of the blocks (see `CodiOptions`): (loss, metrics)."
-    rows, span, step, tid = plan["value"]
+    rows, span, step, tid, lo = plan["value"]
     if opts.value_kd_at == "embed":
         E = lm.model.get_input_embeddings().weight.detach()                           # [V, H]
         return embed_kd_loss(sp.latents[rows, span, step], E[tid], (E.norm(dim=-1) ** 2).mean())
@@ -404,8 +422,9 @@ def _value_kd(opts: CodiOptions, plan, sp: StudentPass, tp: TeacherPass, lm: Lat
     t = tp.states["value"]
     if s.shape[1] != t.shape[1]:
         raise ValueError(f"value_kd compares layer by layer: the student has {s.shape[1] - 1} layers, the teacher {t.shape[1] - 1}")
-    lo = 1 if opts.value_kd_at == "predict" else 0                                    # 'tokens' includes the embeddings
-    return state_kd_loss(s[:, lo:], t[:, lo:])
+    parts = [state_kd_loss(s[lo == f][:, f:], t[lo == f][:, f:]) for f in (0, 1) if (lo == f).any()]   # by first layer
+    if not parts: return state_kd_loss(s[:, 1:], t[:, 1:])                           # no value in this batch: zero
+    return sum(p[0] for p in parts) / len(parts), {"n": sum(p[1]["n"] for p in parts)}
 
 def _answer_kd(sp: StudentPass, tp: TeacherPass, plan):
     "Answer distillation: the student's states predicting each RETURN-value token vs the teacher's (layers 1..L)."
@@ -417,8 +436,11 @@ def _answer_kd(sp: StudentPass, tp: TeacherPass, plan):
 # %% ../nbs/06_latent.ipynb #6b5cc13f
 def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = CodiOptions(), teacher=None,
                  ss_coins: torch.Tensor | None = None, chunk_size: int = 1024, return_logprobs: bool = False,
-                 generator: torch.Generator | None = None, return_states: bool = False) -> CodiOutput:
-    "CODI losses for a batch of `{prompt_ids, trace_ids, spans}` examples, all spans of all examples in lockstep."
+                 generator: torch.Generator | None = None, return_states: bool = False,
+                 tf_coins: torch.Tensor | None = None, tf_generator: torch.Generator | None = None) -> CodiOutput:
+    """CODI losses for a batch of `{prompt_ids, trace_ids, spans}` examples, all spans of all examples in lockstep.
+    `ss_coins [B, K+1]` / `tf_coins [B, K]` fix scheduled sampling / latent teacher forcing per segment / block
+    (else drawn with `generator` / `tf_generator`)."""
     W = lm.head_weight
     dev, B = W.device, len(examples)
     for e in examples:
@@ -426,7 +448,8 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     n_sp = torch.tensor([len(e["spans"]) for e in examples], device=dev)            # [B]
     K, n_layers = int(n_sp.max()), lm.model.config.num_hidden_layers
     layers = kd_layer_indices(opts, n_layers, teacher is not None)
-    plan = _objective_plan(examples, opts, lm.spec.latent_steps, dev)
+    if tf_coins is None and opts.latent_tf > 0: tf_coins = torch.rand(B, K, generator=tf_generator) < opts.latent_tf
+    plan = _objective_plan(examples, opts, lm.spec.latent_steps, dev, tf_coins)
     tp = teacher_pass(lm, examples, layers, teacher, opts.kd_target == "logit", chunk_size, opts.grad_ckpt, plan["gather"])
     if ss_coins is None:
         ss_coins = torch.rand(B, K + 1, generator=generator) < opts.ss_p if opts.ss_p > 0 else torch.zeros(B, K + 1, dtype=torch.bool)
@@ -435,7 +458,7 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
                       return_latents=return_states or bool(opts.recon) or (bool(opts.value_kd) and opts.value_kd_at == "embed"),
                       latent_states=bool(opts.value_kd) and opts.value_kd_at != "embed",
                       states_at=plan.get("answer_mask") if opts.answer_kd else None,
-                      token_weight=plan["weight"] if opts.answer_weight != 1.0 else None)
+                      token_weight=plan["weight"] if opts.answer_weight != 1.0 else None, forced_latents=plan.get("forced"))
     # ---- losses, each a per-example mean averaged over the batch
     S = torch.stack(sp.anchors, 1)                                                    # [B, K, L_sel, H]
     valid = torch.arange(K, device=dev)[None] < n_sp[:, None]                         # [B, K]

@@ -474,6 +474,8 @@ class CodiConfig:
     answer_kd: float = 0.0              # distil the states predicting the RETURN value
     answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
     recon: float = 0.0                  # block-local reconstruction of each block's replaced state
+    latent_tf: float = 0.0              # latent teacher forcing probability per block (decays linearly to 0 with latent_tf_decay)
+    latent_tf_decay: bool = False
     curriculum: float = 0.0             # fraction of the steps over which the latent share of spans grows to all (0: off)
     curriculum_from: str = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
     prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
@@ -506,7 +508,7 @@ class CodiConfig:
         return CodiOptions(a=self.a, b=self.b, g=self.g, kd_target=self.kd_target, kd_layers=layers, kd_temp=self.kd_temp,
                            kd_norm_std=self.kd_norm_std, single_anchor=self.single_anchor, grad_ckpt=self.grad_ckpt,
                            value_kd=self.value_kd, value_kd_at=self.value_kd_at, answer_kd=self.answer_kd,
-                           answer_weight=self.answer_weight, recon=self.recon)
+                           answer_weight=self.answer_weight, recon=self.recon, latent_tf=self.latent_tf)
 
 def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     "Train a CODI latent student; returns `{out}/final` (a latent model directory)."
@@ -531,8 +533,9 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     log0(acc, f"codi: {n_params(lm):,} params (projector included), {len(exs)} examples, latent_steps={cfg.latent_steps}, "
               f"{'frozen' if teacher is not None else 'shared-weight'} teacher, {cfg.steps} steps × {cfg.batch_size}")
 
-    def on_step(step):   # linear ramp of the scheduled-sampling probability
+    def on_step(step):   # linear ramp of the scheduled-sampling probability; decay of latent teacher forcing
         opts.ss_p = cfg.ss_prob * min(1.0, step / max(1.0, cfg.ss_ramp_frac * cfg.steps))
+        if cfg.latent_tf_decay: opts.latent_tf = cfg.latent_tf * (1 - step / cfg.steps)
 
     logged = set()
     def micro_loss(step, part, idx):
@@ -545,12 +548,17 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
             K = max(len(e["spans"]) for e in batch)
             coins = torch.stack([torch.rand(K + 1, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 100_003 + i))
                                  for i in part]) < opts.ss_p
-        o = codi_forward(lm, batch, opts, teacher=teacher, ss_coins=coins)
+        tf = None
+        if opts.latent_tf > 0:   # a coin per (seed, step, example, block), like scheduled sampling's
+            K = max(len(e["spans"]) for e in batch)
+            tf = torch.stack([torch.rand(K, generator=torch.Generator().manual_seed(cfg.seed * 1_000_033 + step * 100_019 + i))
+                              for i in part]) < opts.latent_tf
+        o = codi_forward(lm, batch, opts, teacher=teacher, ss_coins=coins, tf_coins=tf)
         if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in logged:   # first micro-batch of the step
             logged.add(step)
             rec.log(step=step, ids=[e.get("id") for e in batch], layers=o.layers,
                     dist=[d[v].tolist() for d, v in zip(o.kd_dist, o.kd_valid)])       # per example: [anchors][layers]
-        m = dict(o.metrics, ss_p=opts.ss_p, latent_share=sum(len(e["spans"]) for e in batch) / sum(len(exs[i]["spans"]) for i in part))
+        m = dict(o.metrics, ss_p=opts.ss_p, latent_tf=opts.latent_tf, latent_share=sum(len(e["spans"]) for e in batch) / sum(len(exs[i]["spans"]) for i in part))
         return o.loss * len(part) / len(idx), m
 
     def save(d): lm.save(d, tok)

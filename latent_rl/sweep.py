@@ -15,7 +15,7 @@ from .evaluate import evaluate_path, load_eval_rows
 from .diagnose import latent_usage
 
 # %% auto #0
-__all__ = ['STAGES', 'Grid', 'load_grid', 'run_dir', 'run_one', 'sweep', 'sweep_table', 'main']
+__all__ = ['STAGES', 'Grid', 'load_grid', 'overrides', 'run_dir', 'run_one', 'sweep', 'sweep_table', 'main']
 
 # %% ../nbs/18_sweep.ipynb #5f457586
 STAGES = {"sft": ("latent_rl.stages", "SFTConfig", "run_sft"), "codi": ("latent_rl.stages", "CodiConfig", "run_codi"),
@@ -58,10 +58,16 @@ def load_grid(path) -> Grid:
     g = Grid(runs=runs, **d)
     cls, _ = _stage(g.stage)
     for r in runs:   # every combination must parse as the stage's config (names the run and the field when not)
-        try: config_from_dict(cls, {**g.base, **{k: v for k, v in r.items() if k != "name"}}, where=f"{where}, run {r['name']!r}")
+        if "seeds" in r and not (isinstance(r["seeds"], list) and all(isinstance(s, int) for s in r["seeds"])):
+            raise ValueError(f"{where}, run {r['name']!r}: 'seeds' must be a list of integers")
+        try: config_from_dict(cls, {**g.base, **overrides(r)}, where=f"{where}, run {r['name']!r}")
         except (TypeError, ValueError) as e:
             raise ValueError(str(e) if where in str(e) else f"{where}, run {r['name']!r}: {e}") from None
     return g
+
+def overrides(run: dict) -> dict:
+    "The config fields a run changes (its table without `name` and `seeds`)."
+    return {k: v for k, v in run.items() if k not in ("name", "seeds")}
 
 def run_dir(g: Grid, name: str, seed: int) -> Path:
     "Where one run of the grid trains: `OUT/<name, made path-safe>/seed<N>`."
@@ -74,7 +80,7 @@ def run_one(g: Grid, run: dict, seed: int, rows: list[dict], progress: bool = Tr
     from latent_rl.latent import LatentModel
     cls, train = _stage(g.stage)
     d = run_dir(g, run["name"], seed)
-    over = {k: v for k, v in run.items() if k != "name"}
+    over = overrides(run)
     t0 = time.time()
     if not (d / "final" / "config.json").exists():
         resume = (d / "checkpoints").exists() or (d / "metrics.jsonl").exists()
@@ -103,7 +109,7 @@ def sweep(g: Grid, progress: bool = True, only: list[str] | None = None) -> list
     out = Path(g.out); out.mkdir(parents=True, exist_ok=True)
     res = out / "results.jsonl"
     done = {(r["name"], r["seed"]) for r in RunRecord.read(res)} if res.exists() else set()
-    todo = [(r, s) for r in g.runs for s in g.seeds if (r["name"], s) not in done and (not only or r["name"] in only)]
+    todo = [(r, s) for r in g.runs for s in r.get("seeds", g.seeds) if (r["name"], s) not in done and (not only or r["name"] in only)]
     rows = load_eval_rows(g.rows, g.limit, progress=progress) if todo else []
     for i, (run, seed) in enumerate(todo):
         print(f"== sweep {i + 1}/{len(todo)}: {run['name']} seed {seed}", flush=True)

@@ -5,15 +5,16 @@
 # %% ../nbs/02_tokens.ipynb #c1a003d7
 from __future__ import annotations
 import json, re
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, prompt_text, parse_trace
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'add_trace_tokens', 'resize_embeddings', 'trace_token_ids', 'train_tokenizer', 'encode',
-           'answer_text', 'sft_example', 'find_spans', 'codi_example', 'resolved_locals', 'trace_targets',
-           'latent_subset', 'pad_collate', 'left_pad']
+__all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'DATA_DEFAULTS', 'add_trace_tokens', 'resize_embeddings', 'trace_token_ids',
+           'train_tokenizer', 'encode', 'answer_text', 'sft_example', 'find_spans', 'codi_example', 'resolved_locals',
+           'trace_targets', 'latent_subset', 'pad_collate', 'left_pad', 'build_data']
 
 # %% ../nbs/02_tokens.ipynb #dfebc108
 IGNORE_INDEX = -100
@@ -175,3 +176,22 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     ids = torch.tensor([[pad_id] * (L - len(s)) + list(s) for s in seqs], dtype=torch.long)
     mask = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
     return ids, mask
+
+# %% ../nbs/02_tokens.ipynb #5ef810d8
+DATA_DEFAULTS = dict(n=12000, preset="easy", seed=0, vocab=384)
+
+def build_data(out, n: int = 12000, preset: str = "easy", seed: int = 0, vocab: int = 384, heldout: int | None = None,
+               progress: bool = True) -> dict:
+    "`latent-rl data`: the traced corpus (+ `heldout.jsonl`, default n/5 programs) in `out/corpus`, the tokenizer in `out/tokenizer`."
+    from latent_rl.corpus import build_corpus, build_heldout, save_rows
+    out = Path(out)
+    splits = build_corpus(n, preset, seed, out / "corpus", progress=progress)
+    heldout = n // 5 if heldout is None else heldout
+    if heldout:
+        splits["heldout"] = build_heldout(heldout, preset, seed, exclude={r["code"] for v in splits.values() for r in v}, progress=progress)
+        save_rows(splits["heldout"], out / "corpus" / "heldout.jsonl")
+        meta = json.loads((out / "corpus" / "meta.json").read_text())
+        meta["sizes"]["heldout"] = heldout; meta["heldout_seed"] = seed + 1000
+        (out / "corpus" / "meta.json").write_text(json.dumps(meta, indent=1))
+    train_tokenizer([prompt_text(r["code"], r["input"]) + r["trace"] for r in splits["train"]], vocab, out / "tokenizer")
+    return splits

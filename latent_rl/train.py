@@ -8,9 +8,9 @@ import argparse, json, os, sys, time
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['TRACING', 'UNSAFE_FLAG', 'DATA_DEFAULTS', 'PENDING', 'COMMANDS', 'sandbox_flag', 'cmd_doctor', 'cmd_data',
-           'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot',
-           'cmd_diagnose', 'cmd_sweep', 'cmd_presets', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'main']
+__all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'COMMANDS', 'sandbox_flag', 'cmd_doctor', 'cmd_data', 'cmd_trace', 'cmd_sft',
+           'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot', 'cmd_diagnose',
+           'cmd_sweep', 'cmd_presets', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'main']
 
 # %% ../nbs/14_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -36,34 +36,20 @@ def cmd_doctor(argv):
     return rows
 
 # %% ../nbs/14_train.ipynb #3f271de3
-DATA_DEFAULTS = dict(out="data", n=12000, preset="easy", seed=0, vocab=384)
 PENDING: dict[str, int] = {}   # commands announced but not implemented yet -> their issue number
 
 def cmd_data(argv):
-    from latent_rl.corpus import build_corpus, build_heldout, save_rows
-    from latent_rl.tokens import train_tokenizer
-    from latent_rl.trace import prompt_text
+    from latent_rl.tokens import build_data, DATA_DEFAULTS
     ap = argparse.ArgumentParser(prog="latent-rl data", description="Build the traced program corpus and the local tokenizer.")
-    ap.add_argument("--out", default=DATA_DEFAULTS["out"]); ap.add_argument("--n", type=int, default=DATA_DEFAULTS["n"], help="candidate programs")
+    ap.add_argument("--out", default="data"); ap.add_argument("--n", type=int, default=DATA_DEFAULTS["n"], help="candidate programs")
     ap.add_argument("--preset", default=DATA_DEFAULTS["preset"]); ap.add_argument("--seed", type=int, default=DATA_DEFAULTS["seed"])
     ap.add_argument("--vocab", type=int, default=DATA_DEFAULTS["vocab"], help="tokenizer vocabulary size")
     ap.add_argument("--heldout", type=int, default=None,
                     help="extra held-out programs (heldout.jsonl), disjoint by text from train/val/test (default n/5; 0: none)")
     a = ap.parse_args(argv)
-    out = Path(a.out)
     t0 = time.time()
-    splits = build_corpus(a.n, a.preset, a.seed, out / "corpus")
-    if a.heldout is None: a.heldout = a.n // 5
-    if a.heldout:
-        held = build_heldout(a.heldout, a.preset, a.seed, exclude={r["code"] for v in splits.values() for r in v})
-        save_rows(held, out / "corpus" / "heldout.jsonl")
-        meta = json.loads((out / "corpus" / "meta.json").read_text())
-        meta["sizes"]["heldout"] = len(held); meta["heldout_seed"] = a.seed + 1000
-        (out / "corpus" / "meta.json").write_text(json.dumps(meta, indent=1))
-        splits["heldout"] = held
-    texts = [prompt_text(r["code"], r["input"]) + r["trace"] for r in splits["train"]]
-    tok = train_tokenizer(texts, a.vocab, out / "tokenizer")
-    print(f"corpus: { {k: len(v) for k, v in splits.items()} } in {out/'corpus'}; tokenizer: {len(tok)} tokens in {out/'tokenizer'} "
+    splits = build_data(a.out, a.n, a.preset, a.seed, a.vocab, a.heldout)
+    print(f"corpus: { {k: len(v) for k, v in splits.items()} } in {Path(a.out) / 'corpus'}; tokenizer in {Path(a.out) / 'tokenizer'} "
           f"({time.time() - t0:.1f}s)")
     return splits
 

@@ -247,13 +247,13 @@ def with_targets(ex, rng):
     e["recon_ids"] = [[rng.randrange(1, 30) for _ in range(rng.randrange(1, 5))] for _ in ex["spans"]]
     return e
 
-def ref_objectives(lm, examples, opts, teacher=None):
+def ref_objectives(lm, examples, opts, teacher=None, coins=None):
     "The value/answer/recon terms and the answer-weighted student CE, one example at a time (the seed's call pattern)."
     model, prj, S = lm.model, lm.prj, lm.spec.latent_steps
     body, emb = model.model, model.get_input_embeddings()
     E, tmodel = emb.weight, teacher if teacher is not None else model
     sv, tv, sa, ta, rec_lp, ces = [], [], [], [], [], []
-    for ex in examples:
+    for bi, ex in enumerate(examples):
         prompt, trace = torch.tensor(ex["prompt_ids"]), torch.tensor(ex["trace_ids"])
         with torch.no_grad(): ths = tmodel(input_ids=torch.cat([prompt, trace])[None], output_hidden_states=True).hidden_states
         T_at = lambda p: torch.stack([h[0, len(prompt) + p] for h in ths])              # [L+1, H]
@@ -268,16 +268,22 @@ def ref_objectives(lm, examples, opts, teacher=None):
                 o = body(inputs_embeds=emb(torch.tensor([[lm.spec.latent_start_id]])), use_cache=True, **cache_kw(body, cache))
                 cache, h = out_cache(o), o.last_hidden_state[:, -1:]
                 zs, hs = [], []
-                for _ in range(S):
-                    z = prj(h); zs.append(z[0, 0])
+                vt = ex["value_tok"][a]
+                for q in range(S):
+                    z = prj(h)
+                    if coins is not None and coins[bi, a] and vt and q >= 1:   # latent teacher forcing
+                        z = emb(trace[min(vt[0] - 1 + q, len(trace) - 1)])[None, None]
+                    zs.append(z[0, 0])
                     o = body(inputs_embeds=z, use_cache=True, output_hidden_states=True, **cache_kw(body, cache))
                     cache, h = out_cache(o), o.last_hidden_state[:, -1:]; hs.append(torch.stack([x[0, 0] for x in o.hidden_states]))
                 vt = ex["value_tok"][a]
-                if vt and opts.value_kd_at == "predict": sv.append(hs[-1]); tv.append(T_at(vt[0] - 1))
+                if vt and opts.value_kd_at == "predict": sv.append((1, hs[-1])); tv.append(T_at(vt[0] - 1))
+                if vt and opts.value_kd_at == "sequence":
+                    for q in range(S): sv.append((1 if q == 0 else 0, hs[q])); tv.append(T_at(min(vt[0] - 1 + q, len(trace) - 1)))
                 if vt and opts.value_kd_at == "tokens":
-                    for q in range(min(S, len(vt))): sv.append(hs[q]); tv.append(T_at(vt[q]))
+                    for q in range(min(S, len(vt))): sv.append((0, hs[q])); tv.append(T_at(vt[q]))
                 if vt and opts.value_kd_at == "embed":
-                    for q in range(S): sv.append(zs[q]); tv.append(E[trace[vt[q] if q < len(vt) else min(vt[-1] + 1, len(trace) - 1)]])
+                    for q in range(S): sv.append((0, zs[q])); tv.append(E[trace[vt[q] if q < len(vt) else min(vt[-1] + 1, len(trace) - 1)]])
                 dec = torch.cat([emb(torch.tensor([lm.spec.latent_start_id])), torch.stack(zs), emb(torch.tensor([lm.spec.latent_end_id])),
                                  emb(torch.tensor(ex["recon_ids"][a] + [lm.spec.action_sep_id]))])[None]
                 dl = model(inputs_embeds=dec).logits[0, S + 1:-1]
@@ -298,15 +304,31 @@ def ref_objectives(lm, examples, opts, teacher=None):
         ces.append(-(torch.cat(lps) * w).sum() / w.sum())
     out = {"student_loss": torch.stack(ces).mean()}
     if opts.value_kd:
-        out["value_kd_loss"] = (embed_kd_loss(torch.stack(sv), torch.stack(tv), (E.detach().norm(dim=-1) ** 2).mean())[0]
-                                if opts.value_kd_at == "embed" else
-                                state_kd_loss(torch.stack(sv)[:, 1 if opts.value_kd_at == "predict" else 0:],
-                                              torch.stack(tv)[:, 1 if opts.value_kd_at == "predict" else 0:])[0])
+        if opts.value_kd_at == "embed":
+            out["value_kd_loss"] = embed_kd_loss(torch.stack([x for _, x in sv]), torch.stack(tv), (E.detach().norm(dim=-1) ** 2).mean())[0]
+        else:   # one state_kd_loss per first layer (0: embeddings included, 1: not), averaged
+            parts = [state_kd_loss(torch.stack([x for f, x in sv if f == g])[:, g:], torch.stack([t for (f, _), t in zip(sv, tv) if f == g])[:, g:])[0]
+                     for g in (0, 1) if any(f == g for f, _ in sv)]
+            out["value_kd_loss"] = sum(parts) / len(parts)
     if opts.answer_kd: out["answer_kd_loss"] = state_kd_loss(torch.stack(sa)[:, 1:], torch.stack(ta)[:, 1:])[0]
     if opts.recon: out["recon_loss"] = -torch.cat(rec_lp).mean()
     return out
 
-OBJ = [dict(value_kd=1.0, value_kd_at=m) for m in ("predict", "tokens", "embed")] + [dict(answer_kd=1.0), dict(answer_weight=4.0), dict(recon=1.0)]
+OBJ = [dict(value_kd=1.0, value_kd_at=m) for m in ("sequence", "predict", "tokens", "embed")] + [dict(answer_kd=1.0), dict(answer_weight=4.0), dict(recon=1.0)]
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_latent_teacher_forcing_equals_reference(steps):
+    import random
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps))
+    exs = [with_targets(e, random.Random(5)) for e in batch(6)]
+    opts = CodiOptions(g=0.0, a=0.0, latent_tf=0.5, value_kd=1.0)
+    out = codi_forward(lm, exs, opts, tf_generator=torch.Generator().manual_seed(3))
+    coins = torch.rand(len(exs), max(len(e["spans"]) for e in exs), generator=torch.Generator().manual_seed(3)) < 0.5
+    assert coins.any() and not coins.all()
+    ref = ref_objectives(lm, exs, opts, coins=coins)
+    for k in ("student_loss", "value_kd_loss"): assert abs(out.metrics[k] - ref[k].item()) < 1e-5 * max(1, abs(ref[k].item())), k
+    free = codi_forward(lm, exs, CodiOptions(g=0.0, a=0.0, value_kd=1.0))
+    assert abs(free.metrics["student_loss"] - out.metrics["student_loss"]) > 1e-4     # forcing changed what the text read
 
 @pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("obj", OBJ, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
