@@ -505,6 +505,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                  'latent_rl.sweep.load_grid': ('sweep.html#load_grid', 'latent_rl/sweep.py'),
                                  'latent_rl.sweep.main': ('sweep.html#main', 'latent_rl/sweep.py'),
                                  'latent_rl.sweep.overrides': ('sweep.html#overrides', 'latent_rl/sweep.py'),
+                                 'latent_rl.sweep.paired_runs': ('sweep.html#paired_runs', 'latent_rl/sweep.py'),
                                  'latent_rl.sweep.run_dir': ('sweep.html#run_dir', 'latent_rl/sweep.py'),
                                  'latent_rl.sweep.run_one': ('sweep.html#run_one', 'latent_rl/sweep.py'),
                                  'latent_rl.sweep.sweep': ('sweep.html#sweep', 'latent_rl/sweep.py'),

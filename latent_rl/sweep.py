@@ -15,7 +15,7 @@ from .evaluate import evaluate_path, load_eval_rows
 from .diagnose import latent_usage
 
 # %% auto #0
-__all__ = ['STAGES', 'Grid', 'load_grid', 'overrides', 'run_dir', 'run_one', 'sweep', 'sweep_table', 'main']
+__all__ = ['STAGES', 'Grid', 'load_grid', 'overrides', 'run_dir', 'run_one', 'sweep', 'sweep_table', 'paired_runs', 'main']
 
 # %% ../nbs/18_sweep.ipynb #5f457586
 STAGES = {"sft": ("latent_rl.stages", "SFTConfig", "run_sft"), "codi": ("latent_rl.stages", "CodiConfig", "run_codi"),
@@ -96,10 +96,10 @@ def run_one(g: Grid, run: dict, seed: int, rows: list[dict], progress: bool = Tr
         lm, tok = LatentModel.load(final); lm.eval()
         u = latent_usage(lm, tok, rows, variants=tuple(g.usage), max_new_tokens=g.max_new_tokens, seed=seed, progress=progress)
         row.update(accuracy=u["accuracy"]["mean"], ci=[u["accuracy"]["lo"], u["accuracy"]["hi"]], usage=u["variants"],
-                   collapse=u["collapse"], used=u["used"], verdict=u["verdict"])
+                   collapse=u["collapse"], used=u["used"], verdict=u["verdict"], correct="".join("01"[r["correct"]] for r in u["records"]))
     else:
         r = evaluate_path(final, rows, g.max_new_tokens, desc=f"eval {run['name']}", progress=progress)
-        row.update(accuracy=r["accuracy"], ci=r["ci"])
+        row.update(accuracy=r["accuracy"], ci=r["ci"], correct="".join("01"[x["correct"]] for x in r["records"]))
     row["eval_s"] = time.time() - t0
     return row
 
@@ -146,6 +146,17 @@ def sweep_table(rows: list[dict], order: list[str] | None = None) -> str:
         L.append(f"| {n} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | "
                  f"{np.mean(ts):.0f} |" if ts else f"| {n} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | — |")
     return "\n".join(L)
+
+# %% ../nbs/18_sweep.ipynb #364f8e85
+def paired_runs(rows: list[dict], a: str, b: str) -> dict:
+    "`a − b` accuracy over the same held-out programs, pooled over the seeds both ran, with a 95% paired bootstrap interval."
+    from latent_rl.evaluate import paired_delta
+    by = {(r["name"], r["seed"]): r for r in rows}
+    seeds = sorted(s for n, s in by if n == a and (b, s) in by)
+    if not seeds: raise ValueError(f"paired_runs: {a!r} and {b!r} share no seed")
+    xa = [int(c) for s in seeds for c in by[(a, s)]["correct"]]
+    xb = [int(c) for s in seeds for c in by[(b, s)]["correct"]]
+    return {**paired_delta(xb, xa), "seeds": seeds}
 
 # %% ../nbs/18_sweep.ipynb #69654301
 def main(argv: list[str] | None = None):
