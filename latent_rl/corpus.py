@@ -40,8 +40,11 @@ def load_rows(path, limit: int | None = None) -> list[dict]:
     path = Path(path)
     if not path.exists(): raise FileNotFoundError(f"{path}: no such file")
     rows, seen = [], {}
-    with open(path, encoding="utf-8") as fh:
-        for ln, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for ln, raw in enumerate(fh, 1):
+            try: line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RowError(f"{path}:{ln}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip(): continue
             try: row = json.loads(line)
             except json.JSONDecodeError as e: raise RowError(f"{path}:{ln}: not valid JSON ({e.msg})") from None

@@ -19,8 +19,8 @@ from .diagnose import diagnose, latent_usage, USAGE_VARIANTS
 from .inspect_runs import plot_run, save_figure
 
 # %% auto #0
-__all__ = ['COMPARISONS', 'reward_curve', 'DemoRun', 'demo_data', 'demo_sft', 'evaluate_stage', 'demo_codi', 'demo_gkd',
-           'demo_grpo', 'comparisons', 'results_md', 'demo_diagnose', 'demo_figures', 'run_demo']
+__all__ = ['DEMO_VARIANTS', 'COMPARISONS', 'reward_curve', 'DemoRun', 'demo_data', 'demo_sft', 'evaluate_stage', 'demo_codi',
+           'demo_gkd', 'demo_grpo', 'comparisons', 'results_md', 'demo_diagnose', 'demo_figures', 'run_demo']
 
 # %% ../nbs/15_demo.ipynb #0d6068e9
 def reward_curve(run_dir):
@@ -121,12 +121,14 @@ def evaluate_stage(d: DemoRun, key: str, stage: str, mode: str, path, max_new_to
     print(f"   {stage} [{mode}]: {r['accuracy']:.1%} exact match on {r['n']} held-out programs (95% CI {r['ci'][0]:.1%}–{r['ci'][1]:.1%}){sh}")
 
 # %% ../nbs/15_demo.ipynb #e0682aaf
+DEMO_VARIANTS = ("shuffle", "zero", "mean", "noise")   # the cheap counterfactuals; `latent-rl diagnose` runs them all
+
 def demo_codi(d: DemoRun):
     print("== 3/7 CODI: latent student from the teacher")
     d.models["codi"] = run_codi(d.cfg(CodiConfig, model=str(d.models["teacher"]), out=str(d.out / "codi"), train=d.train,
                                       val=str(d.data / "corpus/val.jsonl")), progress=d.progress)
     d.lap("codi")
-    evaluate_stage(d, "codi", "CODI", "latent", d.models["codi"], variants=USAGE_VARIANTS)   # the full usage test, for diagnose too
+    evaluate_stage(d, "codi", "CODI", "latent", d.models["codi"], variants=DEMO_VARIANTS)   # for diagnose too
     d.lap("eval codi")
 
 def demo_gkd(d: DemoRun):

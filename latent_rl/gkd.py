@@ -128,6 +128,7 @@ class GKDConfig:
     wandb: str = "disabled"
     resume: bool = False
     overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
+    allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 
 def make_teacher(cfg: GKDConfig, policy: Policy) -> Teacher:
     k = cfg.topk or None

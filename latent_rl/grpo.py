@@ -83,6 +83,7 @@ class GRPOConfig:
     wandb: str = "disabled"
     resume: bool = False
     overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
+    allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 
 def _tok_strs(tok, ids):
     return tok.convert_ids_to_tokens(list(ids)) if hasattr(tok, "convert_ids_to_tokens") else [str(i) for i in ids]

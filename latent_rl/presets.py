@@ -13,11 +13,12 @@ __all__ = ['PRESETS', 'preset_fields', 'preset_toml']
 PRESETS: dict[str, dict[str, dict]] = {
     "cpu-tiny": {
         "SFTConfig": dict(preset="tiny", steps=2000, batch_size=32, lr=3e-3, warmup=30, max_len=384, save_every=500),
-        "CodiConfig": dict(model="data/teacher", steps=240, batch_size=16, lr=1e-3, warmup=20, latent_steps=1, log_every=10,
+        "CodiConfig": dict(model="data/teacher", steps=480, batch_size=16, lr=1e-3, warmup=20, latent_steps=3, g=0.0,
+                           value_kd=1.0, value_kd_at="sequence", answer_weight=3.0, prj_init="embed", log_every=10,
                            save_every=80),
         "GKDConfig": dict(model="runs/demo/codi/final", teacher="data/teacher", steps=40, batch_size=16, lmbda=0.5, beta=0.5,
                           lr=3e-4, warmup=5, max_new_tokens=300, log_every=5, save_every=20, record_every=5),
-        "GRPOConfig": dict(model="runs/demo/gkd/final", steps=80, batch_size=8, group_size=16, lr=1e-4, warmup=3,
+        "GRPOConfig": dict(model="runs/demo/gkd/final", steps=40, batch_size=8, group_size=16, lr=1e-4, warmup=3,
                            temperature=1.0, max_new_tokens=300, log_every=1, save_every=20, record_every=8),
     },
     "cpu-smoke": {   # the demo's code path in about a minute (tests): a few steps per stage

@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_stages.ipynb #6177dd51
 from __future__ import annotations
-import json, math, os, random, shutil, time
+import hashlib, json, math, os, random, re, shutil, time
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 
@@ -16,10 +16,12 @@ from .tokens import sft_example, pad_collate, IGNORE_INDEX
 from .models import load_model, load_tokenizer, build_tiny, n_params, backbone, lm_head_weight
 
 # %% auto #0
-__all__ = ['RECORD_FILES', 'setup', 'log0', 'lr_lambda', 'RunRecord', 'CheckpointError', 'rng_state', 'set_rng_state',
-           'save_checkpoint', 'list_checkpoints', 'load_checkpoint_state', 'latest_checkpoint', 'config_from_dict',
-           'parse_config', 'load_config_file', 'batch_indices', 'sync_grads', 'peak_memory_mb', 'reduce_metrics',
-           'train_loop', 'check_ranks_in_sync', 'finish_run', 'prepare_run_dir', 'trim_records', 'write_config',
+__all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', 'RECORD_FILES', 'RESUME_MAY_CHANGE', 'setup',
+           'log0', 'lr_lambda', 'RunRecord', 'CheckpointError', 'rng_state', 'set_rng_state', 'file_manifest',
+           'save_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state', 'latest_checkpoint',
+           'ConfigError', 'check_field', 'config_from_dict', 'load_config_file', 'parse_config', 'RunDirBusy',
+           'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config', 'trim_records', 'batch_indices',
+           'sync_grads', 'peak_memory_mb', 'reduce_metrics', 'train_loop', 'check_ranks_in_sync', 'finish_run',
            'SFTConfig', 'load_traced', 'wandb_run', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft',
            'CodiConfig', 'run_codi']
 
@@ -45,7 +47,7 @@ def lr_lambda(step: int, warmup: int, total: int, min_lr_frac: float = 0.1) -> f
     prog = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog))
 
-# %% ../nbs/10_stages.ipynb #66885869
+# %% ../nbs/10_stages.ipynb #de33dc37
 class RunRecord:
     "Append-only metrics log of a run (rank 0 writes; anyone may read while it runs)."
     def __init__(self, run_dir, enabled: bool = True, name: str = "metrics.jsonl"):
@@ -73,13 +75,27 @@ def set_rng_state(s: dict):
     random.setstate(s["python"]); torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
 
+# %% ../nbs/10_stages.ipynb #21d66cd4
+def file_manifest(root) -> dict:
+    "`{relative path: [size, sha256]}` of every file under `root`."
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        if not p.is_file(): continue
+        h = hashlib.sha256()
+        with open(p, "rb") as fh:
+            for blk in iter(lambda: fh.read(1 << 20), b""): h.update(blk)
+        out[str(p.relative_to(root))] = [p.stat().st_size, h.hexdigest()]
+    return out
+
 def save_checkpoint(run_dir, step: int, save_model, state: dict, keep: int = 2) -> Path:
-    "Atomically write `checkpoints/step-{step}`: `save_model(dir)` writes `model/`, then `state.pt` and a COMPLETE marker."
+    """Atomically write `checkpoints/step-{step}`: `save_model(dir)` writes `model/`, then `state.pt`, a `MANIFEST.json`
+    (sizes and hashes of both) and a COMPLETE marker."""
     root = Path(run_dir) / "checkpoints"; root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}-{os.getpid()}"
     if tmp.exists(): shutil.rmtree(tmp)
     save_model(tmp / "model")
     torch.save({**state, "step": step}, tmp / "state.pt")
+    (tmp / "MANIFEST.json").write_text(json.dumps(file_manifest(tmp), indent=0))
     (tmp / "COMPLETE").write_text(str(step))
     if final.exists(): shutil.rmtree(final)
     os.replace(tmp, final)
@@ -95,10 +111,21 @@ def list_checkpoints(run_dir) -> list[tuple[int, Path]]:
         except ValueError: pass
     return sorted(out)
 
-def load_checkpoint_state(path) -> dict:
-    "Read `state.pt` of a checkpoint; a truncated or corrupt one raises `CheckpointError` naming it."
+def verify_checkpoint(path):
+    "Raise `CheckpointError` naming the first file of a checkpoint that is missing or differs from its manifest."
     path = Path(path)
     if not (path / "COMPLETE").exists(): raise CheckpointError(f"checkpoint {path} is incomplete (no COMPLETE marker)")
+    if not (path / "MANIFEST.json").exists(): return                     # written before manifests existed
+    want, have = json.loads((path / "MANIFEST.json").read_text()), file_manifest(path)
+    for f, (size, sha) in want.items():
+        if f not in have: raise CheckpointError(f"checkpoint {path}: {f} is missing")
+        if have[f][0] != size: raise CheckpointError(f"checkpoint {path}: {f} has {have[f][0]} bytes, {size} were written")
+        if have[f][1] != sha: raise CheckpointError(f"checkpoint {path}: {f} differs from what was written (sha256)")
+
+def load_checkpoint_state(path) -> dict:
+    "Verify a checkpoint against its manifest and read its `state.pt`; a bad one raises `CheckpointError` naming it."
+    path = Path(path)
+    verify_checkpoint(path)
     try: return torch.load(path / "state.pt", weights_only=False, map_location="cpu")
     except Exception as e: raise CheckpointError(f"checkpoint {path} is unreadable: {type(e).__name__}: {e}") from None
 
@@ -109,23 +136,98 @@ def latest_checkpoint(run_dir, log=print) -> tuple[Path, dict] | None:
         except CheckpointError as e: log(f"warning: {e}; falling back to an earlier checkpoint")
     return None
 
-# %% ../nbs/10_stages.ipynb #8f34554e
-def _coerce(tp, v):
-    tp = str(tp)
-    if isinstance(v, str):
-        if "bool" in tp: return v.lower() in ("1", "true", "yes", "on")
-        if "int" in tp and "float" not in tp: return int(v)
-        if "float" in tp: return float(v)
-    return v
+# %% ../nbs/10_stages.ipynb #3e8955f4
+class ConfigError(ValueError):
+    "A bad config value, file, section or resume: the message names where, the field and what it expects (CLI: exit 2)."
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+POSITIVE = {"steps", "batch_size", "grad_accum", "max_len", "latent_steps", "log_every", "group_size", "max_new_tokens",
+            "steps_per_generation", "max_resample_rounds", "max_locals", "vllm_tensor_parallel_size",
+            "lr", "max_grad_norm", "kd_temp", "temperature", "http_timeout"}
+NON_NEGATIVE = {"warmup", "save_every", "max_train", "max_spans", "anchor_every", "record_every", "topk", "weight_decay",
+                "a", "b", "g", "value_kd", "answer_kd", "recon", "answer_weight", "sft_alpha", "http_retries",
+                "http_backoff", "vllm_max_model_len", "seed", "eps_low", "eps_high"}
+FRACTION = {"min_lr_frac", "ss_prob", "ss_ramp_frac", "latent_tf", "curriculum", "lmbda", "beta",
+            "vllm_gpu_memory_utilization"}
+CHOICES = {"dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"), "wandb": ("disabled", "offline", "online"),
+           "kd_target": ("hidden", "logit"), "value_kd_at": ("sequence", "predict", "tokens", "embed"),
+           "curriculum_from": ("end", "start"), "prj_init": ("default", "embed"), "mode": ("trace", "answer"),
+           "adv_scale": ("group", "batch", "none"), "norm": ("sequence", "token"),
+           "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server")}
+
+# %% ../nbs/10_stages.ipynb #7ff3fab6
+def _typed(tp: str, v):
+    "`v` as `tp` (bool, int, float or str; strings from flags are parsed), or None when it is not one."
+    if tp == "bool":
+        if isinstance(v, bool): return v
+        if isinstance(v, str) and v.lower() in _TRUE | _FALSE: return v.lower() in _TRUE
+    elif tp == "int":
+        if isinstance(v, int) and not isinstance(v, bool): return v
+        if isinstance(v, str) and re.fullmatch(r"\s*[+-]?\d+\s*", v): return int(v)
+    elif tp == "float":
+        if isinstance(v, (int, float)) and not isinstance(v, bool): x = float(v)
+        elif isinstance(v, str):
+            try: x = float(v)
+            except ValueError: return None
+        else: return None
+        return x if math.isfinite(x) else None
+    elif tp == "str": return v if isinstance(v, str) else None
+    else: return v
+    return None
+
+def check_field(name: str, tp: str, v, where: str = "config"):
+    "The value of field `name` (declared type `tp`) checked for type, range and choices, or a `ConfigError` saying why."
+    x = _typed(str(tp), v)
+    what = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}.get(str(tp), str(tp))
+    if x is None: raise ConfigError(f"{where}: field '{name}' expects {what}, got {v!r}")
+    rule = ("≥ 1" if str(tp) == "int" else "> 0") if name in POSITIVE and not x > 0 else \
+           "≥ 0" if name in NON_NEGATIVE and not x >= 0 else "between 0 and 1" if name in FRACTION and not 0 <= x <= 1 else ""
+    if rule: raise ConfigError(f"{where}: field '{name}' must be {rule}, got {v!r}")
+    if name in CHOICES and x not in CHOICES[name]:
+        raise ConfigError(f"{where}: field '{name}' must be one of {', '.join(CHOICES[name])}; got {v!r}")
+    return x
+
+# %% ../nbs/10_stages.ipynb #45961ec7
+STAGE_CONFIGS = ("SFTConfig", "CodiConfig", "GKDConfig", "GRPOConfig")   # the sections of a whole-pipeline file
 
 def config_from_dict(cls, d: dict, where: str = "config"):
+    "A `cls` from a dict of fields, each checked; unknown fields are refused by name."
     names = {f.name: f for f in fields(cls)}
     bad = [k for k in d if k not in names]
-    if bad: raise ValueError(f"{where}: unknown field(s) {bad} for {cls.__name__}; known: {sorted(names)}")
-    return cls(**{k: _coerce(names[k].type, v) for k, v in d.items()})
+    if bad: raise ConfigError(f"{where}: unknown field(s) {bad} for {cls.__name__}; known: {sorted(names)}")
+    return cls(**{k: check_field(k, names[k].type, v, where) for k, v in d.items()})
 
+def _file_fields(cls, path) -> dict:
+    "The fields a `--config` file gives `cls`: the file itself, or its `[cls]` section when it is a whole-pipeline file."
+    f = load_config_file(path)
+    sections = sorted(k for k, v in f.items() if isinstance(v, dict))
+    if not sections: return f
+    if bad := [s for s in sections if s not in STAGE_CONFIGS]:
+        raise ConfigError(f"{path}: unknown section(s) {bad}; a pipeline file has sections {list(STAGE_CONFIGS)}")
+    if loose := sorted(k for k in f if k not in sections):
+        raise ConfigError(f"{path}: field(s) {loose} outside any section; put them under [{cls.__name__}]")
+    if cls.__name__ not in f: raise ConfigError(f"{path}: no [{cls.__name__}] section (it has {sections})")
+    return f[cls.__name__]
+
+def load_config_file(path) -> dict:
+    "A flat dict of fields from a `.toml`, `.yaml`/`.yml` or `.json` file (errors name the file)."
+    path = Path(path)
+    if not path.exists(): raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+            d = tomllib.loads(path.read_text())
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+            d = yaml.safe_load(path.read_text()) or {}
+        else: d = json.loads(path.read_text())
+    except Exception as e: raise ConfigError(f"config file {path}: cannot parse: {e}") from None
+    if not isinstance(d, dict): raise ConfigError(f"config file {path}: expected a table of fields, got {type(d).__name__}")
+    return d
+
+# %% ../nbs/10_stages.ipynb #6602f254
 def parse_config(cls, argv: list[str] | None = None, prog: str = ""):
-    "A `cls` from `--field value` flags, after an optional `--config FILE.toml|.json` (flags override the file)."
+    "A `cls` from `--field value` flags over an optional `--config FILE` over an optional `--recipe NAME`."
     import argparse
     ap = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     ap.add_argument("--config", default=None, help="TOML, YAML or JSON file of fields (command-line flags override it)")
@@ -140,32 +242,94 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = ""):
     path, preset = ns.pop("config", None), ns.pop("recipe", None)
     d = {}
     if preset:
-        from latent_rl.presets import preset_fields
-        d.update(preset_fields(preset, cls))
-    where = f"recipe {preset}" if preset else "command line"
+        from latent_rl.presets import PRESETS, preset_fields
+        if preset in PRESETS and cls.__name__ not in PRESETS[preset]:
+            has = sorted(n for n, p in PRESETS.items() if cls.__name__ in p)
+            raise ConfigError(f"recipe {preset} has no {cls.__name__} section; recipes for this stage: {has}")
+        pf = preset_fields(preset, cls)
+        config_from_dict(cls, pf, f"recipe {preset}"); d.update(pf)
     if path:
-        f = load_config_file(path); where = str(path)
-        if isinstance(f.get(cls.__name__), dict): f = f[cls.__name__]   # a whole-pipeline file (`latent-rl presets`)
-        d.update({k: v for k, v in f.items() if not isinstance(v, dict)})
-        config_from_dict(cls, d, where=where)             # name the file when one of its fields is unknown
-    d.update(ns)
-    return config_from_dict(cls, d, where=where)
+        fd = _file_fields(cls, path)
+        config_from_dict(cls, fd, where=str(path))         # name the file when one of its fields is bad
+        d.update(fd)
+    config_from_dict(cls, ns, where="command line")
+    return config_from_dict(cls, {**d, **ns})
 
-def load_config_file(path) -> dict:
-    "A flat dict of fields from a `.toml`, `.yaml`/`.yml` or `.json` file (errors name the file)."
-    path = Path(path)
-    if not path.exists(): raise FileNotFoundError(f"config file {path} does not exist")
-    try:
-        if path.suffix == ".toml":
-            import tomllib
-            d = tomllib.loads(path.read_text())
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
-            d = yaml.safe_load(path.read_text()) or {}
-        else: d = json.loads(path.read_text())
-    except Exception as e: raise ValueError(f"config file {path}: cannot parse: {e}") from None
-    if not isinstance(d, dict): raise ValueError(f"config file {path}: expected a table of fields, got {type(d).__name__}")
-    return d
+# %% ../nbs/10_stages.ipynb #e7a0fc3a
+class RunDirBusy(RuntimeError): "Another live process is training in this run directory."
+
+_LOCKS: dict = {}
+
+def lock_run_dir(out) -> None:
+    "Hold an exclusive lock on `OUT/.lock` until `release_run_dir` or exit: a second run on the same `--out` is refused."
+    import fcntl
+    out = Path(out).resolve()
+    if str(out) in _LOCKS: return                          # this process holds it (stages run one after another)
+    out.mkdir(parents=True, exist_ok=True)
+    fh = open(out / ".lock", "a+")
+    try: fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0); pid = fh.read().strip() or "unknown"; fh.close()
+        raise RunDirBusy(f"{out} is in use by another run (pid {pid}): wait for it to finish, or choose another --out") from None
+    fh.seek(0); fh.truncate(); fh.write(f"{os.getpid()}\n"); fh.flush()
+    _LOCKS[str(out)] = fh
+
+def release_run_dir(out) -> None:
+    "Give the run directory's lock back (closing the file releases it)."
+    fh = _LOCKS.pop(str(Path(out).resolve()), None)
+    if fh is not None: fh.close()
+
+# %% ../nbs/10_stages.ipynb #978d3f72
+RECORD_FILES = {"metrics.jsonl": 1, "kd_anchors.jsonl": 0, "logprobs.jsonl": 0, "rollouts.jsonl": 0}   # name -> step base
+RESUME_MAY_CHANGE = {"resume", "overwrite", "allow_config_change", "log_every", "save_every", "anchor_every", "record_every", "wandb"}
+
+def config_changes(old: dict, new: dict) -> dict:
+    "`{field: [saved, now]}` for the fields a resumed run would change (fields the saved config lacks keep their default)."
+    return {k: [old[k], v] for k, v in new.items() if k in old and k not in RESUME_MAY_CHANGE and old[k] != v}
+
+def _prepare(cfg) -> None:
+    "Rank 0's checks: lock, stale temporaries, a previous run (overwrite / resume with the same config), `config.json`."
+    out = Path(cfg.out); lock_run_dir(out)
+    for p in [*(out / "checkpoints").glob(".tmp-step-*"), out / ".final-tmp"]: shutil.rmtree(p, ignore_errors=True)
+    old = [p for p in [*(out / f for f in RECORD_FILES), out / "checkpoints", out / "final", out / "config_changes.jsonl"] if p.exists()]
+    new = json.loads(json.dumps(asdict(cfg)))
+    if old and not cfg.resume:
+        if not cfg.overwrite:
+            raise FileExistsError(f"{out} holds a previous run ({', '.join(p.name for p in old)}): pass --resume to continue "
+                                  "it, --overwrite to replace it, or choose another --out")
+        for p in old: shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if cfg.resume and (out / "config.json").exists():
+        if ch := config_changes(json.loads((out / "config.json").read_text()), new):
+            if not getattr(cfg, "allow_config_change", False):
+                raise ConfigError(f"{out}: --resume with a config that differs from the run's: " +
+                                  "; ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in ch.items()) +
+                                  ". Resume with the run's values, or pass --allow_config_change to record the change")
+            RunRecord(out, name="config_changes.jsonl").log(changed=ch, time=time.time())
+    (out / "config.json").write_text(json.dumps(new, indent=1))
+
+# %% ../nbs/10_stages.ipynb #4c08854a
+def write_config(cfg, acc):
+    "Check the run directory on rank 0 (lock, fresh / overwrite / resume) and save the resolved config; every rank raises the same error."
+    err = None
+    if acc.is_main_process:
+        try: _prepare(cfg)
+        except (ConfigError, FileExistsError, RunDirBusy) as e: err = e
+    if acc.num_processes > 1:                               # rank 0 decides: ranks may see different filesystems
+        from accelerate.utils import broadcast_object_list
+        err = broadcast_object_list([err])[0]
+    if err is not None:
+        if acc.is_main_process and not isinstance(err, RunDirBusy): release_run_dir(cfg.out)
+        raise err
+    acc.wait_for_everyone()
+
+def trim_records(out, step: int):
+    "After resuming at `step`, drop record rows the killed run wrote past its last checkpoint (they will be redone)."
+    for name, base in RECORD_FILES.items():
+        p = Path(out) / name
+        if not p.exists(): continue
+        keep = [r for r in RunRecord.read(p) if "step" in r and r["step"] < step + base]
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep)); os.replace(tmp, p)
 
 # %% ../nbs/10_stages.ipynb #b207210a
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
@@ -177,7 +341,7 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
         out.append(perms[ep][i])
     return out
 
-# %% ../nbs/10_stages.ipynb #04072a78
+# %% ../nbs/10_stages.ipynb #90b4ce7c
 def sync_grads(params, acc):
     "Sum gradients over processes with one flat all-reduce (no-op on one process)."
     if acc.num_processes == 1: return
@@ -309,39 +473,8 @@ def finish_run(out, acc, save_model, summary: dict, rec_name="metrics.jsonl") ->
         shutil.rmtree(final, ignore_errors=True); os.replace(tmp, final)
         RunRecord(out).log(event="done", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
     acc.wait_for_everyone()
+    release_run_dir(out)
     return final
-
-RECORD_FILES = {"metrics.jsonl": 1, "kd_anchors.jsonl": 0, "logprobs.jsonl": 0, "rollouts.jsonl": 0}   # name -> step base
-
-def prepare_run_dir(cfg, acc):
-    "A fresh run refuses a directory that holds another run (unless `overwrite`, which clears it); a resumed one keeps it."
-    out = Path(cfg.out)
-    old = [p for p in [*(out / f for f in RECORD_FILES), out / "checkpoints", out / "final"] if p.exists()]
-    if acc.num_processes > 1:                               # rank 0 decides: ranks may see different filesystems
-        from accelerate.utils import broadcast_object_list
-        old = broadcast_object_list([old])[0]
-    if old and not getattr(cfg, "resume", False):
-        if not getattr(cfg, "overwrite", False):
-            raise FileExistsError(f"{out} holds a previous run ({', '.join(p.name for p in old)}): pass --resume to continue "
-                                  "it, --overwrite to replace it, or choose another --out")
-        if acc.is_main_process:
-            for p in old: shutil.rmtree(p) if p.is_dir() else p.unlink()
-    acc.wait_for_everyone()
-
-def trim_records(out, step: int):
-    "After resuming at `step`, drop record rows the killed run wrote past its last checkpoint (they will be redone)."
-    for name, base in RECORD_FILES.items():
-        p = Path(out) / name
-        if not p.exists(): continue
-        keep = [r for r in RunRecord.read(p) if "step" in r and r["step"] < step + base]
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep)); os.replace(tmp, p)
-
-def write_config(cfg, acc):
-    "Check the run directory (fresh, overwrite or resume) and save the resolved config in it."
-    prepare_run_dir(cfg, acc)
-    out = Path(cfg.out)
-    if acc.is_main_process: out.mkdir(parents=True, exist_ok=True); (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
 
 # %% ../nbs/10_stages.ipynb #25076a4b
 @dataclass
@@ -372,6 +505,7 @@ class SFTConfig:
     wandb: str = "disabled"             # disabled / offline / online
     resume: bool = False
     overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
+    allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 
 def load_traced(path, limit: int = 0, progress: bool = True) -> list[dict]:
     "CRUXEval-format rows with traces: rows without a `trace` field are traced in the sandbox (failures dropped; "
@@ -498,6 +632,7 @@ class CodiConfig:
     wandb: str = "disabled"
     resume: bool = False
     overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
+    allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 
     def options(self):
         from latent_rl.latent import CodiOptions

@@ -10,7 +10,7 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'COMMANDS', 'sandbox_flag', 'cmd_doctor', 'cmd_data', 'cmd_trace', 'cmd_sft',
            'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot', 'cmd_diagnose',
-           'cmd_sweep', 'cmd_presets', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'main']
+           'cmd_sweep', 'cmd_presets', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'user_errors', 'run_command', 'main']
 
 # %% ../nbs/14_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -154,8 +154,30 @@ COMMANDS = {"data": cmd_data, "trace": cmd_trace, "sft": cmd_sft, "codi": cmd_co
             "demo": cmd_demo, "bench": cmd_bench, "serve-teacher": cmd_serve_teacher, "serve-rollouts": cmd_serve_rollouts, "plot": cmd_plot,
             "diagnose": cmd_diagnose, "presets": cmd_presets, "doctor": cmd_doctor, "sweep": cmd_sweep}
 
+# %% ../nbs/14_train.ipynb #e59d31d3
+def user_errors() -> tuple:
+    "Exceptions that mean bad input (config, rows, files, encodings, a busy or bad run directory), not a bug."
+    from latent_rl.trace import SandboxUnavailable
+    from latent_rl.stages import CheckpointError, RunDirBusy
+    return (ValueError, OSError, SandboxUnavailable, CheckpointError, RunDirBusy)
+
+def run_command(cmd: str, rest: list[str], debug: bool = False) -> int:
+    "Run one subcommand: bad input prints one line and returns 2 (the traceback only with `--debug`); Ctrl-C returns 130."
+    try: COMMANDS[cmd](rest)
+    except KeyboardInterrupt:
+        print(f"latent-rl {cmd}: interrupted; checkpoints already written are kept (--resume continues from the last one)",
+              file=sys.stderr)
+        return 130
+    except user_errors() as e:
+        if debug: raise
+        print(f"latent-rl {cmd}: error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
+        return 2
+    return 0
+
+# %% ../nbs/14_train.ipynb #6293437c
 def main(argv: list[str] | None = None):
     argv = sandbox_flag(list(sys.argv[1:] if argv is None else argv))
+    debug = "--debug" in argv; argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: latent-rl {" + ",".join(list(COMMANDS) + list(PENDING)) + "} ...\n\n"
               "  data   build the traced corpus and tokenizer\n  trace  trace a CRUXEval-format JSONL file\n"
@@ -169,16 +191,15 @@ def main(argv: list[str] | None = None):
               "  presets  print the named recipes (--recipe NAME on any stage)\n  demo   the whole pipeline on CPU\n"
               "  sweep  a grid of runs × seeds with held-out CIs and latent counterfactuals (resumable)\n"
               "  bench  benchmarks (python -m latent_rl.bench)\n  doctor  what the tracer's sandbox does on this machine\n\n"
-              "  --unsafe-no-sandbox  (any command) trace untrusted programs even where the sandbox cannot start")
+              "  --unsafe-no-sandbox  (any command) trace untrusted programs even where the sandbox cannot start\n"
+              "  --debug  (any command) show the traceback of an error in the input (exit code 2 without it)")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in PENDING: raise SystemExit(f"latent-rl {cmd}: not implemented yet (tracked in issue #{PENDING[cmd]})")
     if cmd not in COMMANDS: raise SystemExit(f"latent-rl: unknown command {cmd!r}; choose from {sorted(COMMANDS)}")
-    from latent_rl.trace import SandboxUnavailable, sandbox_notice
+    from latent_rl.trace import sandbox_notice
     if cmd in TRACING and (note := sandbox_notice()): print(note, file=sys.stderr)
-    try: COMMANDS[cmd](rest)
-    except SandboxUnavailable as e: raise SystemExit(f"latent-rl {cmd}: {e}") from None
-    return 0
+    return run_command(cmd, rest, debug)
 
 # %% ../nbs/14_train.ipynb #05a98a0c
-if __name__ == "__main__": main()
+if __name__ == "__main__": raise SystemExit(main())

@@ -101,3 +101,71 @@ def test_demo_pipeline_smoke(tmp_path):
     assert set(res["results"]) == {"teacher", "notrace", "codi", "gkd", "grpo"}
     assert (tmp_path / "figs" / "grpo_reward_curve.png").exists() and (tmp_path / "figs" / "gkd" / "alignment.png").exists()
     assert all(Path(f).exists() for f in res["figures"]) and Path(res["diagnosis"]).exists()
+
+def _sft_args(tiny_data, out, *more):
+    return ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+            "--preset", "nano", "--batch_size", 8, "--log_every", 1, "--out", out, *more]
+
+@pytest.mark.parametrize("text,msg", [('lr = "fast"\n', "field 'lr' expects a finite number, got 'fast'"),
+                                      ("steps = 2.5\n", "field 'steps' expects an integer, got 2.5"),
+                                      ("grad_accum = 0\n", "field 'grad_accum' must be ≥ 1, got 0"),
+                                      ("batch_size = -4\n", "field 'batch_size' must be ≥ 1, got -4"),
+                                      ("steps = -3\n", "field 'steps' must be ≥ 1, got -3"),
+                                      ('resume = "maybe"\n', "field 'resume' expects true or false, got 'maybe'"),
+                                      ("max_len = 0\n", "field 'max_len' must be ≥ 1, got 0"),
+                                      ("[SFTconfig]\nsteps = 3\n", "unknown section(s) ['SFTconfig']")])
+def test_bad_config_is_one_line_and_exit_2(tmp_path, text, msg):
+    cfg = tmp_path / "c.toml"; cfg.write_text(text)
+    p = run_cli("sft", "--config", cfg, "--out", tmp_path / "run", check=False)
+    assert p.returncode == 2 and f"c.toml: {msg}" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "run" / "final").exists()
+
+def test_recipe_without_the_stage_is_refused(tmp_path):
+    p = run_cli("sft", "--recipe", "cpu-smoke", "--out", tmp_path / "run", check=False)
+    assert p.returncode == 2 and "recipe cpu-smoke has no SFTConfig section" in p.stderr, p.stderr[-2000:]
+
+def test_non_utf8_row_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(json.dumps({"id": "a", "code": "def f(x):\n    return x", "input": "1", "output": "1"}).encode() + b"\n\xfe\n")
+    p = run_cli("trace", bad, "-o", tmp_path / "o.jsonl", check=False)
+    assert p.returncode == 2 and "bad.jsonl:2: not UTF-8 text (byte 0xfe" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+def test_resume_with_another_config_is_refused(tiny_data, tmp_path):
+    run_cli(*_sft_args(tiny_data, tmp_path / "run", "--steps", 4, "--save_every", 2, "--lr", 0.003))
+    p = run_cli(*_sft_args(tiny_data, tmp_path / "run", "--steps", 4, "--save_every", 2, "--lr", 0.01, "--resume"), check=False)
+    assert p.returncode == 2 and "lr 0.003 → 0.01" in p.stderr, p.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.003        # the run's config is kept
+    run_cli(*_sft_args(tiny_data, tmp_path / "run", "--steps", 4, "--save_every", 2, "--lr", 0.01, "--resume",
+                       "--allow_config_change"))
+    ch = [json.loads(l) for l in (tmp_path / "run" / "config_changes.jsonl").read_text().splitlines()]
+    assert ch[0]["changed"] == {"lr": [0.003, 0.01]}
+
+def test_second_run_on_one_out_is_refused(tiny_data, tmp_path):
+    import subprocess, sys, time, os
+    out = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "latent_rl.train", *map(str, _sft_args(tiny_data, out, "--steps", 400,
+                              "--save_every", 0))], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):                                   # until the first run holds the directory
+            if (out / ".lock").exists() and (out / ".lock").read_text().strip(): break
+            time.sleep(0.1)
+        p = run_cli(*_sft_args(tiny_data, out, "--steps", 2, "--resume"), check=False)
+        assert p.returncode == 2 and f"in use by another run (pid {first.pid})" in p.stderr, p.stderr[-2000:]
+    finally:
+        first.kill(); first.wait()
+
+def test_truncated_newest_checkpoint_falls_back_exactly(tiny_data, tmp_path):
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    run_cli(*_sft_args(tiny_data, tmp_path / "full", "--steps", 9, "--save_every", 3), env=one)
+    run_cli(*_sft_args(tiny_data, tmp_path / "part", "--steps", 9, "--save_every", 3), env=one)
+    import shutil; shutil.rmtree(tmp_path / "part" / "final")
+    st = tmp_path / "part" / "checkpoints" / "step-6" / "model" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])              # the newest checkpoint, truncated
+    (tmp_path / "part" / "checkpoints" / ".tmp-step-9-123").mkdir()       # and an interrupted write's leftovers
+    p = run_cli(*_sft_args(tiny_data, tmp_path / "part", "--steps", 9, "--save_every", 3, "--resume"), env=one)
+    assert "model.safetensors has" in p.stdout + p.stderr and "resumed from" in p.stdout + p.stderr
+    assert not (tmp_path / "part" / "checkpoints" / ".tmp-step-9-123").exists()
+    from safetensors.torch import load_file
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors"); b = load_file(tmp_path / "part" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
