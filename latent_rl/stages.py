@@ -512,12 +512,14 @@ def load_traced(path, limit: int = 0, progress: bool = True) -> list[dict]:
     "`SandboxUnavailable` where it cannot start, unless `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."
     from latent_rl.corpus import trace_and_fill
     rows = load_rows(path, limit or None)
+    if not rows: raise ValueError(f"{path}: no rows (the file is empty)")
     need = [r for r in rows if "trace" not in r]
     if need:
         done, skipped = trace_and_fill(need, progress=progress, desc=f"trace {Path(path).name}")
         byid = {r["id"]: r for r in done}
         rows = [r if "trace" in r else byid.get(r["id"]) for r in rows]
         rows = [r for r in rows if r is not None]
+        if not rows: raise ValueError(f"{path}: none of its {len(need)} programs could be traced (reasons: {skipped})")
     return rows
 
 def wandb_run(cfg, stage: str, acc):

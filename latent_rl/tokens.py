@@ -13,8 +13,9 @@ from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_O
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'DATA_DEFAULTS', 'add_trace_tokens', 'resize_embeddings', 'trace_token_ids',
-           'train_tokenizer', 'encode', 'answer_text', 'sft_example', 'find_spans', 'codi_example', 'resolved_locals',
-           'trace_targets', 'latent_subset', 'pad_collate', 'left_pad', 'build_data']
+           'train_tokenizer', 'max_token_bytes', 'surely_too_long', 'encode', 'answer_text', 'sft_example',
+           'find_spans', 'codi_example', 'resolved_locals', 'trace_targets', 'latent_subset', 'pad_collate', 'left_pad',
+           'build_data']
 
 # %% ../nbs/02_tokens.ipynb #dfebc108
 IGNORE_INDEX = -100
@@ -71,6 +72,21 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, path=None, min_
     if path is not None: tok.save_pretrained(str(path))
     return tok
 
+# %% ../nbs/02_tokens.ipynb #bce40bf6
+def max_token_bytes(tok) -> int:
+    "The UTF-8 length of the vocabulary's longest entry: no token stands for more bytes of text (cached on `tok`)."
+    m = getattr(tok, "_latent_rl_max_token_bytes", None)
+    if m is None:
+        m = max(len(t.encode()) for t in tok.get_vocab())
+        try: tok._latent_rl_max_token_bytes = m
+        except AttributeError: pass
+    return m
+
+def surely_too_long(tok, texts, max_len: int | None) -> bool:
+    """Can `texts` not fit in `max_len` tokens however they tokenise? Rejects a 50 MB row in microseconds instead of
+    tokenising it (a factor 2 of slack covers normalisers that shorten text)."""
+    return bool(max_len) and sum(len(t.encode()) for t in texts) > 2 * max_len * max_token_bytes(tok)
+
 # %% ../nbs/02_tokens.ipynb #10af8b69
 def encode(tok, text: str) -> list[int]: return tok.encode(text, add_special_tokens=False)
 
@@ -82,6 +98,7 @@ def answer_text(trace: str) -> str:
 
 def sft_example(tok, row: dict, mode: str = "trace", max_len: int | None = None) -> dict | None:
     "`{input_ids, labels}` for a traced row; `mode` 'trace' (explicit trace) or 'answer' (no-trace). None if too long."
+    if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len): return None
     p = encode(tok, prompt_text(row["code"], row["input"]))
     t = encode(tok, row["trace"] if mode == "trace" else answer_text(row["trace"]))
     if max_len and len(p) + len(t) > max_len: return None
@@ -102,6 +119,7 @@ def find_spans(trace_ids: Sequence[int], line_sep_id: int, action_sep_id: int) -
 def codi_example(tok, row: dict, max_len: int | None = None, max_spans: int | None = None, targets: bool = True) -> dict | None:
     """`{prompt_ids, trace_ids, spans}` for a traced row (+ `value_tok`, `answer_tok`, `recon_ids` with `targets`,
     see `trace_targets`); None if too long or without any LINE frame."""
+    if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len): return None
     ids = trace_token_ids(tok)
     p = encode(tok, prompt_text(row["code"], row["input"]))
     tt = trace_targets(tok, row["trace"]) if targets and getattr(tok, "is_fast", False) else {"trace_ids": encode(tok, row["trace"])}

@@ -62,6 +62,10 @@ def cmd_trace(argv):
     ap.add_argument("--max_frames", type=int, default=10_000); ap.add_argument("--workers", type=int, default=None)
     a = ap.parse_args(argv)
     rows = load_rows(a.rows)
+    out = Path(a.out)                      # refuse an unwritable output before tracing, not after
+    if out.is_dir(): raise ValueError(f"-o {out}: is a directory; give the path of a .jsonl file to write")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(out.parent, os.W_OK): raise PermissionError(f"-o {out}: cannot write in {out.parent}")
     res = trace_rows(rows, workers=a.workers, timeout=a.timeout, mem_mb=a.mem_mb, max_frames=a.max_frames)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "w") as fh:

@@ -169,3 +169,12 @@ def test_truncated_newest_checkpoint_falls_back_exactly(tiny_data, tmp_path):
     from safetensors.torch import load_file
     a = load_file(tmp_path / "full" / "final" / "model.safetensors"); b = load_file(tmp_path / "part" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+
+def test_empty_training_file_and_trace_to_a_directory(tiny_data, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    p = run_cli(*_sft_args(tiny_data, tmp_path / "run", "--steps", 2), "--train", tmp_path / "empty.jsonl", check=False)
+    assert p.returncode == 2 and "empty.jsonl: no rows (the file is empty)" in p.stderr, p.stderr[-2000:]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "a", "code": "def f(x):\n    return x", "input": "1", "output": "1"}) + "\n")
+    p = run_cli("trace", rows, "-o", tmp_path, check=False)
+    assert p.returncode == 2 and "is a directory" in p.stderr and "traced" not in p.stdout, p.stderr[-2000:]
