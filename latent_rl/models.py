@@ -11,8 +11,9 @@ import torch
 from .tokens import add_trace_tokens
 
 # %% auto #0
-__all__ = ['DTYPES', 'TINY_PRESETS', 'resolve_dtype', 'load_tokenizer', 'load_model', 'tiny_config', 'build_tiny', 'n_params',
-           'unwrap', 'backbone', 'lm_head_weight', 'cache_kw', 'out_cache', 'copy_cache']
+__all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_PRESETS', 'resolve_dtype', 'load_tokenizer', 'check_vocab', 'load_model',
+           'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'cache_kw', 'out_cache',
+           'copy_cache']
 
 # %% ../nbs/03_models.ipynb #43238021
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -38,19 +39,31 @@ def load_tokenizer(name_or_path):
     # tokenizer is therefore loaded as exactly what was saved.
     cls = PreTrainedTokenizerFast if _generic_fast_tokenizer(name_or_path) else AutoTokenizer
     tok = cls.from_pretrained(str(name_or_path))
-    add_trace_tokens(tok)
+    tok._latent_rl_added = add_trace_tokens(tok)              # how many trace tokens the saved tokenizer lacked
     if tok.pad_token is None: tok.pad_token = tok.eos_token
     return tok
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+def check_vocab(tok, model, where: str):
+    "Refuse a tokenizer that does not belong to `model`: more tokens (before the trace tokens are added) than embedding rows."
+    base, rows = len(tok) - getattr(tok, "_latent_rl_added", 0), model.get_input_embeddings().weight.shape[0]
+    if base > rows: raise ValueError(f"{where}: the tokenizer has {base} tokens but the model's embeddings have {rows} rows: "
+                                     "this tokenizer does not belong to this model")
 
 def load_model(name_or_path, tok=None, dtype="fp32", device="cpu", attn_implementation: str | None = None):
     "Load any HF causal LM by name or path; returns `(model, tokenizer)` with the trace tokens added."
     from transformers import AutoModelForCausalLM
     p = str(name_or_path)
     if os.path.sep in p and not Path(p).exists(): raise FileNotFoundError(f"model path {p} does not exist")
+    if tok is None and Path(p).is_dir() and not any((Path(p) / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model directory {p} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): save the tokenizer "
+                                "beside the weights (tok.save_pretrained)")
     tok = tok or load_tokenizer(p)
     kw = {"dtype": resolve_dtype(dtype)}
     if attn_implementation: kw["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(p, **kw)
+    check_vocab(tok, model, p)
     add_trace_tokens(tok, model)
     return model.to(device), tok
 
