@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_stages.ipynb #6177dd51
 from __future__ import annotations
-import hashlib, json, math, os, random, re, shutil, time
+import hashlib, json, math, os, random, re, shutil, signal, sys, threading, time
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 
@@ -21,9 +21,9 @@ __all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', '
            'save_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state', 'latest_checkpoint',
            'ConfigError', 'check_field', 'config_from_dict', 'load_config_file', 'parse_config', 'RunDirBusy',
            'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config', 'trim_records', 'batch_indices',
-           'sync_grads', 'peak_memory_mb', 'reduce_metrics', 'train_loop', 'check_ranks_in_sync', 'finish_run',
-           'SFTConfig', 'load_traced', 'wandb_run', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft',
-           'CodiConfig', 'run_codi']
+           'StopRequest', 'sync_grads', 'peak_memory_mb', 'reduce_metrics', 'train_loop', 'check_ranks_in_sync',
+           'finish_run', 'SFTConfig', 'load_traced', 'wandb_run', 'build_or_load', 'sft_batch_loss', 'eval_loss',
+           'run_sft', 'CodiConfig', 'run_codi']
 
 # %% ../nbs/10_stages.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -341,6 +341,25 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
         out.append(perms[ep][i])
     return out
 
+# %% ../nbs/10_stages.ipynb #7f8ff77d
+class StopRequest:
+    """Ctrl-C during training: the first one lets the current step finish and write a checkpoint (then the stage
+    raises `KeyboardInterrupt`); a second one stops at once. Every rank stops at the same step."""
+    def __init__(self):
+        self.flag, self.prev = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.prev = signal.signal(signal.SIGINT, self._handle)
+    def close(self):
+        "Give Ctrl-C its previous meaning back."
+        if self.prev is not None: signal.signal(signal.SIGINT, self.prev); self.prev = None
+    def _handle(self, *_):
+        if self.flag: signal.signal(signal.SIGINT, signal.default_int_handler); raise KeyboardInterrupt
+        self.flag = True
+        print("\nCtrl-C: stopping after this step and writing a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
+    def requested(self, acc) -> bool:
+        if acc.num_processes == 1: return self.flag
+        return bool(acc.reduce(torch.tensor([float(self.flag)], device=acc.device), "max").item())
+
 # %% ../nbs/10_stages.ipynb #90b4ce7c
 def sync_grads(params, acc):
     "Sum gradients over processes with one flat all-reduce (no-op on one process)."
@@ -404,52 +423,59 @@ def train_loop(cfg, acc, module, n_examples: int, micro_loss, save_model, stage:
     rec, wb = RunRecord(out, acc.is_main_process), wandb_run(cfg, stage, acc)
     bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not (progress and acc.is_main_process))
     t0, last, totals = time.time(), {}, {}
-    for step in range(start, cfg.steps):
-        if on_step: on_step(step)
-        ts = time.time()
-        idx = batch_fn(step) if batch_fn else batch_indices(step, cfg.batch_size, n_examples, cfg.seed)
-        mine = idx[acc.process_index::W]
-        ms, t_micro = [], 0.0
-        for a in range(cfg.grad_accum):
-            tm = time.time()
-            loss, m = micro_loss(step, mine[a * micro:(a + 1) * micro], idx)
-            loss.backward(); ms.append(m)
-            t_micro += time.time() - tm
-        t_sync = time.time()
-        sync_grads(params, acc)
-        t_sync = time.time() - t_sync
-        gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
-        m = {k: sum(x[k] for x in ms) / len(ms) for k in ms[0] if isinstance(ms[0][k], (int, float))}
-        if step_metrics: m.update(step_metrics(step))
-        # time in micro-batches (forward + backward) not spent generating or scoring with a teacher = training
-        m["train_s"] = t_micro - m.get("gen_s", 0.0) - m.get("teacher_s", 0.0)
-        m["grad_sync_s"] = t_sync
-        m = reduce_metrics(m, acc)
-        last = m
-        m_step = time.time() - ts
-        for k in ("gen_s", "teacher_s", "train_s", "sync_s", "grad_sync_s"):
-            if k in m: totals[k] = totals.get(k, 0.0) + m[k]
-        totals["step_s"] = totals.get("step_s", 0.0) + m_step
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            row = dict(step=step + 1, **m, lr=sched.get_last_lr()[0], grad_norm=float(gn), step_s=m_step,
-                       peak_mem_mb=peak_memory_mb(acc.device),
-                       elapsed_s=time.time() - t0)
-            rec.log(**row)
-            bar.set_postfix({k: f"{v:.3f}" for k, v in m.items() if "loss" in k})
-            if wb: wb.log(row, step=step + 1)
-        bar.update(1)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            stage_state = [state_fn()] if state_fn else [{}]
-            if state_fn and W > 1:                                                # every rank's own buffer
-                from accelerate.utils import gather_object
-                stage_state = gather_object(stage_state)
-            if acc.is_main_process:
-                save_checkpoint(out, step + 1, save_model, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                "rng": rng_state(), "data_position": (step + 1) * cfg.batch_size, "config": asdict(cfg),
-                                "stage_state_by_rank": stage_state})
-            acc.wait_for_everyone()
-    bar.close()
+    stop = StopRequest()
+    try:
+        for step in range(start, cfg.steps):
+            if on_step: on_step(step)
+            ts = time.time()
+            idx = batch_fn(step) if batch_fn else batch_indices(step, cfg.batch_size, n_examples, cfg.seed)
+            mine = idx[acc.process_index::W]
+            ms, t_micro = [], 0.0
+            for a in range(cfg.grad_accum):
+                tm = time.time()
+                loss, m = micro_loss(step, mine[a * micro:(a + 1) * micro], idx)
+                loss.backward(); ms.append(m)
+                t_micro += time.time() - tm
+            t_sync = time.time()
+            sync_grads(params, acc)
+            t_sync = time.time() - t_sync
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
+            m = {k: sum(x[k] for x in ms) / len(ms) for k in ms[0] if isinstance(ms[0][k], (int, float))}
+            if step_metrics: m.update(step_metrics(step))
+            # time in micro-batches (forward + backward) not spent generating or scoring with a teacher = training
+            m["train_s"] = t_micro - m.get("gen_s", 0.0) - m.get("teacher_s", 0.0)
+            m["grad_sync_s"] = t_sync
+            m = reduce_metrics(m, acc)
+            last = m
+            m_step = time.time() - ts
+            for k in ("gen_s", "teacher_s", "train_s", "sync_s", "grad_sync_s"):
+                if k in m: totals[k] = totals.get(k, 0.0) + m[k]
+            totals["step_s"] = totals.get("step_s", 0.0) + m_step
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                row = dict(step=step + 1, **m, lr=sched.get_last_lr()[0], grad_norm=float(gn), step_s=m_step,
+                           peak_mem_mb=peak_memory_mb(acc.device),
+                           elapsed_s=time.time() - t0)
+                rec.log(**row)
+                bar.set_postfix({k: f"{v:.3f}" for k, v in m.items() if "loss" in k})
+                if wb: wb.log(row, step=step + 1)
+            bar.update(1)
+            stopping = stop.requested(acc)
+            if step + 1 < cfg.steps and (stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+                stage_state = [state_fn()] if state_fn else [{}]
+                if state_fn and W > 1:                                                # every rank's own buffer
+                    from accelerate.utils import gather_object
+                    stage_state = gather_object(stage_state)
+                if acc.is_main_process:
+                    save_checkpoint(out, step + 1, save_model, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                    "rng": rng_state(), "data_position": (step + 1) * cfg.batch_size, "config": asdict(cfg),
+                                    "stage_state_by_rank": stage_state})
+                acc.wait_for_everyone()
+            if stopping:
+                bar.close(); log0(acc, f"stopped at step {step + 1}: checkpoint written; --resume continues from it")
+                raise KeyboardInterrupt
+        bar.close()
+    finally: stop.close()
     if wb: wb.finish()
     sums = check_ranks_in_sync(params, acc)
     return {"steps": cfg.steps, "train_seconds": time.time() - t0, "last": last, "param_checksums": sums, "totals": totals,

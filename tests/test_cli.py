@@ -178,3 +178,25 @@ def test_empty_training_file_and_trace_to_a_directory(tiny_data, tmp_path):
     rows.write_text(json.dumps({"id": "a", "code": "def f(x):\n    return x", "input": "1", "output": "1"}) + "\n")
     p = run_cli("trace", rows, "-o", tmp_path, check=False)
     assert p.returncode == 2 and "is a directory" in p.stderr and "traced" not in p.stdout, p.stderr[-2000:]
+
+def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(tiny_data, tmp_path):
+    import os, signal, subprocess, sys, time
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    args = lambda out, *m: _sft_args(tiny_data, out, "--steps", 30, "--save_every", 0, *m)
+    run_cli(*args(tmp_path / "full"), env=one)
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **one}
+    p = subprocess.Popen([sys.executable, "-m", "latent_rl.train", *map(str, args(tmp_path / "part"))], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):                                        # until a few steps are logged
+        m = tmp_path / "part" / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 3: break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
+    ck = sorted((tmp_path / "part" / "checkpoints").glob("step-*"))
+    assert len(ck) == 1 and 3 <= int(ck[0].name.split("-")[1]) < 30 and "checkpoint written" in out + err
+    run_cli(*args(tmp_path / "part", "--resume"), env=one)
+    from safetensors.torch import load_file
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors"); b = load_file(tmp_path / "part" / "final" / "model.safetensors")
+    assert all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
