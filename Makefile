@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 FROM_SCRATCH ?= 0
 DEMO_ARGS ?=
 
-.PHONY: venv demo test export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check
+.PHONY: venv lab demo test export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,11 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 venv: $(VENV)/.installed
+
+# The notebooks in JupyterLab, on the project's own environment (kernel "latent_rl"); the inspectors are live there.
+lab: venv
+	$(BIN)/python -m ipykernel install --sys-prefix --name latent_rl --display-name "latent_rl (.venv)" >/dev/null
+	cd nbs && ../$(BIN)/jupyter lab
 
 demo: venv
 	$(BIN)/latent-rl demo $(if $(filter 1,$(FROM_SCRATCH)),--from-scratch,) $(DEMO_ARGS)
