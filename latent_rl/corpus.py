@@ -19,19 +19,25 @@ REQUIRED_FIELDS = ("id", "code", "input", "output")
 class RowError(ValueError):
     "A malformed CRUXEval-format row: the message names file, line and field."
 
+def _parse(src: str, mode: str = "exec"):
+    "`ast.parse`; a pathological source (nested thousands deep) raises `SyntaxError` too, never RecursionError/MemoryError."
+    try: return ast.parse(src, mode=mode)
+    except (RecursionError, MemoryError) as e:
+        raise SyntaxError(f"too deeply nested to parse ({type(e).__name__})") from None
+
 def check_row(row, where: str = "<row>") -> dict:
     "Validate one CRUXEval-format row; raise `RowError` naming `where` and the field."
     if not isinstance(row, dict): raise RowError(f"{where}: expected a JSON object, got {type(row).__name__}")
     for k in REQUIRED_FIELDS:
         if k not in row: raise RowError(f"{where}: missing field '{k}'")
         if not isinstance(row[k], str): raise RowError(f"{where}: field '{k}' must be a string, got {type(row[k]).__name__}")
-    try: tree = ast.parse(row["code"])
-    except SyntaxError as e: raise RowError(f"{where}: field 'code' is not valid Python ({e.msg}, line {e.lineno})") from None
+    try: tree = _parse(row["code"])
+    except SyntaxError as e: raise RowError(f"{where}: field 'code' is not valid Python ({e.msg}{'' if e.lineno is None else f', line {e.lineno}'})") from None
     if not any(isinstance(n, ast.FunctionDef) and n.name == "f" for n in tree.body):
         raise RowError(f"{where}: field 'code' does not define a top-level function `f`")
-    try: ast.parse(f"f({row['input']})", mode="eval")
-    except SyntaxError: raise RowError(f"{where}: field 'input' is not a valid argument list: {row['input']!r}") from None
-    try: ast.parse(row["output"], mode="eval")
+    try: _parse(f"f({row['input']})", mode="eval")
+    except SyntaxError: raise RowError(f"{where}: field 'input' is not a valid argument list: {row['input'][:60]!r}") from None
+    try: _parse(row["output"], mode="eval")
     except SyntaxError: raise RowError(f"{where}: field 'output' is not a Python expression: {row['output'][:60]!r}") from None
     return row
 

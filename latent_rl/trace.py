@@ -365,7 +365,9 @@ def _has_dir_fd(event, args) -> bool:
 # %% ../nbs/00_trace.ipynb #87110cc8
 # x86_64 system calls a traced program never needs; each fails with EPERM. Signals, other processes, namespaces,
 # mounts, sockets, exec, new processes (clone without CLONE_THREAD: threads stay allowed), System V / POSIX IPC and
-# anonymous memory files (state or memory that would outlive the process), kernel interfaces with a record of bugs.
+# anonymous memory files (state or memory that would outlive the process), kernel interfaces with a record of bugs,
+# and every change of a file's mode, owner, times or extended attributes (ACLs): a program has no use for them, and
+# they are how a file it can reach (its scratch root, a device node of the host) would be changed for the rows after it.
 _X86_64_DENY = {
     "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "kill": 62, "tkill": 200, "tgkill": 234,
     "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297, "pidfd_open": 434, "pidfd_send_signal": 424,
@@ -379,9 +381,13 @@ _X86_64_DENY = {
     "sched_setscheduler": 144, "sched_setaffinity": 203, "sched_setattr": 314, "ioprio_set": 251,
     "migrate_pages": 256, "move_pages": 279, "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30,
     "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69,
-    "msgrcv": 70, "msgctl": 71, "mq_open": 240, "mq_unlink": 241,
+    "msgrcv": 70, "msgctl": 71, "mq_open": 240, "mq_unlink": 241, "open_by_handle_at": 304,
+    "chmod": 90, "fchmod": 91, "fchmodat": 268, "fchmodat2": 452, "chown": 92, "fchown": 93, "lchown": 94,
+    "fchownat": 260, "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280,
+    "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
+    "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "removexattrat": 466,
 }
-_NR_CLONE, _NR_CLONE3, _NR_PRLIMIT64, _CLONE_THREAD = 56, 435, 302, 0x00010000
+_NR_CLONE, _NR_CLONE3, _NR_PRLIMIT64, _NR_PRCTL, _CLONE_THREAD, _PR_SET_DUMPABLE = 56, 435, 302, 157, 0x00010000, 4
 
 def seccomp_program(machine: str | None = None) -> bytes | None:
     "The classic-BPF seccomp filter of traced children (x86_64; `None` elsewhere: that layer is then absent)."
@@ -390,12 +396,14 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
     ALLOW, KILL, ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
     prog = [(LD, 0, 0, 4), (JEQ, 1, 0, 0xC000003E), (RET, 0, 0, KILL),        # another ABI (i386): kill the process
             (LD, 0, 0, 0), (JGE, "deny", 0, 0x40000000),                       # the x32 ABI: refused
-            (JEQ, "clone", 0, _NR_CLONE), (JEQ, "enosys", 0, _NR_CLONE3), (JEQ, "self", 0, _NR_PRLIMIT64)]
+            (JEQ, "clone", 0, _NR_CLONE), (JEQ, "enosys", 0, _NR_CLONE3), (JEQ, "self", 0, _NR_PRLIMIT64),
+            (JEQ, "prctl", 0, _NR_PRCTL)]
     prog += [(JEQ, "deny", 0, nr) for nr in sorted(set(_X86_64_DENY.values()))]
     prog.append((RET, 0, 0, ALLOW))
     labels = {}
     labels["clone"] = len(prog); prog += [(LD, 0, 0, 16), (JSET, "allow", "deny", _CLONE_THREAD)]  # threads only
     labels["self"] = len(prog); prog += [(LD, 0, 0, 16), (JEQ, "allow", "deny", 0)]    # prlimit64 of pid 0 only
+    labels["prctl"] = len(prog); prog += [(LD, 0, 0, 16), (JEQ, "deny", "allow", _PR_SET_DUMPABLE)]  # stays undumpable
     labels["allow"] = len(prog); prog.append((RET, 0, 0, ALLOW))
     labels["deny"] = len(prog); prog.append((RET, 0, 0, ERRNO | errno.EPERM))
     labels["enosys"] = len(prog); prog.append((RET, 0, 0, ERRNO | errno.ENOSYS))  # clone3: libc falls back to clone
@@ -407,12 +415,18 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
     return bytes(out)
 
 # %% ../nbs/00_trace.ipynb #443d534c
-def _seccomp_installer(prog: bytes):
+def _libc_prctl():
+    "libc's `prctl` through ctypes, or None (a Python without ctypes: no seccomp either; the doctor says so)."
+    try: import ctypes
+    except ImportError: return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes, prctl.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
+    return prctl
+
+def _seccomp_installer(prog: bytes, prctl=None):
     "Prepared in the server: a function a child calls to load `prog` (irrevocably; no-new-privs is set in the server)."
     import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    prctl = libc.prctl
-    prctl.argtypes, prctl.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
+    prctl = prctl or _libc_prctl()
     class _Fprog(ctypes.Structure): _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
     buf = ctypes.create_string_buffer(prog, len(prog))
     fprog = _Fprog(len(prog) // 8, ctypes.addressof(buf))
@@ -422,15 +436,16 @@ def _seccomp_installer(prog: bytes):
     install._keep = (buf, fprog)
     return install
 
-def _harden_server() -> bool:
+def _harden_server():
     "No new privileges for the server and its children (PR_SET_NO_NEW_PRIVS, which seccomp needs), and undumpable"
     "(PR_SET_DUMPABLE 0): no process without CAP_SYS_PTRACE may ptrace it or open its /proc files (mem, fd, environ)."
-    try: import ctypes
-    except ImportError: return False                 # a Python without ctypes: no seccomp either (the doctor says so)
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    "Returns libc's `prctl` (None without ctypes)."
+    prctl = _libc_prctl()
+    if prctl is None: return None
+    import ctypes
     for opt, val in ((38, 1), (4, 0)):
         if prctl(opt, val, 0, 0, 0) != 0: raise OSError(ctypes.get_errno(), f"prctl({opt}, {val})")
-    return True
+    return prctl
 
 # %% ../nbs/00_trace.ipynb #bae848c0
 class _Discard(io.TextIOBase):
@@ -463,15 +478,35 @@ def _lower(res, soft, hard=None):
 def _alarm(signum, frame): raise TraceTimeout()
 
 # %% ../nbs/00_trace.ipynb #ef348289
-def _confine(cfg: dict, req: dict, wfd: int, seccomp) -> None:
-    "First thing in a fresh child: keep only its result pipe, enter the scratch dir, cap memory and CPU, load seccomp."
+def _close_all_but(keep) -> None:
+    "Close every descriptor above 2 but those in `keep`."
+    lo = 3
+    for fd in sorted(k for k in keep if k >= 3) + [1 << 20]:
+        if fd > lo: os.closerange(lo, fd)
+        lo = fd + 1
+
+def _read_all(fd: int) -> bytes:
+    "Everything on `fd` up to end of file."
+    chunks = []
+    while (b := os.read(fd, 1 << 20)): chunks.append(b)
+    return b"".join(chunks)
+
+def _confine(cfg: dict, rfd: int, wfd: int, seccomp) -> dict:
+    "First thing in a fresh child: keep only its two pipes, leave the zygote's session, read its request, enter the"
+    "scratch dir, cap memory and CPU, load seccomp. Returns the request (which only this child ever held)."
     import resource
-    os.closerange(3, wfd); os.closerange(wfd + 1, 1 << 20)   # the server's pipes to the parent (0-2 are /dev/null)
+    _close_all_but((rfd, wfd))                                # the zygote's socket (0-2 are /dev/null)
+    os.setsid()                                               # own session, process group and scheduler autogroup
+    prctl = cfg.get("prctl")
+    if prctl is not None: prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG: dies with the zygote
+    req = json.loads(_read_all(rfd))
+    os.close(rfd)
     os.chdir(cfg["workdir"])                                  # also HOME and TMPDIR (set by the server)
     cpu = int(float(req.get("timeout", 2.0)) + cfg["grace"] + cfg["result_grace"]) + 1
     _lower(resource.RLIMIT_CPU, cpu, cpu + 1)                 # SIGXCPU, then SIGKILL a second later
     if cfg["mem_mb"]: _lower(resource.RLIMIT_AS, cfg["mem_mb"] << 20)
     if seccomp is not None: seccomp()
+    return req
 
 def _run_program(req: dict, workdir: str, audit: bool) -> dict:
     "Trace one program in this (confined) child under its alarm; the result as plain data."
@@ -496,9 +531,9 @@ def _failure(reason: str) -> bytes:
     safe = "".join(c for c in reason if c.isalnum() or c in " ()._:-,")[:200]
     return b'{"ok": false, "reason": "' + safe.encode() + b'", "value": null, "frames": []}'
 
-def _child_main(cfg: dict, req: dict, wfd: int, seccomp) -> None:
-    "A fresh child of the fork server: confine, run one program (or the doctor's probe), write the result, exit."
-    try: _confine(cfg, req, wfd, seccomp)
+def _child_main(cfg: dict, rfd: int, wfd: int, seccomp) -> None:
+    "A fresh child of the zygote: confine, read and run one program (or the doctor's probe), write the result, exit."
+    try: req = _confine(cfg, rfd, wfd, seccomp)
     except BaseException as e:                               # the program never runs unconfined
         os.write(wfd, _failure(f"sandbox: the child could not confine itself ({type(e).__name__}: {e})"))
         os._exit(70)
@@ -513,36 +548,117 @@ def _child_main(cfg: dict, req: dict, wfd: int, seccomp) -> None:
     os._exit(0)
 
 # %% ../nbs/00_trace.ipynb #6c1e67a8
-def _empty_dir(d):
-    "Remove everything under `d`, which the server owns (a child may leave read-only or unlistable directories)."
-    os.chmod(d, 0o700)
-    def fix(fn, p, exc):
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            if os.path.isdir(p) and not os.path.islink(p): os.chmod(p, 0o700); shutil.rmtree(p, onerror=fix)
-            else: os.unlink(p)
+def _empty_dir(top: str) -> bool:
+    "Remove everything under `top` (kept); True when it is empty. Iterative, one directory at a time by relative"
+    "`chdir`: a child may leave read-only or unlistable directories, or a tree thousands of levels deep that neither"
+    "a path (PATH_MAX), a descriptor per level (64 open files) nor recursion could reach."
+    import stat as S
+    depth, budget = 0, 1 << 20
+    try: back = os.open(".", os.O_RDONLY | os.O_DIRECTORY)   # the caller's working directory, restored at the end
+    except OSError: back = None
+    try:
+        os.chmod(top, 0o700); os.chdir(top)              # ours (as is all in it): we may list and delete in it
+        while budget > 0:
+            budget -= 1
+            sub = None
+            for name in os.listdir("."):
+                try:
+                    if not S.S_ISDIR(os.lstat(name).st_mode): os.unlink(name)
+                    else:
+                        try: os.rmdir(name)
+                        except OSError as e:
+                            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST): raise
+                            sub = name
+                            break
+                except FileNotFoundError: pass
+            if sub is not None:                              # empty it first, then come back for it
+                os.chmod(sub, 0o700); os.chdir(sub); depth += 1
+            elif depth == 0: return True
+            else: os.chdir(".."); depth -= 1
+        return False
+    except OSError: return False
+    finally:
+        try: os.fchdir(back) if back is not None else os.chdir("/")
         except OSError: pass
-    with os.scandir(d) as it:
-        for e in it:
-            try:
-                if e.is_dir(follow_symlinks=False): shutil.rmtree(e.path, onerror=fix)
-                else: os.unlink(e.path)
-            except OSError: pass
+        if back is not None: os.close(back)
+
+def _scratch_state(root: str) -> tuple:
+    "What the server keeps constant about its scratch root: type, owner, mode and extended attributes."
+    st = os.lstat(root)
+    try: attrs = tuple(sorted(os.listxattr(root, follow_symlinks=False)))
+    except OSError as e:
+        if e.errno not in (errno.ENOTSUP, errno.ENOSYS): raise
+        attrs = ()
+    return (st.st_mode, st.st_uid, attrs)
+
+def _scratch_problem(root: str, want: tuple) -> str | None:
+    "None when the scratch root is as the server left it at start (`want`, from `_scratch_state`) and empty; else what"
+    "is wrong (a default ACL there, for one, would be inherited by every later work directory)."
+    try:
+        got = _scratch_state(root)
+        if got != want: return f"scratch root changed (mode {oct(got[0])}, owner {got[1]}, attributes {list(got[2])})"[:200]
+        if os.listdir(root): return "scratch root not empty after cleanup"
+    except OSError as e: return f"scratch root unusable ({type(e).__name__}: {e})"[:200]
+    return None
 
 def _end_child(pid: int, jailed: bool):
-    "SIGKILL the child and anything it started; in the jail that is every process of the PID namespace but us."
-    # kill(-1) only as PID 1 of the jail's PID namespace: anywhere else it would mean every process of this user
-    kills = [lambda: os.kill(-1, signal.SIGKILL)] if jailed and os.getpid() == 1 else []
+    "SIGKILL the child and anything it started; in the jail that is every process of the PID namespace but the zygote"
+    "(its PID 1, which `kill(-1)` spares) and the server (the caller)."
+    # kill(-1) only as the zygote's child inside the jail's PID namespace: anywhere else it would mean every process
+    # of this user
+    kills = [lambda: os.kill(-1, signal.SIGKILL)] if jailed and os.getppid() == 1 else []
     for kill in kills + [lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)]:
         try: kill()
         except OSError: pass
 
 def _reap():
-    "Collect exited processes without waiting (as PID 1 of the jail, the server inherits every orphan)."
+    "Collect exited processes without waiting (as PID 1 of the jail, the zygote inherits every orphan)."
     while True:
         try:
             if os.waitpid(-1, os.WNOHANG)[0] == 0: return
         except ChildProcessError: return
+
+# %% ../nbs/00_trace.ipynb #1f912265
+def _zygote(cfg: dict, sock, seccomp) -> None:
+    "The zygote: forks one child per message from the server, handing it the two pipe ends that came with the"
+    "message (its request in, its result out); answers the child's pid, then its wait status. Never returns."
+    import socket
+    try:
+        while True:
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 2)
+            if not msg or len(fds) != 2:
+                for fd in fds: os.close(fd)
+                break
+            rfd, wfd = fds
+            if (pid := os.fork()) == 0:                          # the child: never returns
+                try:
+                    sock.close()
+                    _child_main(cfg, rfd, wfd, seccomp)
+                finally: os._exit(70)
+            os.close(rfd); os.close(wfd)
+            sock.send(struct.pack("<q", pid))
+            st = os.waitpid(pid, 0)[1]                           # the server ends the child once its row is done
+            sock.send(struct.pack("<qq", pid, st))
+            _reap()
+    except BaseException: pass
+    os._exit(0)
+
+def _fork_zygote(cfg: dict, seccomp):
+    "A zygote as a child of this process (by hand and in tests; the server's zygote is its parent): `(socket, pid)`."
+    import socket
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if (pid := os.fork()) == 0:
+        try: a.close(); _zygote(cfg, b, seccomp)
+        finally: os._exit(70)
+    b.close()
+    return a, pid
+
+def _zygote_recv(sock, fmt: str, timeout: float) -> tuple:
+    "One message from the zygote, unpacked; `OSError` if it is gone or silent for `timeout` seconds."
+    if not select.select([sock], [], [], timeout)[0]: raise OSError(errno.ETIMEDOUT, "the zygote did not answer")
+    data = sock.recv(64)
+    if len(data) != struct.calcsize(fmt): raise OSError(errno.EPIPE, "the zygote is gone")
+    return struct.unpack(fmt, data)
 
 # %% ../nbs/00_trace.ipynb #f47d4c3f
 def _relay(r: int, deadline: float, cfg: dict) -> tuple[bytearray, str]:
@@ -561,26 +677,31 @@ def _relay(r: int, deadline: float, cfg: dict) -> tuple[bytearray, str]:
             if len(buf) > cfg["max_result_bytes"]: return buf, "overflow"
     finally: poller.unregister(r)
 
-def _serve_one(cfg: dict, req: dict, seccomp) -> tuple[dict, bytes]:
-    "Fork a clean child for one request, relay what it writes on its own pipe, then end it and empty the scratch."
+def _serve_one(cfg: dict, req: dict, zygote) -> tuple[dict, bytes]:
+    "Have the zygote fork a clean child for one request, hand the child its request on a pipe of its own, relay what it"
+    "writes on its result pipe, then end it and empty the scratch."
+    import socket
     root, workdir, t0 = cfg["scratch"], cfg["workdir"], time.monotonic()
     try: os.mkdir(workdir, 0o700)
     except OSError:                                          # the last child left something behind: start clean
         try: _empty_dir(root); os.mkdir(workdir, 0o700)
         except OSError as e: return {"seq": req.get("seq"), "status": "error", "why": f"scratch: {e}"[:200], "n": 0}, b""
-    r, w = os.pipe()
-    if (pid := os.fork()) == 0:                              # the child: never returns
-        try:
-            os.close(r)
-            _child_main(cfg, req, w, seccomp)
-        finally: os._exit(70)
-    os.close(w)
-    try: buf, status = _relay(r, t0 + float(req.get("timeout", 2.0)) + cfg["grace"], cfg)
+    rr, rw = os.pipe()
+    sr, sw = os.pipe()
+    try: socket.send_fds(zygote, [b"c"], [rr, sw])
+    finally: os.close(rr); os.close(sw)
+    pid, st = _zygote_recv(zygote, "<q", 10.0)[0], None
+    try:
+        try:                                                 # the child reads it all before anything else
+            view = memoryview(json.dumps(req).encode())
+            while view: view = view[os.write(rw, view):]
+        except OSError: pass                                 # it died first: its pipe says why
+        finally: os.close(rw)
+        buf, status = _relay(sr, t0 + float(req.get("timeout", 2.0)) + cfg["grace"], cfg)
     finally:
         _end_child(pid, cfg["jailed"])
-        os.close(r)
-        st = os.waitpid(pid, 0)[1]
-        _reap()
+        os.close(sr)
+        st = _zygote_recv(zygote, "<qq", 10.0)[1]
         try:
             try: os.rmdir(workdir)                           # the usual case: an empty work directory, nothing else
             except OSError: _empty_dir(root)
@@ -601,7 +722,10 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return bytes(buf)
 
 def _server_main(cfg: dict):
-    "The fork server: prepare once (imports, seccomp, warm caches, gc.freeze), then one clean child per request."
+    "Prepare once (imports, seccomp, warm caches, gc.freeze), then split: this process (PID 1 of the jail) becomes the"
+    "zygote, which never sees a row; its child becomes the server, which reads requests and has the zygote fork a clean"
+    "child per request. A server that finds its scratch root changed asks for its row to be retried and exits."
+    import socket
     rfd, wfd = os.dup(0), os.dup(1)                                  # requests in, results out; 0-2 become /dev/null
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2): os.dup2(null, fd)
@@ -612,24 +736,38 @@ def _server_main(cfg: dict):
         except Exception: pass
     import site, gc                                                  # -S: the builtins `site` adds, not its paths
     site.setquit(); site.setcopyright(); site.sethelper()
-    hardened = _harden_server()
-    prog = seccomp_program() if cfg["seccomp"] and hardened else None
-    seccomp = _seccomp_installer(prog) if prog else None
+    cfg["prctl"] = prctl = _harden_server()
+    prog = seccomp_program() if cfg["seccomp"] and prctl else None
+    seccomp = _seccomp_installer(prog, prctl) if prog else None
     cfg["workdir"] = wd = os.path.join(os.path.realpath(cfg["scratch"]), "w")   # the same path for every child
     cfg["poller"] = select.poll()
     os.environ.update(HOME=wd, TMPDIR=wd)
     _empty_dir(cfg["scratch"])
+    scratch = _scratch_state(cfg["scratch"])
     _server_limits(cfg)
     for _ in range(3): json.dumps(trace_inprocess("def f(x):\n    return [x]", "1", _render=False).frames[0].locals)
+    gc.collect(); gc.freeze()                                        # children share the zygote's pages untouched
+    zsock, ssock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if os.fork() != 0:                                               # PID 1: the zygote, before any row arrives
+        os.close(rfd); os.close(wfd); ssock.close()
+        _zygote(cfg, zsock, seccomp)
+    zsock.close()
+    if prctl is not None: prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG: the server dies with the zygote
     def send(header: dict, payload: bytes = b""):
         view = memoryview((json.dumps(header) + "\n").encode() + payload)
         while view: view = view[os.write(wfd, view):]
-    gc.collect(); gc.freeze()                                        # children share the server's pages untouched
-    send({"ready": True, "seccomp": seccomp is not None, "undumpable": hardened, "jailed": cfg["jailed"], "pid": os.getpid(),
-          "python": sys.version.split()[0]})
+    send({"ready": True, "seccomp": seccomp is not None, "undumpable": prctl is not None, "jailed": cfg["jailed"],
+          "pid": os.getpid(), "python": sys.version.split()[0]})
     while (n := _read_exact(rfd, 4)) is not None:
         req = json.loads(_read_exact(rfd, struct.unpack("<I", n)[0]))
-        send(*_serve_one(cfg, req, seccomp))
+        why = _scratch_problem(cfg["scratch"], scratch)
+        if why is not None:
+            _empty_dir(cfg["scratch"])
+            why = _scratch_problem(cfg["scratch"], scratch)
+        if why is not None:                                          # a fresh jail gets a fresh scratch
+            send({"seq": req.get("seq"), "status": "retry", "why": why, "n": 0})
+            os._exit(3)
+        send(*_serve_one(cfg, req, ssock))
 
 # %% ../nbs/00_trace.ipynb #eccc404a
 def _probe_facts(req: dict) -> dict:
@@ -644,6 +782,13 @@ def _probe_facts(req: dict) -> dict:
     def write_outside():
         for p in req.get("outside", []):
             with open(p, "w") as fh: fh.write("x")
+    def sysctl():
+        for p in ("/proc/sys/fs/lease-break-time", "/proc/sys/kernel/hostname", "/proc/sys/vm/overcommit_memory"):
+            if os.path.exists(p): os.close(os.open(p, os.O_WRONLY)); return
+    def dev_chmod():
+        fd = os.open("/dev/null", os.O_RDONLY)
+        try: os.fchmod(fd, os.fstat(fd).st_mode & 0o7777)   # its own mode: a change that changes nothing
+        finally: os.close(fd)
     def sock():
         import socket
         socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
@@ -662,7 +807,8 @@ def _probe_facts(req: dict) -> dict:
             "seccomp": status.get("Seccomp", "?").strip(), "no_new_privs": status.get("NoNewPrivs", "?").strip(),
             "cap_eff": status.get("CapEff", "?").strip(), "fork": attempt(fork), "socket": attempt(sock),
             "exec": attempt(lambda: os.execv("/nonexistent-latent-rl", ["x"])),
-            "kill_server": attempt(lambda: os.kill(os.getppid(), 0)), "write_outside": attempt(write_outside)}
+            "kill_server": attempt(lambda: os.kill(os.getppid(), 0)), "write_outside": attempt(write_outside),
+            "write_sysctl": attempt(sysctl), "chmod_dev": attempt(dev_chmod)}
 
 # %% ../nbs/00_trace.ipynb #1460e4af
 UNSAFE_ENV = "LATENT_RL_UNSAFE_NO_SANDBOX"
@@ -708,13 +854,19 @@ def _ro_binds() -> list[str]:
         if os.path.isdir(sp): args += ["--tmpfs", sp, "--remount-ro", sp]
     return args
 
-def _jail_argv(bwrap: str, scratch_mb: int) -> list[str]:
-    "The bwrap command line of a jail, up to the command: namespaces, uid 65534, the read-only view, tmpfs scratch."
+# device nodes a program may open but not change; /dev/null and /dev/zero stay as bwrap binds them (a read-only
+# remount would also make them unopenable, and the server needs /dev/null): seccomp keeps their mode and times
+_RO_DEVS = ("full", "random", "urandom", "tty")
+
+def _jail_argv(bwrap: str, scratch_mb: int, trace_fd: int | None = None) -> list[str]:
+    "The bwrap command line of a jail, up to the command: namespaces, uid 65534, the read-only view (`/proc/sys` and"
+    "device nodes included), tmpfs scratch; `trace_fd`: a descriptor whose content becomes /opt/latent_rl/trace.py."
+    data = ["--ro-bind-data", str(trace_fd), _JAIL_TRACE_PY] if trace_fd is not None else []
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1", "--clearenv", "--uid", "65534", "--gid", "65534", "--hostname", "jail", "--cap-drop", "ALL",
-            *_ro_binds(), "--ro-bind", _trace_py(), _JAIL_TRACE_PY, "--proc", "/proc", "--dev", "/dev",
-            "--remount-ro", "/dev", "--size", str(scratch_mb << 20), "--tmpfs", "/tmp", "--remount-ro", "/",
-            "--chdir", "/tmp"]
+            *_ro_binds(), *data, "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
+            "--remount-ro", "/dev", *[a for d in _RO_DEVS for a in ("--remount-ro", f"/dev/{d}")],
+            "--size", str(scratch_mb << 20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp"]
     for k, v in _JAIL_ENV.items(): argv += ["--setenv", k, v]
     return argv + ["--"]
 
@@ -790,11 +942,15 @@ class _Jail:
         self.scratch = None if jailed else tempfile.mkdtemp(prefix="latent_rl_trace_")
         cfg = {**cfg, "jailed": jailed, "scratch": "/tmp" if jailed else self.scratch}
         py = [_python(), "-S", "-s", "-B", "-c", _BOOT, _JAIL_TRACE_PY if jailed else _trace_py(), json.dumps(cfg)]
-        argv = _jail_argv(_bwrap(), cfg["scratch_mb"]) + py if jailed else py
         self.err = tempfile.TemporaryFile()
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
-                                  cwd="/" if jailed else self.scratch, env={} if jailed else dict(_JAIL_ENV),
-                                  start_new_session=True)
+        popen = lambda argv, fds: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                                   pass_fds=fds, cwd="/" if jailed else self.scratch,
+                                                   env={} if jailed else dict(_JAIL_ENV), start_new_session=True)
+        if jailed:                       # a copy of trace.py, not a bind: the jail's mount table names no path of yours
+            with open(_trace_py(), "rb") as src, tempfile.TemporaryFile() as code:
+                code.write(src.read()); code.flush(); code.seek(0)
+                self.p = popen(_jail_argv(_bwrap(), cfg["scratch_mb"], code.fileno()) + py, [code.fileno()])
+        else: self.p = popen(py, [])
         self.fd, self.buf, self.head = self.p.stdout.fileno(), bytearray(), None
         self.ready, self.info, self.jobs, self.deadline, self.seq = False, {}, collections.deque(), None, 0
         self.started = time.monotonic()
@@ -822,7 +978,11 @@ class _Jail:
         for f in (self.p.stdin, self.p.stdout, self.err):
             try: f.close()
             except Exception: pass
-        if self.scratch: shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.scratch:
+            try: shutil.rmtree(self.scratch, ignore_errors=True)
+            except RecursionError:                       # a tree too deep for rmtree: rm copes
+                import subprocess
+                subprocess.run(["rm", "-rf", "--", self.scratch], capture_output=True)
 
 # %% ../nbs/00_trace.ipynb #b9a25fce
 def _jail_read(self: _Jail, max_bytes: int):
@@ -859,26 +1019,35 @@ def _clean_reason(s: str, n: int = 300) -> str:
     s = "".join(c if c.isprintable() else " " for c in s)
     return " ".join(s.split())[:n]
 
-def _check_result(payload: bytes, lines: frozenset, max_frames: int) -> tuple | str:
-    "Validate a child's result against the schema: `(ok, reason, value, frames)`, or what is wrong with it."
+_MAX_LOCALS = 4096      # names in one frame's locals (a function with more is no program of ours)
+_MAX_NAME = 1000        # characters of one local's name
+_CHECK_EVERY = 256      # frames between two looks at the clock
+
+def _check_result(payload: bytes, lines: frozenset, max_frames: int, deadline: float | None = None) -> tuple | str:
+    "Validate a child's result against the schema: `(ok, reason, value, frames)`, or what is wrong with it. Every"
+    "field has its exact JSON type, counts and lengths are bounded, and past `deadline` (monotonic) it gives up."
     try: d = json.loads(payload)
     except (ValueError, RecursionError): return "not JSON"
-    if not isinstance(d, dict) or set(d) != {"ok", "reason", "value", "frames"}: return "not a result object"
+    if type(d) is not dict or set(d) != {"ok", "reason", "value", "frames"}: return "not a result object"
     ok, reason, value, frames = d["ok"], d["reason"], d["value"], d["frames"]
-    if not isinstance(ok, bool): return "'ok' is not a bool"
-    if ok and not (isinstance(value, str) and reason is None): return "ok without a value, or with a reason"
-    if not ok and not (isinstance(reason, str) and value is None): return "failed without a reason, or with a value"
-    if not isinstance(frames, list) or len(frames) > max_frames: return "'frames' is not a list of at most max_frames"
+    if type(ok) is not bool: return "'ok' is not a bool"
+    if ok and not (type(value) is str and reason is None): return "ok without a value, or with a reason"
+    if not ok and not (type(reason) is str and value is None): return "failed without a reason, or with a value"
+    if type(frames) is not list or len(frames) > max_frames: return "'frames' is not a list of at most max_frames"
     out = []
-    for f in frames:
-        if not (isinstance(f, list) and len(f) == 4): return "a frame is not [kind, line, locals, value]"
+    for n, f in enumerate(frames):
+        if deadline is not None and not n % _CHECK_EVERY and time.monotonic() > deadline:
+            return "checking it took too long (counted against the row's deadline)"
+        if not (type(f) is list and len(f) == 4): return "a frame is not [kind, line, locals, value]"
         kind, line, loc, val = f
-        if kind not in _KINDS or line not in lines: return "a frame's kind or source line is not the program's"
+        if type(kind) is not str or type(line) is not str or kind not in _KINDS or line not in lines:
+            return "a frame's kind or source line is not the program's"
         if kind in ("call", "line"):
-            if val is not None or not (loc is None or isinstance(loc, dict) and
-                                       all(isinstance(k, str) and isinstance(v, str) for k, v in loc.items())):
-                return "a frame's locals are not a map of names to strings"
-        elif loc is not None or not isinstance(val, str): return "a return/exception frame has no string value"
+            if val is not None or not (loc is None or type(loc) is dict and len(loc) <= _MAX_LOCALS and
+                                       all(type(k) is str and len(k) <= _MAX_NAME and type(v) is str
+                                           for k, v in loc.items())):
+                return f"a frame's locals are not a map of at most {_MAX_LOCALS} names to strings"
+        elif loc is not None or type(val) is not str: return "a return/exception frame has no string value"
         out.append(Frame(kind, line, loc, val))
     if ok and (not out or out[-1].kind != "return" or out[-1].value != value):
         return "the last frame does not return the value"
@@ -893,8 +1062,9 @@ def _signal_name(n: int) -> str:
     try: return signal.Signals(n).name
     except ValueError: return str(n)
 
-def _relayed(id: str, head: dict, payload: bytes, row: dict, pool) -> TraceResult:
-    "The parent's verdict on one relayed result: only a payload that passes `_check_result` can be `ok`."
+def _relayed(id: str, head: dict, payload: bytes, row: dict, pool, deadline: float | None = None) -> TraceResult:
+    "The parent's verdict on one relayed result: only a payload that passes `_check_result` (by `deadline`) can be"
+    "`ok`; whatever goes wrong while checking it fails this row, never the run."
     st, code = head.get("status"), head.get("exit")
     if st == "killed":
         return _result(id, False, f"timeout ({pool.timeout:g} s; worker killed after {pool.timeout + pool.grace:g} s)", [], None)
@@ -904,10 +1074,13 @@ def _relayed(id: str, head: dict, payload: bytes, row: dict, pool) -> TraceResul
     if not payload:
         why = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
         return _result(id, False, f"worker crashed ({why})", [], None)
-    chk = _check_result(payload, _context_lines(row["code"], row["input"]), pool.max_frames)
-    if isinstance(chk, str): return _result(id, False, f"bad result from the traced program: {chk}", [], None)
-    ok, reason, value, frames = chk
-    return _result(id, ok, reason, frames, value)
+    try:
+        chk = _check_result(payload, _context_lines(row["code"], row["input"]), pool.max_frames, deadline)
+        if isinstance(chk, str): return _result(id, False, f"bad result from the traced program: {chk}", [], None)
+        ok, reason, value, frames = chk
+        return _result(id, ok, reason, frames, value)
+    except Exception as e:                                   # MemoryError and RecursionError included
+        return _result(id, False, f"bad result from the traced program: checking it failed ({type(e).__name__})", [], None)
 
 # %% ../nbs/00_trace.ipynb #7c0e3ea2
 _BOOT_TIMEOUT = 60.0    # a fork server must be ready this long after it was started
@@ -923,7 +1096,7 @@ class TracePool:
                  max_frames: int = 10_000,            # frame cap per trace
                  grace: float = 1.0,                  # a program still running `timeout + grace` s in is killed
                  unsafe_no_sandbox: bool | None = None,  # run without the jail where it cannot start (None: $LATENT_RL_UNSAFE_NO_SANDBOX)
-                 max_result_mb: int = 64,             # a larger result fails its row
+                 max_result_mb: int = 16,             # a larger result fails its row
                  scratch_mb: int = 64,                # size of each jail's tmpfs /tmp
                  file_mb: int = 16,                   # RLIMIT_FSIZE of a program
                  result_grace: float = 2.0,           # extra seconds to deliver a result once it starts flowing
@@ -986,7 +1159,7 @@ def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trac
         req = self._request(row)
         if isinstance(req, str): results[i] = _result(ids[i], False, req, [], None)
         else: queue.append((i, req))
-    want, boot_fails, done = min(self.workers, len(queue)), 0, n - len(queue)
+    want, boot_fails, done, retried = min(self.workers, len(queue)), 0, n - len(queue), set()
     bar = tqdm(total=n, desc=desc, disable=not progress, initial=done)
 
     def finish(i, res):
@@ -1036,13 +1209,22 @@ def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trac
                         w.ready, w.info, boot_fails = True, head, 0
                     elif not w.jobs or head.get("seq") != w.jobs[0][1]:
                         drop(w, "sandbox protocol error (an answer to no request)"); break
+                    elif head.get("status") == "retry":             # its scratch was broken: a new server, once
+                        i, _, req = w.jobs.popleft()
+                        queue.extendleft(reversed([(j, r) for j, _, r in w.jobs])); w.jobs.clear()
+                        if i in retried: finish(i, _result(ids[i], False, f"sandbox: {_clean_reason(str(head.get('why')))}", [], None))
+                        else: retried.add(i); queue.appendleft((i, req))
+                        drop(w, None)
+                        break
                     else:
-                        i = w.jobs.popleft()[0]
-                        w.deadline = self._deadline(time.monotonic())
-                        finish(i, _relayed(ids[i], head, payload, rows[i], self))
+                        i, t = w.jobs.popleft()[0], time.monotonic()
+                        check_by = min(w.deadline, t + self.timeout + self.grace)   # checking counts against the row
+                        w.deadline = self._deadline(t)
+                        finish(i, _relayed(ids[i], head, payload, rows[i], self, check_by))
             now = time.monotonic()
             for w in list(self._ws):
-                if w.jobs and now > w.deadline: drop(w, "sandbox server did not answer in time")
+                if w.jobs and now > w.deadline and not select.select([w.fd], [], [], 0)[0]:  # not while an answer waits
+                    drop(w, "sandbox server did not answer in time")
                 elif not w.ready and now > w.started + _BOOT_TIMEOUT:
                     boot_fails += 1
                     drop(w, None)
@@ -1107,7 +1289,7 @@ def _probe_paths() -> list[str]:
     return out
 
 # %% ../nbs/00_trace.ipynb #e25be3c6
-def sandbox_report(unsafe_no_sandbox: bool | None = None) -> list[tuple[str, bool | None, str]]:
+def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True) -> list[tuple[str, bool | None, str]]:
     "What the sandbox does on this machine, as `(check, passed, detail)` rows (`latent-rl doctor` prints them)."
     st = sandbox_status(refresh=True)
     prog = seccomp_program()
@@ -1119,7 +1301,7 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None) -> list[tuple[str, boo
     unsafe = unsafe_allowed() if unsafe_no_sandbox is None else unsafe_no_sandbox
     if not st["available"] and not unsafe:
         return rows + [("untrusted programs", False, "refused: no sandbox (--unsafe-no-sandbox runs them without one)")]
-    pool = TracePool(1, unsafe_no_sandbox=True)
+    pool = TracePool(1, unsafe_no_sandbox=True, _seccomp=_seccomp)
     import tempfile
     with tempfile.TemporaryDirectory(prefix="latent_rl_doctor_") as host:
         f = _probe(pool, _probe_paths(), [os.path.join(host, "written")])
@@ -1133,12 +1315,12 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None) -> list[tuple[str, boo
     seen = [p for p, v in f.get("visible", {}).items() if v]
     lim = f.get("limits", {})
     root = os.geteuid() == 0 and pool.jailed       # bwrap maps the jail's uid to the caller's: root outside
-    rows += [("runs as", pool.jailed, f"uid {f.get('uid')} gid {f.get('gid')}, pid {f.get('pid')} (server pid {f.get('ppid')})"),
+    rows += [("runs as", pool.jailed, f"uid {f.get('uid')} gid {f.get('gid')}, pid {f.get('pid')} (zygote pid {f.get('ppid')})"),
              ("uid outside the jail", None if root else pool.jailed,
               "root, as you run latent-rl as root (bwrap maps uid 65534 to yours): no capabilities, but RLIMIT_NPROC does "
               "not bind root; run latent-rl as an ordinary user" if root else f"{os.geteuid()} (yours, unprivileged)"),
              ("own namespaces", set(own) >= {"user", "pid", "net", "mnt", "ipc"}, ", ".join(own) or "none"),
-             ("processes visible", len(f.get("pids", [])) <= 2, str(f.get("pids"))),
+             ("processes visible", len(f.get("pids", [])) <= 3, str(f.get("pids"))),
              ("network", f.get("ifaces") in (["lo"], []) or f.get("socket", "").startswith("refused"),
               f"interfaces {f.get('ifaces')}; socket() {f.get('socket')}"),
              ("environment", not leaked, "cleared" if not leaked else f"inherited {leaked}"),
@@ -1148,6 +1330,9 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None) -> list[tuple[str, boo
               f"signal the server {f.get('kill_server')}"),
              ("privileges", f.get("no_new_privs") == "1" and set(f.get("cap_eff", "x")) <= {"0"},
               f"no_new_privs {f.get('no_new_privs')}, effective capabilities {f.get('cap_eff')}"),
+             ("kernel settings and devices", all(str(f.get(k, "allowed")).startswith("refused")
+                                                                     for k in ("write_sysctl", "chmod_dev")),
+              f"open /proc/sys for writing: {f.get('write_sysctl')}; chmod a /dev node: {f.get('chmod_dev')}"),
              ("rlimits", None, ", ".join(f"{k} {v[0]}" for k, v in lim.items())),
              ("descriptors", len(f.get("fds", [])) <= 5, f"open: {f.get('fds')} (0-2 /dev/null, the result pipe)")]
     return rows

@@ -415,7 +415,9 @@ def test_hostile_programs_os_layers_only(host):
     assert got["prlimit_server"].value == got["renice_server"].value == "'PermissionError'"
     # the server's memory, environment and descriptors are closed to its children (it is undumpable); only the list of
     # its descriptor numbers may show, when the jail's uid is root outside (latent-rl run as root)
-    assert {k: v for k, v in eval(got["read_server_memory"].value).items() if v != "PermissionError" and k != "fds"} == {}
+    # (PID 1 is the zygote, which holds no descriptor of the parent's at all: FileNotFoundError)
+    assert {k: v for k, v in eval(got["read_server_memory"].value).items()
+            if v not in ("PermissionError", "FileNotFoundError") and k != "fds"} == {}
 
 
 @needs_jail
@@ -508,3 +510,196 @@ def test_jail_read_rejects_malformed_frames():
             else:
                 with pytest.raises(T._ProtocolError): T._jail_read(Fake(r), 1 << 20)
         finally: os.close(r)
+
+
+
+# ---------------------------------------------------------------- issue 16b: the red team's second round
+
+def _untraced(body):
+    "A row whose `f` runs `body` (which sets RESULT) outside the tracer; run it with the audit hook off (`_audit=False`)."
+    return "def f(src):\n    g = {}\n    exec(compile(src, 'u', 'exec'), g)\n    return g.get('RESULT')\n"
+
+
+def _run(rows, **kw):
+    kw = {"timeout": 2.0, "unsafe_no_sandbox": False, "_audit": False, **kw}
+    with TracePool(1, **kw) as pool: return pool.map(rows, progress=False)
+
+
+def _plain(k):
+    return {"id": f"plain{k}", "code": "def f(x):\n    return [x * 2, 'plain']", "input": str(k)}
+
+
+def _plain_ok(res, k):
+    return res.ok and res.value == repr([2 * k, "plain"])
+
+
+SYSCTL_DEV = """import os
+RESULT = {}
+for p in ('/proc/sys/fs/lease-break-time', '/proc/sys/kernel/hostname'):
+    try: os.close(os.open(p, os.O_WRONLY)); RESULT[p] = 'opened for writing'
+    except OSError as e: RESULT[p] = type(e).__name__
+fd = os.open('/dev/null', os.O_RDONLY)
+mode = os.fstat(fd).st_mode & 0o7777
+for name, fn in [('fchmod', lambda: os.fchmod(fd, mode)), ('chmod', lambda: os.chmod('/dev/null', mode)),
+                 ('utime', lambda: os.utime(fd, None)), ('fchown', lambda: os.fchown(fd, -1, -1))]:
+    try: fn(); RESULT[name] = 'allowed'
+    except OSError as e: RESULT[name] = type(e).__name__
+"""
+
+
+@needs_jail
+def test_sysctl_and_device_nodes_are_read_only():
+    "/proc/sys cannot be opened for writing (jail alone: a read-only bind); /dev nodes cannot be chmod-ed, chown-ed or"
+    "touched (seccomp). As root outside, the jail's uid is root's, so without these both reached the host."
+    rows = [{"id": "sys", "code": _untraced(SYSCTL_DEV), "input": repr(SYSCTL_DEV)}]
+    got = eval(_run(rows)[0].value)
+    assert all(v != "opened for writing" for k, v in got.items() if k.startswith("/proc")), got
+    assert {got[k] for k in ("fchmod", "chmod", "utime", "fchown")} == {"PermissionError"}, got
+    got = eval(_run(rows, _seccomp=False)[0].value)                 # the jail alone still keeps /proc/sys
+    assert all(v != "opened for writing" for k, v in got.items() if k.startswith("/proc")), got
+
+
+@needs_jail
+def test_doctor_fails_when_sysctl_or_devices_are_writable(monkeypatch):
+    "The doctor checks both: a working jail passes; a jail without the read-only /proc/sys and without seccomp fails."
+    ok = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False)}
+    assert ok["kernel settings and devices"][0] is True, ok["kernel settings and devices"]
+    if os.geteuid() != 0: pytest.skip("only root outside the jail can write /proc/sys or chmod /dev/null")
+    real = T._jail_argv
+    def weak(*a, **k):
+        argv = real(*a, **k)
+        i = argv.index("/proc/sys")
+        return argv[:i - 1] + argv[i + 2:]
+    monkeypatch.setattr(T, "_jail_argv", weak)
+    bad = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
+    assert bad["kernel settings and devices"][0] is False, bad["kernel settings and devices"]
+
+
+ACL = """import os, struct
+acl = struct.pack('<I', 2) + b''.join(struct.pack('<HHI', t, 0, 0xffffffff) for t in (1, 4, 0x20))
+try: os.setxattr('/tmp', 'system.posix_acl_default', acl); RESULT = 'set'
+except OSError as e: RESULT = type(e).__name__
+"""
+
+
+@needs_jail
+def test_default_acl_on_scratch_is_refused_or_survived():
+    "seccomp refuses setxattr; without seccomp, the server sees its changed scratch root and a fresh one retries the row."
+    rows = [{"id": "acl", "code": _untraced(ACL), "input": repr(ACL)}] + [_plain(k) for k in range(3)]
+    res = _run(rows)
+    assert res[0].value == "'PermissionError'", res[0]
+    assert all(_plain_ok(r, k) for k, r in enumerate(res[1:])), [r.reason for r in res[1:]]
+    res = _run(rows, _seccomp=False)
+    assert res[0].value == "'set'", res[0]
+    assert all(_plain_ok(r, k) for k, r in enumerate(res[1:])), [r.reason for r in res[1:]]
+
+
+def test_forged_results_of_the_wrong_types_fail_their_row_only():
+    "Lists or objects where strings are expected, and absurd counts, are rejected: a reason, never an exception."
+    code = "def f(x):\n    return x"
+    lines = T._context_lines(code, "1")
+    L = "    return x\n"
+    for frame in [[["call"], L, None, None], ["call", [L], None, None], ["line", {"a": 1}, None, None],
+                  ["line", L, {"x": ["1"]}, None], ["return", L, None, {"v": 1}], ["line", L, [["x", "1"]], None],
+                  ["line", L, {f"k{i}": "v" for i in range(5000)}, None], ["line", L, {"x" * 2000: "1"}, None]]:
+        payload = json.dumps({"ok": False, "reason": "x", "value": None, "frames": [frame]}).encode()
+        assert isinstance(T._check_result(payload, lines, 10), str), frame
+    for d in [{"ok": 1, "reason": None, "value": "1", "frames": []}, {"ok": False, "reason": ["x"], "value": None, "frames": []},
+              {"ok": True, "reason": None, "value": {"a": 1}, "frames": []}]:
+        assert isinstance(T._check_result(json.dumps(d).encode(), lines, 10), str), d
+    many = json.dumps({"ok": False, "reason": "x", "value": None, "frames": [["line", L, None, None]] * 1000}).encode()
+    assert "too long" in T._check_result(many, lines, 10_000, deadline=time.monotonic() - 1)
+    assert TracePool(1, unsafe_no_sandbox=True).max_result_bytes == 16 << 20
+    # and whatever the checker raises fails the row, not the run
+    class Pool: timeout, grace, max_frames, max_result_bytes = 1.0, 1.0, 10, 1 << 20
+    boom = lambda *a, **k: (_ for _ in ()).throw(TypeError("unhashable"))
+    real = T._check_result
+    try:
+        T._check_result = boom
+        r = T._relayed("x", {"status": "exited", "exit": 0}, b"{}", {"code": code, "input": "1"}, Pool())
+    finally: T._check_result = real
+    assert not r.ok and r.reason.startswith("bad result") and "TypeError" in r.reason
+
+
+@needs_jail
+def test_forged_list_kind_in_the_jail():
+    "The red team's forged frame (a list as its kind) through a real pool: that row fails, the next is traced."
+    forge = ("import os\ndef f(x):\n    p = b'{\"ok\": false, \"reason\": \"x\", \"value\": null, \"frames\": [[[\"call\"], \"x\", null, null]]}'\n"
+             "    for fd in range(3, 64):\n        try: os.write(fd, p)\n        except OSError: pass\n    os._exit(0)")
+    res = _run([{"id": "forge", "code": forge, "input": "1"}, _plain(0)])
+    assert not res[0].ok and res[0].reason.startswith("bad result"), res[0].reason
+    assert _plain_ok(res[1], 0)
+
+
+NICE = """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+RESULT = {'dumpable': libc.prctl(4, 1, 0, 0, 0), 'own_session': os.getsid(0) == os.getpid()}
+try:
+    with open('/proc/self/autogroup', 'w') as fh: fh.write('19')
+except OSError as e: pass
+"""
+LOOK = "RESULT = open('/proc/self/autogroup').read().split()[-1]\n"
+
+
+@needs_jail
+def test_a_program_cannot_renice_the_rows_after_it():
+    "PR_SET_DUMPABLE is refused, and each child has its own session (and autogroup): renicing it slows only itself."
+    if not os.path.exists("/proc/self/autogroup"): pytest.skip("no autogroup scheduling here")
+    res = _run([{"id": "nice", "code": _untraced(NICE), "input": repr(NICE)},
+                {"id": "look", "code": _untraced(LOOK), "input": repr(LOOK)}])
+    got = eval(res[0].value)
+    assert got == {"dumpable": -1, "own_session": True}, got
+    assert res[1].value == "'0'", res[1].value
+
+
+@needs_jail
+def test_a_row_cannot_find_an_earlier_row_in_its_memory():
+    "Children fork from a zygote that never saw a row: nothing of row 1 (code, input, result) is in row 2's memory."
+    secret = "LRZ" + uuid.uuid4().hex
+    victim = {"id": "victim", "code": f"def f(x):\n    note = '{secret}'\n    return note + x", "input": f"'{secret[::-1]}'"}
+    scan = """import ctypes, re
+found = set()
+for line in open('/proc/self/maps'):
+    parts = line.split()
+    a, b = (int(v, 16) for v in parts[0].split('-'))
+    if not parts[1].startswith('rw') or (len(parts) > 5 and parts[5].startswith('[v')): continue
+    for s in range(a, b, 1 << 20):
+        try: data = ctypes.string_at(s, min(1 << 20, b - s))
+        except Exception: continue
+        for m in re.finditer(rb'LRZ[0-9a-f]{32}|[0-9a-f]{32}ZRL', data): found.add(m.group().decode())
+RESULT = sorted(found)
+"""
+    res = _run([victim, {"id": "scan", "code": _untraced(scan), "input": repr(scan)}], timeout=10.0)
+    assert res[0].ok and secret in res[0].value
+    assert res[1].ok, res[1].reason
+    assert eval(res[1].value) == [], res[1].value
+
+
+@needs_jail
+def test_jail_mount_table_names_no_project_path():
+    "trace.py is copied into the jail (--ro-bind-data), so /proc/self/mountinfo does not show where the project lives."
+    look = "RESULT = open('/proc/self/mountinfo').read()\n"
+    res = _run([{"id": "mi", "code": _untraced(look), "input": repr(look)}])
+    assert res[0].ok and "/opt/latent_rl/trace.py" in res[0].value
+    assert str(ROOT) not in res[0].value, res[0].value
+
+
+@needs_jail
+def test_deep_directory_trees_are_cleaned_up():
+    "A row that leaves a tree thousands of levels deep costs the rows after it nothing."
+    deep = "import os\ndef f(n):\n    for _ in range(n):\n        os.mkdir('a'); os.chdir('a')\n    return n"
+    look = "import os\ndef f():\n    return sorted(os.listdir('.'))"
+    res = _run([{"id": "deep", "code": deep, "input": "3000"}, _plain(0), {"id": "look", "code": look, "input": ""}],
+               timeout=10.0)
+    assert res[0].ok and res[0].value == "3000", res[0].reason
+    assert _plain_ok(res[1], 0), res[1].reason
+    assert res[2].ok and res[2].value == "[]", (res[2].reason, res[2].value)
+
+
+def test_check_row_names_pathological_sources():
+    "Sources nested too deep for the parser are a RowError naming the field, not a RecursionError or MemoryError."
+    from latent_rl.corpus import RowError, check_row
+    for bad in ["-" * 200_000 + "1", "x" + "[0]" * 100_000]:
+        for field in ("code", "input", "output"):
+            row = {"id": "a", "code": "def f(x):\n    return x", "input": "1", "output": "1", field: bad}
+            with pytest.raises(RowError, match=f"field '{field}'"): check_row(row)
