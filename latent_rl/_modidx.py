@@ -370,6 +370,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.models.backbone': ('models.html#backbone', 'latent_rl/models.py'),
                                   'latent_rl.models.build_tiny': ('models.html#build_tiny', 'latent_rl/models.py'),
                                   'latent_rl.models.cache_kw': ('models.html#cache_kw', 'latent_rl/models.py'),
+                                  'latent_rl.models.check_plain_head': ('models.html#check_plain_head', 'latent_rl/models.py'),
                                   'latent_rl.models.check_vocab': ('models.html#check_vocab', 'latent_rl/models.py'),
                                   'latent_rl.models.copy_cache': ('models.html#copy_cache', 'latent_rl/models.py'),
                                   'latent_rl.models.lm_head_weight': ('models.html#lm_head_weight', 'latent_rl/models.py'),

@@ -138,8 +138,12 @@ class CodiOptions:
         return bool(self.value_kd or self.answer_kd or self.recon or self.latent_tf or self.answer_weight != 1.0)
 
 def kd_layer_indices(opts: CodiOptions, n_layers: int, frozen: bool) -> list[int]:
+    """`hidden_states` indices to distil for a model of `n_layers` layers, resolved on *that* model's depth (a frozen
+    teacher of another depth gets its own last layer, as the CODI seed does). Out-of-range indices are refused."""
     if opts.kd_target == "logit": return [n_layers]
     if opts.kd_layers is None: return [n_layers] if frozen else list(range(1, n_layers + 1))
+    if bad := [l for l in opts.kd_layers if not -(n_layers + 1) <= l <= n_layers]:
+        raise ValueError(f"kd_layers {bad} out of range for a model with {n_layers} layers (hidden_states 0..{n_layers})")
     return [l % (n_layers + 1) for l in opts.kd_layers]
 
 # %% ../nbs/06_latent.ipynb #0a33ec35
@@ -447,10 +451,11 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
         if not e["spans"]: raise ValueError(f"example {e.get('id', '?')} has no span: CODI needs at least one LINE frame")
     n_sp = torch.tensor([len(e["spans"]) for e in examples], device=dev)            # [B]
     K, n_layers = int(n_sp.max()), lm.model.config.num_hidden_layers
-    layers = kd_layer_indices(opts, n_layers, teacher is not None)
+    layers = kd_layer_indices(opts, n_layers, teacher is not None)                  # the student's
+    t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)  # the teacher's own
     if tf_coins is None and opts.latent_tf > 0: tf_coins = torch.rand(B, K, generator=tf_generator) < opts.latent_tf
     plan = _objective_plan(examples, opts, lm.spec.latent_steps, dev, tf_coins)
-    tp = teacher_pass(lm, examples, layers, teacher, opts.kd_target == "logit", chunk_size, opts.grad_ckpt, plan["gather"])
+    tp = teacher_pass(lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.grad_ckpt, plan["gather"])
     if ss_coins is None:
         ss_coins = torch.rand(B, K + 1, generator=generator) < opts.ss_p if opts.ss_p > 0 else torch.zeros(B, K + 1, dtype=torch.bool)
     sp = student_pass(lm, examples, layers=layers if opts.kd_target == "hidden" else None, ss_coins=ss_coins,

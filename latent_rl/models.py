@@ -12,8 +12,8 @@ from .tokens import add_trace_tokens
 
 # %% auto #0
 __all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_PRESETS', 'resolve_dtype', 'load_tokenizer', 'check_vocab', 'load_model',
-           'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'cache_kw', 'out_cache',
-           'copy_cache']
+           'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'check_plain_head',
+           'cache_kw', 'out_cache', 'copy_cache']
 
 # %% ../nbs/03_models.ipynb #43238021
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -63,7 +63,7 @@ def load_model(name_or_path, tok=None, dtype="fp32", device="cpu", attn_implemen
     kw = {"dtype": resolve_dtype(dtype)}
     if attn_implementation: kw["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(p, **kw)
-    check_vocab(tok, model, p)
+    check_vocab(tok, model, p); check_plain_head(model, p)
     add_trace_tokens(tok, model)
     return model.to(device), tok
 
@@ -110,6 +110,21 @@ def backbone(model):
 def lm_head_weight(model) -> torch.Tensor:
     "The `[V, H]` output embedding matrix."
     return unwrap(model).get_output_embeddings().weight
+
+@torch.no_grad()
+def check_plain_head(model, where: str = ""):
+    """Refuse a model whose logits are not `last hidden state @ lm_head.weight.T` (an LM-head bias, logit scaling or
+    soft-capping): the latent forward, the latent decoder and the chunked logprobs compute logits that way."""
+    m = unwrap(model)
+    W = lm_head_weight(m)
+    ids = torch.arange(3, device=W.device)[None]                                   # [1, 3]
+    out = m(input_ids=ids, output_hidden_states=True, use_cache=False)
+    z, ref = (out.hidden_states[-1] @ W.T).float(), out.logits.float()            # [1, 3, V] each
+    tol = (1e-4 if W.dtype == torch.float32 else 2e-2) * max(1.0, float(ref.abs().max()))
+    if getattr(m.get_output_embeddings(), "bias", None) is not None or not torch.allclose(z, ref, atol=tol, rtol=0):
+        raise ValueError(f"{where or type(m).__name__}: its logits are not `last hidden state @ lm_head.weight.T` (an LM-head "
+                         "bias, logit scaling or soft-capping), which latent_rl's latent and chunked-logprob paths assume; "
+                         "this architecture is not supported yet")
 
 # %% ../nbs/03_models.ipynb #81d6c20f
 import inspect

@@ -687,6 +687,10 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     if cfg.teacher:
         teacher, ttok = load_model(cfg.teacher, dtype=cfg.dtype)
         if len(ttok) != len(tok): raise ValueError(f"teacher {cfg.teacher} has {len(ttok)} tokens, student {cfg.model} has {len(tok)}")
+        hs, ht = lm.model.config.hidden_size, teacher.config.hidden_size
+        if hs != ht and (cfg.kd_target == "hidden" and cfg.g or cfg.value_kd or cfg.answer_kd):
+            raise ValueError(f"teacher {cfg.teacher} has hidden size {ht}, student {cfg.model} {hs}: state distillation needs "
+                             "equal widths (use --kd_target logit with --value_kd 0 --answer_kd 0, or a teacher of the same width)")
         teacher.to(acc.device).eval().requires_grad_(False)
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)
     exs = [e for e in (codi_example(tok, r, cfg.max_len, cfg.max_spans or None, targets=opts.needs_targets) for r in rows)

@@ -11,9 +11,9 @@ from latent_rl.models import cache_kw, out_cache
 
 V, LS, LE, LSEP, ASEP, EOT = 48, 40, 41, 42, 43, 44
 
-def tiny(seed=0):
+def tiny(seed=0, layers=2):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=64, tie_word_embeddings=True)
     return AutoModelForCausalLM.from_config(cfg).float()
 
@@ -56,7 +56,8 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
             with torch.no_grad():
                 out = teacher(input_ids=full[None], output_hidden_states=True)
             t_ce, hs = None, out.hidden_states
-        t_kd = [hs[l][0, kd_pos].detach() for l in layers]
+        t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)  # the seed: each model's own
+        t_kd = [hs[l][0, kd_pos].detach() for l in t_layers]
         t_logits = out.logits[0, kd_pos].detach()
         # student
         segs, prev, kd = [], 0, False
@@ -132,6 +133,21 @@ def test_batched_equals_reference(case):
         if a is None and b is None: continue
         a = torch.zeros_like(b) if a is None else a; b = torch.zeros_like(a) if b is None else b
         assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-8) + 1e-7, ((a - b).norm(), b.norm())
+
+@pytest.mark.parametrize("kd_layers", [None, (-1,), (1, -1)])
+def test_frozen_teacher_of_another_depth_is_distilled_at_its_own_layers(kd_layers):
+    lm = LatentModel(tiny(0, layers=2), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=1))
+    teacher = tiny(1, layers=3).eval().requires_grad_(False)            # deeper than the student
+    opts, exs = CodiOptions(g=2.0, kd_layers=kd_layers), batch(0)
+    out = codi_forward(lm, exs, opts, teacher=teacher, return_states=True)
+    ref_loss, ref_m = ref_forward(lm, exs, opts, teacher)
+    assert abs(out.loss.item() - ref_loss.item()) < 1e-5 and abs(out.metrics["kd_loss"] - ref_m["kd_loss"]) < 1e-5
+    e = exs[0]; full = torch.tensor(e["prompt_ids"] + e["trace_ids"])[None]
+    hs = teacher(input_ids=full, output_hidden_states=True).hidden_states
+    want = (-1,) if kd_layers is None else kd_layers                       # resolved on the teacher's 3 layers
+    pos = len(e["prompt_ids"]) + e["spans"][0][1]
+    for i, l in enumerate(want): assert torch.allclose(out.teacher_states[0, 0, i], hs[l][0, pos], atol=1e-6)
+    with pytest.raises(ValueError, match="out of range"): codi_forward(lm, exs, CodiOptions(kd_layers=(3,)), teacher=teacher)
 
 def test_scheduled_sampling_equals_reference():
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
