@@ -483,6 +483,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.stages._prepare': ('stages.html#_prepare', 'latent_rl/stages.py'),
                                   'latent_rl.stages._typed': ('stages.html#_typed', 'latent_rl/stages.py'),
                                   'latent_rl.stages.batch_indices': ('stages.html#batch_indices', 'latent_rl/stages.py'),
+                                  'latent_rl.stages.bucket_groups': ('stages.html#bucket_groups', 'latent_rl/stages.py'),
+                                  'latent_rl.stages.bucket_indices': ('stages.html#bucket_indices', 'latent_rl/stages.py'),
                                   'latent_rl.stages.build_or_load': ('stages.html#build_or_load', 'latent_rl/stages.py'),
                                   'latent_rl.stages.check_field': ('stages.html#check_field', 'latent_rl/stages.py'),
                                   'latent_rl.stages.check_ranks_in_sync': ('stages.html#check_ranks_in_sync', 'latent_rl/stages.py'),

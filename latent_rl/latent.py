@@ -217,6 +217,8 @@ class StudentPass:
     latent_states: torch.Tensor | None = None   # [B, K, latent_steps, L+1, H] every latent step at every layer
     states_at: tuple | None = None              # (rows [M], trace index [M], states [M, L+1, H]) sorted by (row, index)
     n_scored: int = 0                           # scored trace tokens (unweighted)
+    n_real: int = 0                             # real positions run (tokens + latent steps of rows that have the block)
+    n_run: int = 0                              # positions run, padding included: n_run / n_real is the padding cost
 
 def check_codi_model(model):
     "Refuse models the lockstep batch cannot serve exactly: sliding-window attention counts padded columns."
@@ -272,6 +274,7 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
     cache, cols, pos, bi = None, [], torch.zeros(B, dtype=torch.long, device=dev), torch.arange(B, device=dev)
     for k in range(K + 1):
         ids, m, ti, lab, lens = _phase_batch([phases[k][b] for b in range(B)], dev)
+        r.n_real += sum(len(phases[k][b][0]) for b in range(B)); r.n_run += ids.numel()
         p_ids = pos[:, None] + torch.arange(ids.shape[1], device=dev)[None]          # [B, L]
         inp = ids
         if k >= 1 and ss_coins[:, k].any():
@@ -301,6 +304,7 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
         pos = pos + lens
         if k == K: break
         has = (n_sp > k).long()[:, None]                                              # [B, 1] rows with latent block k
+        r.n_real += S * sum(len(e["spans"]) > k for e in examples); r.n_run += S * B
         h = hid[bi, (lens - 1).clamp(min=0)]                                          # [B, H] state at <|latent_start|>
         for j in range(S):
             z = lm.prj(h)                                                             # [B, H]
@@ -473,7 +477,8 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     L_s, L_kd = (sp.ce_sum / sp.ce_cnt.clamp_min(1)).mean(), kd_ex.mean()
     loss = opts.b * L_s + opts.g * L_kd + (opts.a * L_t if L_t is not None else 0.0)
     metrics = {"teacher_loss": L_t.item() if L_t is not None else 0.0, "student_loss": L_s.item(), "kd_loss": L_kd.item(),
-               "model_calls": sp.calls, "n_spans": int(n_sp.sum()), "n_tokens": sp.n_scored}
+               "model_calls": sp.calls, "n_spans": int(n_sp.sum()), "n_tokens": sp.n_scored,
+               "pad_ratio": sp.n_run / max(1, sp.n_real)}
     for w, name, fn in ((opts.value_kd, "value_kd", lambda: _value_kd(opts, plan, sp, tp, lm)),
                         (opts.answer_kd, "answer_kd", lambda: _answer_kd(sp, tp, plan)),
                         (opts.recon, "recon", lambda: recon_loss(lm, examples, sp.latents, chunk_size))):
@@ -511,17 +516,24 @@ def bench(quick: bool = False, batch_size: int = 8, latent_steps: int = 1, prese
     batches = [exs[i:i + batch_size] for i in range(0, len(exs), batch_size)]
     calls = {"n": 0}
     hook = lm.body.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
-    opts, res = CodiOptions(), {}
-    for name, fn in (("batched", lambda b: codi_forward(lm, b, opts).loss), ("per-example reference", lambda b: ref_forward(lm, b, opts)[0])):
-        fn(batches[0]).backward(); lm.zero_grad()                                     # warm-up
-        calls["n"], losses, t0 = 0, [], time.perf_counter()
-        for b in batches:
+    by_spans = sorted(exs, key=lambda e: (len(e["spans"]), len(e["trace_ids"])))      # the same examples, span-bucketed
+    bucketed = [by_spans[i:i + batch_size] for i in range(0, len(by_spans), batch_size)]
+    opts, res, pads = CodiOptions(), {}, []
+    def batched(b):
+        o = codi_forward(lm, b, opts); pads.append(o.metrics["pad_ratio"]); return o.loss
+    for name, fn, bs in (("batched", batched, batches), ("batched, span-bucketed", batched, bucketed),
+                         ("per-example reference", lambda b: ref_forward(lm, b, opts)[0], batches)):
+        fn(bs[0]).backward(); lm.zero_grad()                                          # warm-up
+        calls["n"], losses, t0 = 0, [], time.perf_counter(); pads.clear()
+        for b in bs:
             loss = fn(b); loss.backward(); lm.zero_grad(); losses.append(loss.item())
         dt = time.perf_counter() - t0
         res[name] = {"impl": name, "batch": batch_size, "latent_steps": latent_steps, "examples_per_s": len(exs) / dt,
-                     "model_calls_per_batch": calls["n"] / len(batches), "mean_loss": sum(losses) / len(losses)}
+                     "model_calls_per_batch": calls["n"] / len(bs), "mean_loss": sum(losses) / len(losses),
+                     "pad_ratio": sum(pads[1:]) / max(1, len(pads) - 1) if pads else None}
     hook.remove()
     res["batched"]["speedup"] = res["batched"]["examples_per_s"] / res["per-example reference"]["examples_per_s"]
+    res["batched, span-bucketed"]["speedup"] = res["batched, span-bucketed"]["examples_per_s"] / res["per-example reference"]["examples_per_s"]
     res["batched"]["max_loss_diff"] = abs(res["batched"]["mean_loss"] - res["per-example reference"]["mean_loss"])
     spans = sum(len(e["spans"]) for e in exs) / len(exs)
     return {"name": "codi", "rows": list(res.values()),

@@ -21,9 +21,9 @@ __all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', '
            'save_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state', 'latest_checkpoint',
            'ConfigError', 'check_field', 'config_from_dict', 'load_config_file', 'parse_config', 'RunDirBusy',
            'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config', 'trim_records', 'batch_indices',
-           'StopRequest', 'sync_grads', 'peak_memory_mb', 'reduce_metrics', 'train_loop', 'check_ranks_in_sync',
-           'finish_run', 'SFTConfig', 'load_traced', 'wandb_run', 'build_or_load', 'sft_batch_loss', 'eval_loss',
-           'run_sft', 'CodiConfig', 'run_codi']
+           'bucket_groups', 'bucket_indices', 'StopRequest', 'sync_grads', 'peak_memory_mb', 'reduce_metrics',
+           'train_loop', 'check_ranks_in_sync', 'finish_run', 'SFTConfig', 'load_traced', 'wandb_run', 'build_or_load',
+           'sft_batch_loss', 'eval_loss', 'run_sft', 'CodiConfig', 'run_codi']
 
 # %% ../nbs/10_stages.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -341,6 +341,26 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
         out.append(perms[ep][i])
     return out
 
+# %% ../nbs/10_stages.ipynb #25ecce0c
+def bucket_groups(keys: list[int], batch_size: int, min_batches: int = 4) -> list[list[int]]:
+    "Indices grouped by key (e.g. span count), neighbouring keys merged until a group holds `min_batches` batches."
+    order = sorted(range(len(keys)), key=lambda i: keys[i])
+    groups, cur, last = [], [], None
+    for i in order:
+        if cur and keys[i] != last and len(cur) >= min_batches * batch_size: groups.append(cur); cur = []
+        cur.append(i); last = keys[i]
+    if cur:
+        if groups and len(cur) < min_batches * batch_size: groups[-1] += cur
+        else: groups.append(cur)
+    return groups
+
+def bucket_indices(step: int, batch_size: int, groups: list[list[int]], seed: int) -> list[int]:
+    "The global batch of step `step`: `batch_size` indices of one group (chosen ∝ its size), a pure function of (seed, step)."
+    g = torch.Generator().manual_seed(seed * 1_000_081 + step)
+    grp = groups[int(torch.multinomial(torch.tensor([float(len(x)) for x in groups]), 1, generator=g))]
+    pick = torch.randperm(len(grp), generator=g)[:batch_size] if len(grp) >= batch_size else torch.randint(len(grp), (batch_size,), generator=g)
+    return [grp[j] for j in pick.tolist()]
+
 # %% ../nbs/10_stages.ipynb #7f8ff77d
 class StopRequest:
     """Ctrl-C during training: the first one lets the current step finish and write a checkpoint (then the stage
@@ -641,6 +661,7 @@ class CodiConfig:
     curriculum: float = 0.0             # fraction of the steps over which the latent share of spans grows to all (0: off)
     curriculum_from: str = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
     prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
+    bucket: bool = False                # span-aware batching: each batch from examples of similar span count
     steps: int = 300
     batch_size: int = 16
     grad_accum: int = 1
@@ -732,7 +753,9 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     def load_state(d):
         lm2, _ = LatentModel.load(d, dtype=cfg.dtype)
         lm.load_state_dict(lm2.state_dict())
-    res = train_loop(cfg, acc, lm, len(exs), micro_loss, save, "codi", load_state, progress, on_step)
+    groups = bucket_groups([len(e["spans"]) for e in exs], cfg.batch_size) if cfg.bucket else None
+    batch_fn = (lambda step: bucket_indices(step, cfg.batch_size, groups, cfg.seed)) if groups else None
+    res = train_loop(cfg, acc, lm, len(exs), micro_loss, save, "codi", load_state, progress, on_step, batch_fn=batch_fn)
     summary = {"steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], "examples": len(exs), **{f"final_{k}": v for k, v in res["last"].items()}}
     final = finish_run(cfg.out, acc, save, summary)
     log0(acc, f"codi done in {res['train_seconds']:.0f}s: " + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k))
