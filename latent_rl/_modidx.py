@@ -517,6 +517,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.stages.trim_records': ('stages.html#trim_records', 'latent_rl/stages.py'),
                                   'latent_rl.stages.verify_checkpoint': ('stages.html#verify_checkpoint', 'latent_rl/stages.py'),
                                   'latent_rl.stages.wandb_run': ('stages.html#wandb_run', 'latent_rl/stages.py'),
+                                  'latent_rl.stages.wandb_settings': ('stages.html#wandb_settings', 'latent_rl/stages.py'),
                                   'latent_rl.stages.write_config': ('stages.html#write_config', 'latent_rl/stages.py')},
             'latent_rl.sweep': { 'latent_rl.sweep.Grid': ('sweep.html#grid', 'latent_rl/sweep.py'),
                                  'latent_rl.sweep._mean_ci': ('sweep.html#_mean_ci', 'latent_rl/sweep.py'),

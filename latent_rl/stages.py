@@ -22,8 +22,8 @@ __all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', '
            'ConfigError', 'check_field', 'config_from_dict', 'load_config_file', 'parse_config', 'RunDirBusy',
            'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config', 'trim_records', 'batch_indices',
            'bucket_groups', 'bucket_indices', 'StopRequest', 'sync_grads', 'peak_memory_mb', 'reduce_metrics',
-           'train_loop', 'check_ranks_in_sync', 'finish_run', 'SFTConfig', 'load_traced', 'wandb_run', 'build_or_load',
-           'sft_batch_loss', 'eval_loss', 'run_sft', 'CodiConfig', 'run_codi']
+           'train_loop', 'check_ranks_in_sync', 'finish_run', 'SFTConfig', 'load_traced', 'wandb_settings', 'wandb_run',
+           'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft', 'CodiConfig', 'run_codi']
 
 # %% ../nbs/10_stages.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -568,10 +568,25 @@ def load_traced(path, limit: int = 0, progress: bool = True) -> list[dict]:
         if not rows: raise ValueError(f"{path}: none of its {len(need)} programs could be traced (reasons: {skipped})")
     return rows
 
+def wandb_settings(cfg, stage: str) -> dict | None:
+    """`wandb.init` arguments as a cluster expects them: `WANDB_MODE`, `WANDB_PROJECT`, `WANDB_ENTITY` and `WANDB_RUN_GROUP`
+    win over the config; the run is named after its directory and grouped by the parent directory; its id is kept in
+    `OUT/wandb_id`, so `--resume` continues the same W&B run. None when W&B is off."""
+    mode = os.environ.get("WANDB_MODE") or cfg.wandb
+    if mode in ("disabled", "off", ""): return None
+    out = Path(cfg.out).resolve()
+    rid = (out / "wandb_id").read_text().strip() if cfg.resume and (out / "wandb_id").exists() else None
+    if rid is None:
+        import uuid
+        rid = uuid.uuid4().hex[:12]; (out / "wandb_id").write_text(rid)
+    return dict(project=os.environ.get("WANDB_PROJECT") or "latent_rl", entity=os.environ.get("WANDB_ENTITY") or None,
+                group=os.environ.get("WANDB_RUN_GROUP") or out.parent.name, name=out.name, id=rid, resume="allow",
+                job_type=stage, config=asdict(cfg), mode=mode, dir=str(out))
+
 def wandb_run(cfg, stage: str, acc):
-    if cfg.wandb == "disabled" or not acc.is_main_process: return None
+    if not acc.is_main_process or (kw := wandb_settings(cfg, stage)) is None: return None
     import wandb
-    return wandb.init(project="latent_rl", job_type=stage, config=asdict(cfg), mode=cfg.wandb, dir=cfg.out)
+    return wandb.init(**kw)
 
 def build_or_load(cfg):
     "Model and tokenizer for a stage: `cfg.model` by name/path, or a seeded tiny model over `cfg.tokenizer`."

@@ -200,3 +200,13 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(tiny_data, tmp_path):
     from safetensors.torch import load_file
     a = load_file(tmp_path / "full" / "final" / "model.safetensors"); b = load_file(tmp_path / "part" / "final" / "model.safetensors")
     assert all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+
+def test_wandb_offline_honours_env_and_resume_continues_the_run(tiny_data, tmp_path):
+    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "cluster-proj", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "grp" / "run"
+    run_cli(*_sft_args(tiny_data, out, "--steps", 4, "--save_every", 2, "--wandb", "disabled"), env=env)
+    rid = (out / "wandb_id").read_text().strip()
+    import shutil; shutil.rmtree(out / "final")
+    run_cli(*_sft_args(tiny_data, out, "--steps", 4, "--save_every", 2, "--wandb", "disabled", "--resume"), env=env)
+    runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.endswith(rid) for r in runs), runs      # the same W&B run, continued
