@@ -18,7 +18,7 @@ from .generate import row_key
 from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
-from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices
+from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, teacher_dtype
 from .models import n_params
 
 # %% auto #0
@@ -121,7 +121,9 @@ class GKDConfig:
     max_grad_norm: float = 1.0
     max_train: int = 0
     seed: int = 0
-    dtype: str = "fp32"
+    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
+    precision: str = "fp32"             # fp32 | bf16: bf16 autocast compute over fp32 weights, gradients and AdamW states
+    pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
     save_every: int = 50
     log_every: int = 5
     record_every: int = 10               # steps between logprobs.jsonl samples (0 = never)
@@ -137,8 +139,8 @@ def make_teacher(cfg: GKDConfig, policy: Policy) -> Teacher:
         if not k: raise ValueError("GKDConfig.teacher is an HTTP server: set topk > 0 (servers return top-k logprobs)")
         return HTTPTeacher(cfg.teacher, topk=k, timeout=cfg.http_timeout, retries=cfg.http_retries,
                            backoff=cfg.http_backoff)
-    if policy.kind == "latent": return ExplicitTraceTeacher.load(cfg.teacher, k, cfg.dtype, str(policy.device), cfg.max_locals)
-    return ModelTeacher.load(cfg.teacher, k, cfg.dtype, str(policy.device))
+    if policy.kind == "latent": return ExplicitTraceTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device), cfg.max_locals)
+    return ModelTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device))
 
 def _record_logprobs(rec, step, policy, items, teacher_out, temperature, hidden, n=4):
     "A few sequences' (student, teacher) logprob pairs for the inspectors (`logprobs.jsonl`), from the loss's hidden states."

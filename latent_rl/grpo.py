@@ -76,7 +76,9 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     max_train: int = 0
     seed: int = 0
-    dtype: str = "fp32"
+    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
+    precision: str = "fp32"             # fp32 | bf16: bf16 autocast compute over fp32 weights, gradients and AdamW states
+    pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
     save_every: int = 25
     log_every: int = 1
     record_every: int = 5                # steps between logprobs/rollouts records (0 = never)

@@ -368,6 +368,6 @@ def make_rollout_engine(cfg, policy: Policy):
     if cfg.vllm_mode not in ("colocate", "server"): raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {cfg.vllm_mode!r}")
     if policy.kind == "latent": raise ValueError("use_vllm: vLLM cannot run latent blocks; latent policies use the latent decoder")
     if cfg.vllm_mode == "server": return VLLMServerEngine(cfg.vllm_server, group_port=cfg.vllm_group_port)
-    return VLLMEngine(cfg.model, dtype="bfloat16" if cfg.dtype == "bf16" else "float32", seed=cfg.seed,
+    return VLLMEngine(cfg.model, dtype="bfloat16" if "bf16" in (cfg.dtype, getattr(cfg, "precision", "fp32")) else "float32", seed=cfg.seed,
                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, tensor_parallel_size=cfg.vllm_tensor_parallel_size,
                       max_model_len=cfg.vllm_max_model_len or None, sleep=cfg.vllm_sleep)

@@ -21,9 +21,10 @@ __all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', '
            'save_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state', 'latest_checkpoint',
            'ConfigError', 'check_field', 'config_from_dict', 'load_config_file', 'parse_config', 'RunDirBusy',
            'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config', 'trim_records', 'batch_indices',
-           'bucket_groups', 'bucket_indices', 'StopRequest', 'sync_grads', 'peak_memory_mb', 'reduce_metrics',
-           'train_loop', 'check_ranks_in_sync', 'finish_run', 'SFTConfig', 'load_traced', 'wandb_settings', 'wandb_run',
-           'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft', 'CodiConfig', 'run_codi']
+           'bucket_groups', 'bucket_indices', 'check_precision', 'teacher_dtype', 'StopRequest', 'sync_grads',
+           'peak_memory_mb', 'reduce_metrics', 'train_loop', 'check_ranks_in_sync', 'finish_run', 'SFTConfig',
+           'load_traced', 'wandb_settings', 'wandb_run', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft',
+           'CodiConfig', 'run_codi']
 
 # %% ../nbs/10_stages.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -149,7 +150,7 @@ NON_NEGATIVE = {"warmup", "save_every", "max_train", "max_spans", "anchor_every"
                 "http_backoff", "vllm_max_model_len", "seed", "eps_low", "eps_high"}
 FRACTION = {"min_lr_frac", "ss_prob", "ss_ramp_frac", "latent_tf", "curriculum", "lmbda", "beta",
             "vllm_gpu_memory_utilization"}
-CHOICES = {"dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"), "wandb": ("disabled", "offline", "online"),
+CHOICES = {"dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"), "precision": ("fp32", "bf16"), "wandb": ("disabled", "offline", "online"),
            "kd_target": ("hidden", "logit"), "value_kd_at": ("sequence", "predict", "tokens", "embed"),
            "curriculum_from": ("end", "start"), "prj_init": ("default", "embed"), "mode": ("trace", "answer"),
            "adv_scale": ("group", "batch", "none"), "norm": ("sequence", "token"),
@@ -361,6 +362,22 @@ def bucket_indices(step: int, batch_size: int, groups: list[list[int]], seed: in
     pick = torch.randperm(len(grp), generator=g)[:batch_size] if len(grp) >= batch_size else torch.randint(len(grp), (batch_size,), generator=g)
     return [grp[j] for j in pick.tolist()]
 
+# %% ../nbs/10_stages.ipynb #44538899
+def check_precision(cfg, params):
+    """Trainable weights must be fp32 master weights unless `pure_low_precision` says otherwise: AdamW's steps at
+    lr 1e-6 are far below bf16's spacing (~4e-3 relative), so most of them round away. bf16 speed comes from
+    `precision = "bf16"` (autocast), which keeps weights, gradients and optimizer states in fp32."""
+    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
+    if not low: return
+    if not getattr(cfg, "pure_low_precision", False):
+        raise ConfigError(f"trainable weights are {', '.join(low)}: AdamW on them loses most small updates. Use --dtype fp32 "
+                          "--precision bf16 (fp32 master weights, bf16 compute), or --pure_low_precision true to train them anyway")
+    print(f"warning: training {', '.join(low)} weights (pure_low_precision): small updates round away", file=sys.stderr)
+
+def teacher_dtype(cfg) -> str:
+    "A frozen teacher trains nothing: under bf16 compute it is held in bf16 (half the memory), else in the weights' dtype."
+    return "bf16" if getattr(cfg, "precision", "fp32") == "bf16" else cfg.dtype
+
 # %% ../nbs/10_stages.ipynb #7f8ff77d
 class StopRequest:
     """Ctrl-C during training: the first one lets the current step finish and write a checkpoint (then the stage
@@ -424,6 +441,8 @@ def train_loop(cfg, acc, module, n_examples: int, micro_loss, save_model, stage:
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by processes × grad_accum = {W * cfg.grad_accum}")
     micro = cfg.batch_size // (W * cfg.grad_accum)
     params = [p for p in module.parameters() if p.requires_grad]
+    check_precision(cfg, params)
+    amp = torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=getattr(cfg, "precision", "fp32") == "bf16")
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg.warmup, cfg.steps, cfg.min_lr_frac))
     start = 0
@@ -453,7 +472,7 @@ def train_loop(cfg, acc, module, n_examples: int, micro_loss, save_model, stage:
             ms, t_micro = [], 0.0
             for a in range(cfg.grad_accum):
                 tm = time.time()
-                loss, m = micro_loss(step, mine[a * micro:(a + 1) * micro], idx)
+                with amp: loss, m = micro_loss(step, mine[a * micro:(a + 1) * micro], idx)
                 loss.backward(); ms.append(m)
                 t_micro += time.time() - tm
             t_sync = time.time()
@@ -545,7 +564,9 @@ class SFTConfig:
     max_len: int = 384
     max_train: int = 0                  # 0 = all training rows
     seed: int = 0
-    dtype: str = "fp32"
+    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
+    precision: str = "fp32"             # fp32 | bf16: bf16 autocast compute over fp32 weights, gradients and AdamW states
+    pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
     save_every: int = 200
     log_every: int = 10
     wandb: str = "disabled"             # disabled / offline / online
@@ -689,7 +710,9 @@ class CodiConfig:
     max_spans: int = 0                  # 0 = no limit
     max_train: int = 0
     seed: int = 0
-    dtype: str = "fp32"
+    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
+    precision: str = "fp32"             # fp32 | bf16: bf16 autocast compute over fp32 weights, gradients and AdamW states
+    pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
     save_every: int = 100
     log_every: int = 10
     anchor_every: int = 10              # steps between kd_anchors.jsonl records (0 = never)
@@ -721,7 +744,7 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     lm.to(acc.device)
     teacher = None
     if cfg.teacher:
-        teacher, ttok = load_model(cfg.teacher, dtype=cfg.dtype)
+        teacher, ttok = load_model(cfg.teacher, dtype=teacher_dtype(cfg))
         if len(ttok) != len(tok): raise ValueError(f"teacher {cfg.teacher} has {len(ttok)} tokens, student {cfg.model} has {len(tok)}")
         hs, ht = lm.model.config.hidden_size, teacher.config.hidden_size
         if hs != ht and (cfg.kd_target == "hidden" and cfg.g or cfg.value_kd or cfg.answer_kd):

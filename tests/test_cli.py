@@ -210,3 +210,26 @@ def test_wandb_offline_honours_env_and_resume_continues_the_run(tiny_data, tmp_p
     run_cli(*_sft_args(tiny_data, out, "--steps", 4, "--save_every", 2, "--wandb", "disabled", "--resume"), env=env)
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.endswith(rid) for r in runs), runs      # the same W&B run, continued
+
+def test_bf16_compute_keeps_fp32_master_weights_and_learns(tmp_path):
+    "lr 1e-6, 3 AdamW steps: bf16 autocast over fp32 weights moves them like fp32 does; bf16 weights lose the update."
+    from conftest import TEACHER
+    from safetensors.torch import load_file
+    base = ["sft", "--model", TEACHER, "--train", TEACHER.parent / "corpus/train.jsonl", "--val", "", "--max_train", 64,
+            "--steps", 3, "--batch_size", 8, "--lr", 1e-6, "--warmup", 0, "--min_lr_frac", 1.0, "--save_every", 0]
+    one = {"OMP_NUM_THREADS": "1"}
+    p = run_cli(*base, "--dtype", "bf16", "--out", tmp_path / "x", check=False)
+    assert p.returncode == 2 and "--precision bf16" in p.stderr                      # refused without the explicit flag
+    for name, extra in (("fp32", []), ("mixed", ["--precision", "bf16"]), ("pure", ["--dtype", "bf16", "--pure_low_precision"])):
+        run_cli(*base, *extra, "--out", tmp_path / name, env=one)
+    w0 = load_file(TEACHER / "model.safetensors")
+    start = {"fp32": w0, "mixed": w0, "pure": {k: v.bfloat16() for k, v in w0.items()}}       # pure: from the rounded weights
+    upd = {n: {k: (load_file(tmp_path / n / "final/model.safetensors")[k].float() - start[n][k].float()) for k in w0}
+           for n in ("fp32", "mixed", "pure")}
+    norm = lambda n: sum(float(v.norm() ** 2) for v in upd[n].values()) ** 0.5
+    cos = sum(float((upd["mixed"][k] * upd["fp32"][k]).sum()) for k in w0) / (norm("mixed") * norm("fp32"))
+    # Adam's first steps move each weight by ~lr·sign(grad): the size of the update survives bf16 compute (within 5%);
+    # its direction agrees on most weights (gradients near zero may flip sign under bf16 rounding)
+    assert abs(norm("mixed") / norm("fp32") - 1) < 0.05 and cos > 0.5, (norm("mixed"), norm("fp32"), cos)
+    print(f"update norm vs fp32: bf16 mixed {norm('mixed') / norm('fp32'):.3f} (cos {cos:.2f}), pure bf16 {norm('pure') / norm('fp32'):.3f}")
+    assert norm("pure") < 0.5 * norm("fp32"), (norm("pure"), norm("fp32"))             # what pure bf16 weights lose
