@@ -143,8 +143,9 @@ def sweep_table(rows: list[dict], order: list[str] | None = None) -> str:
         col = [np.mean([c["cos"] for c in r["collapse"]]) for r in rs if r.get("collapse")]
         col = f"{np.mean(col):.2f}" if col else "—"
         ts = [r["train_s"] for r in rs if r.get("train_s") is not None]
-        L.append(f"| {n} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | "
-                 f"{np.mean(ts):.0f} |" if ts else f"| {n} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | — |")
+        cell = n.replace("|", "\\|")                                             # a name may hold a trace token
+        L.append(f"| {cell} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | "
+                 f"{np.mean(ts):.0f} |" if ts else f"| {cell} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | — |")
     return "\n".join(L)
 
 # %% ../nbs/18_sweep.ipynb #364f8e85
