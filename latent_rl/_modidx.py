@@ -423,6 +423,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.policy.replay_examples': ('policy.html#replay_examples', 'latent_rl/policy.py'),
                                   'latent_rl.policy.sampled_mask': ('policy.html#sampled_mask', 'latent_rl/policy.py'),
                                   'latent_rl.policy.serve_rollouts': ('policy.html#serve_rollouts', 'latent_rl/policy.py'),
+                                  'latent_rl.policy.truncated_replay_hidden': ( 'policy.html#truncated_replay_hidden',
+                                                                                'latent_rl/policy.py'),
                                   'latent_rl.policy.vllm_serve_command': ('policy.html#vllm_serve_command', 'latent_rl/policy.py')},
             'latent_rl.presets': { 'latent_rl.presets.preset_fields': ('presets.html#preset_fields', 'latent_rl/presets.py'),
                                    'latent_rl.presets.preset_toml': ('presets.html#preset_toml', 'latent_rl/presets.py')},

@@ -30,7 +30,8 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     "Loss of a micro-batch of samples `{prompt, completion, latent_at, logp_inf, adv}` (mean over its sequences)."
     P, C = [s["prompt"] for s in samples], [s["completion"] for s in samples]
     LA = [s["latent_at"] for s in samples] if policy.kind == "latent" else None
-    logp, _ = policy.logprobs(P, C, LA, temperature)                                    # [B, N]
+    Z = [s["latents"] for s in samples] if LA is not None and all("latents" in s for s in samples) else None
+    logp, _ = policy.logprobs(P, C, LA, temperature, latents=Z)                          # [B, N] (Z: truncated replay)
     N, dev = logp.shape[1], logp.device
     mask = sampled_mask(C, LA, N, dev)                                                  # [B, N]
     li = pad_to([s["logp_inf"] for s in samples], N, 1.0).to(dev)                       # [B, N]; 1.0 = placeholder (seed)
@@ -58,6 +59,7 @@ class GRPOConfig:
     steps_per_generation: int = 1
     eps_low: float = 0.2
     eps_high: float = 0.2
+    replay: str = "exact"                # latent policies: exact | truncated (recorded latents, one-hop gradient; research option)
     norm: str = "sequence"               # sequence (seed) | token
     adv_scale: str = "group"             # group | batch | none
     use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
@@ -101,6 +103,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     if not rows: raise ValueError(f"{cfg.train}: no rows")
     prompts = [encode(policy.tok, prompt_text(r["code"], r["input"])) for r in rows]
     n, W, spg, G = len(rows), acc.num_processes, max(1, cfg.steps_per_generation), cfg.group_size
+    truncated = cfg.replay == "truncated" and policy.kind == "latent"     # replay the recorded latents (research option)
     engine = None
     if cfg.use_vllm: engine = make_rollout_engine(cfg, policy)
     log0(acc, f"grpo: {policy.kind} policy {cfg.model} ({n_params(policy.module):,} params), {n} prompts, "
@@ -128,7 +131,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
         else:
             policy.module.eval()
             ro = policy.generate([prompts[i] for _, i, _ in flat], max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, keys=keys)
+                                 temperature=cfg.temperature, keys=keys, return_latents=truncated)
             policy.module.train()
         timing["gen_s"] += time.time() - t0
         stats["gen_tokens"] += sum(map(len, ro.completion_ids))
@@ -146,6 +149,8 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
         samples = [{"prompt": prompts[i], "completion": c, "latent_at": la if policy.kind == "latent" else [], "logp_inf": lp,
                     "adv": a, "reward": r, "idx": i, "step": s}
                    for (s, i, j), c, la, lp, a, r in zip(flat, ro.completion_ids, ro.latent_at or [[]] * len(flat), ro.logprobs, adv, R)]
+        if truncated:
+            for x, z in zip(samples, ro.latents): x["latents"] = z
         buf.clear(); calls.clear()
         for s in steps: buf[s] = [x for x in samples if x["step"] == s]
         counts = torch.tensor([float(sum(len(x["completion"]) - len(x["latent_at"]) for x in buf[s])) for s in steps],
@@ -220,7 +225,7 @@ def bench(quick: bool = False, device: str = "cpu", model: str = "data/teacher",
         keys = list(range(len(P)))
         pol.module.eval(); pol.generate(P[:2], max_new_tokens=8, temperature=1.0, keys=keys[:2])   # warm-up
         t0 = time.perf_counter()
-        ro = pol.generate(P, max_new_tokens=96 if quick else 256, temperature=1.0, keys=keys)
+        ro = pol.generate(P, max_new_tokens=96 if quick else 256, temperature=1.0, keys=keys, return_latents=kind == "latent")
         if device == "cuda": torch.cuda.synchronize()
         t_gen = time.perf_counter() - t0
         R = weighted("correct:1,format:0.1")([pol.tok.decode(c) for c in ro.completion_ids], [r for r in rows[:n_prompts] for _ in range(group_size)])
@@ -228,16 +233,19 @@ def bench(quick: bool = False, device: str = "cpu", model: str = "data/teacher",
         smp = [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": lp, "adv": a}
                for p, c, la, lp, a in zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, adv.tolist())]
         pol.module.train()
-        t0 = time.perf_counter()
-        loss, m = grpo_micro_loss(pol, smp)
-        loss.backward()
-        if device == "cuda": torch.cuda.synchronize()
-        t_train = time.perf_counter() - t0
-        toks = sum(len(c) for c in ro.completion_ids)
-        out.append({"policy": kind, "sequences": len(P), "gen_tokens": toks, "rollout_tok_per_s": toks / t_gen,
-                    "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
-                    "align_abs_max": m["align_abs_max"], "forward_passes": ro.forward_passes})
+        for replay in (("exact", "truncated") if kind == "latent" else ("exact",)):
+            s_ = [dict(x, latents=z) for x, z in zip(smp, ro.latents)] if replay == "truncated" else smp
+            t0 = time.perf_counter()
+            loss, m = grpo_micro_loss(pol, s_)
+            loss.backward(); pol.module.zero_grad()
+            if device == "cuda": torch.cuda.synchronize()
+            t_train = time.perf_counter() - t0
+            toks = sum(len(c) for c in ro.completion_ids)
+            out.append({"policy": kind, "replay": replay, "sequences": len(P), "gen_tokens": toks, "rollout_tok_per_s": toks / t_gen,
+                        "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
+                        "align_abs_max": m["align_abs_max"], "forward_passes": ro.forward_passes})
     return {"name": "grpo", "rows": out,
             "notes": f"{model} ({'fp32'}) on {device}; {n_prompts} prompts × {group_size} samples at T = 1; the latent policy "
                      "is the same weights with a projector (latent blocks after each <|line_sep|>); training = one replay "
-                     "forward + GRPO loss + backward over all sequences; gen_share = generation / (generation + training)."}
+                     "forward + GRPO loss + backward over all sequences (latent: exact replay, or truncated = the recorded "
+                     "latents in two parallel forwards); gen_share = generation / (generation + training)."}

@@ -18,9 +18,9 @@ from .latent import LatentModel, student_pass
 from .generate import Rollout, generate_text, generate_latent
 
 # %% auto #0
-__all__ = ['replay_examples', 'completion_labels', 'sampled_mask', 'Policy', 'named_weights', 'layer_chunks',
-           'colocate_llm_kwargs', 'ensure_dist_env', 'VLLMEngine', 'completion_request', 'parse_completion_choice',
-           'VLLMServerEngine', 'vllm_serve_command', 'serve_rollouts', 'make_rollout_engine']
+__all__ = ['replay_examples', 'completion_labels', 'sampled_mask', 'Policy', 'truncated_replay_hidden', 'named_weights',
+           'layer_chunks', 'colocate_llm_kwargs', 'ensure_dist_env', 'VLLMEngine', 'completion_request',
+           'parse_completion_choice', 'VLLMServerEngine', 'vllm_serve_command', 'serve_rollouts', 'make_rollout_engine']
 
 # %% ../nbs/08_policy.ipynb #b1197e3c
 def replay_examples(prompts: list[list[int]], completions: list[list[int]], latent_at: list[list[int]] | None) -> list[dict]:
@@ -90,16 +90,21 @@ class Policy:
         self.model.load_state_dict(other.model.state_dict())
 
     def generate(self, prompts, *, max_new_tokens: int = 256, temperature: float = 1.0,
-                 generator: torch.Generator | None = None, keys: list[int] | None = None) -> Rollout:
+                 generator: torch.Generator | None = None, keys: list[int] | None = None, return_latents: bool = False) -> Rollout:
         "Sample (or greedy-decode, `temperature <= 0`) completions; `keys` make each row's samples batch-independent."
+        kw = {"return_latents": return_latents} if self.kind == "latent" else {}
         fn = generate_latent if self.kind == "latent" else generate_text
         return fn(self.model, prompts, eos_id=self.eos_id, pad_id=self.pad_id, max_new_tokens=max_new_tokens,
-                  temperature=temperature, generator=generator, keys=keys)
+                  temperature=temperature, generator=generator, keys=keys, **kw)
 
-    def hidden(self, prompts, completions, latent_at=None) -> tuple[torch.Tensor, torch.Tensor]:
-        "(`[B, N, H]` final hidden state predicting each completion token, `[B, N]` real-token mask)."
+    def hidden(self, prompts, completions, latent_at=None, latents=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`[B, N, H]` final hidden state predicting each completion token, `[B, N]` real-token mask). A latent policy
+        given the rollout's recorded `latents` replays them in two parallel forwards (`truncated_replay_hidden`)."""
         N = max(1, max(map(len, completions)))
         dev = self.device
+        if self.kind == "latent" and latents is not None:
+            return (truncated_replay_hidden(self.model, prompts, completions, latent_at, latents)[:, :N],
+                    completion_labels(completions, N, dev) != IGNORE_INDEX)
         if self.kind == "latent":
             sp = student_pass(self.model, replay_examples(prompts, completions, latent_at), ce=False, return_hidden=True)
             h = sp.pred_hidden                                                           # [B, T, H]
@@ -116,11 +121,36 @@ class Policy:
         h = hid.gather(1, at[:, :, None].expand(-1, -1, hid.shape[-1]))                   # [B, N, H]
         return h, completion_labels(completions, N, dev) != IGNORE_INDEX
 
-    def logprobs(self, prompts, completions, latent_at=None, temperature=1.0, chunk_size: int = 1024):
+    def logprobs(self, prompts, completions, latent_at=None, temperature=1.0, chunk_size: int = 1024, latents=None):
         "(`[B, N]` logprob of each completion token at `temperature` (0 past the end), `[B, N]` hidden states)."
-        h, real = self.hidden(prompts, completions, latent_at)
+        h, real = self.hidden(prompts, completions, latent_at, latents)
         lab = completion_labels(completions, h.shape[1], self.device)
         return token_logprobs(h, self.head_weight, lab, temperature, chunk_size), h
+
+# %% ../nbs/08_policy.ipynb #cd2e17d6
+def truncated_replay_hidden(lm: LatentModel, prompts, completions, latent_at, latents) -> torch.Tensor:
+    "`[B, N, H]` states predicting each completion token, replaying the recorded `latents` (per row `[n_blocks, S, H]`)."
+    sp, body, dev, S = lm.spec, lm.body, lm.head_weight.device, lm.spec.latent_steps
+    seqs, pred = [], []                               # input ids (-1 at latent slots); position predicting token n
+    for p, c, la in zip(prompts, completions, latent_at or [[] for _ in prompts]):
+        ids, pr, blocks = list(p), [], set(la)
+        for n, t in enumerate(c):
+            pr.append(len(ids) - 1); ids.append(t)
+            if n in blocks: ids += [sp.latent_start_id] + [-1] * S + [sp.latent_end_id]
+        seqs.append(ids); pred.append(pr)
+    B, L, N = len(seqs), max(map(len, seqs)), max(1, max(map(len, completions)))
+    ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs], device=dev)                      # [B, L]
+    am = (torch.arange(L, device=dev)[None] < torch.tensor([len(s) for s in seqs], device=dev)[:, None]).long()
+    bi, li = (ids < 0).nonzero(as_tuple=True)                                                  # [M] each, row-major
+    Z = torch.cat([torch.as_tensor(z).reshape(-1, z.shape[-1]) for z in latents]).to(dev, lm.head_weight.dtype)   # [M, H]
+    if Z.shape[0] != bi.numel(): raise ValueError(f"{Z.shape[0]} recorded latent vectors for {bi.numel()} latent slots")
+    emb, pos = lm.embed(ids.clamp(min=0)), torch.arange(L, device=dev)[None].expand(B, L)      # [B, L, H], [B, L]
+    h1 = body(inputs_embeds=emb.index_put((bi, li), Z), attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state
+    q = lm.prj(h1[bi, li - 1])                                                                 # [M, H] one hop back
+    h2 = body(inputs_embeds=emb.index_put((bi, li), Z + q - q.detach()), attention_mask=am, position_ids=pos,
+              use_cache=False).last_hidden_state                                               # [B, L, H]
+    P = torch.tensor([pr + [pr[-1] if pr else 0] * (N - len(pr)) for pr in pred], device=dev)  # [B, N]
+    return h2.gather(1, P[..., None].expand(-1, -1, h2.shape[-1]))                            # [B, N, H]
 
 # %% ../nbs/08_policy.ipynb #355cdde5
 _PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")

@@ -154,7 +154,8 @@ CHOICES = {"dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"), 
            "kd_target": ("hidden", "logit"), "value_kd_at": ("sequence", "predict", "tokens", "embed"),
            "curriculum_from": ("end", "start"), "prj_init": ("default", "embed"), "mode": ("trace", "answer"),
            "adv_scale": ("group", "batch", "none"), "norm": ("sequence", "token"),
-           "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server")}
+           "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
+           "replay": ("exact", "truncated")}
 
 # %% ../nbs/10_stages.ipynb #7ff3fab6
 def _typed(tp: str, v):

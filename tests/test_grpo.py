@@ -60,3 +60,10 @@ def test_clipping_acts_on_later_steps_of_a_generation_cycle(tmp_path):
     assert s[0]["frac_reward_zero_std"] < 1, "every group had equal rewards: nothing to learn from"
     assert s[0]["align_abs_max"] <= 1e-4 and abs(s[0]["ratio_mean"] - 1) < 1e-4
     assert max(r["align_abs_max"] for r in s[1:]) > 1e-4          # the policy moved inside the cycle: ratio != 1
+
+def test_truncated_replay_aligns_and_trains(tmp_path, latent_student):
+    "replay = truncated: recorded latents in two parallel forwards give the rollout's logprobs at step start (1e-4)."
+    grpo(tmp_path, "--model", latent_student, "--steps", 2, "--temperature", 0.7, "--replay", "truncated", "--lr", 1e-3)
+    s = steps_of(tmp_path)
+    assert len(s) == 2 and s[0]["align_abs_max"] <= 1e-4
+    assert all(r["grad_norm"] > 0 for r in s if r["frac_reward_zero_std"] < 1)         # a gradient wherever there is signal
