@@ -17,7 +17,7 @@ PRESETS: dict[str, dict[str, dict]] = {
                            value_kd=1.0, value_kd_at="sequence", answer_weight=3.0, prj_init="embed", log_every=10,
                            save_every=80),
         "GKDConfig": dict(model="runs/demo/codi/final", teacher="data/teacher", steps=40, batch_size=16, lmbda=0.5, beta=0.5,
-                          lr=3e-4, warmup=5, max_new_tokens=300, log_every=5, save_every=20, record_every=5),
+                          lr=3e-5, warmup=5, max_new_tokens=300, log_every=5, save_every=20, record_every=5),
         "GRPOConfig": dict(model="runs/demo/gkd/final", steps=40, batch_size=8, group_size=16, lr=1e-4, warmup=3,
                            temperature=1.0, max_new_tokens=300, log_every=1, save_every=20, record_every=8),
     },
