@@ -161,13 +161,16 @@ COMMANDS = {"data": cmd_data, "trace": cmd_trace, "sft": cmd_sft, "codi": cmd_co
 # %% ../nbs/14_train.ipynb #e59d31d3
 def user_errors() -> tuple:
     "Exceptions that mean bad input (config, rows, files, encodings, a busy or bad run directory), not a bug."
-    from latent_rl.trace import SandboxUnavailable
     from latent_rl.stages import CheckpointError, RunDirBusy
-    return (ValueError, OSError, SandboxUnavailable, CheckpointError, RunDirBusy)
+    return (ValueError, OSError, CheckpointError, RunDirBusy)
 
 def run_command(cmd: str, rest: list[str], debug: bool = False) -> int:
-    "Run one subcommand: bad input prints one line and returns 2 (the traceback only with `--debug`); Ctrl-C returns 130."
+    """Run one subcommand: bad input prints one line and returns 2 (the traceback only with `--debug`); a machine where
+    the sandbox cannot start returns 1 with what to do; Ctrl-C returns 130."""
+    from latent_rl.trace import SandboxUnavailable
     try: COMMANDS[cmd](rest)
+    except SandboxUnavailable as e:
+        print(f"latent-rl {cmd}: {e}", file=sys.stderr); return 1
     except KeyboardInterrupt:
         print(f"latent-rl {cmd}: interrupted; checkpoints already written are kept (--resume continues from the last one)",
               file=sys.stderr)
