@@ -100,7 +100,6 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     acc = setup(cfg.seed); write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)
-    if not rows: raise ValueError(f"{cfg.train}: no rows")
     prompts = [encode(policy.tok, prompt_text(r["code"], r["input"])) for r in rows]
     n, W, spg, G = len(rows), acc.num_processes, max(1, cfg.steps_per_generation), cfg.group_size
     truncated = cfg.replay == "truncated" and policy.kind == "latent"     # replay the recorded latents (research option)
