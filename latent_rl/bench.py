@@ -8,7 +8,7 @@ import argparse, importlib, json, os, platform, time
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['BENCHES', 'ARCH_PRESETS', 'markdown_table', 'run_bench', 'stages_bench', 'main']
+__all__ = ['BENCHES', 'ARCH_PRESETS', 'ENGINE_VARIANTS', 'markdown_table', 'run_bench', 'stages_bench', 'engine_rows', 'main']
 
 # %% ../nbs/13_bench.ipynb #849d60e6
 BENCHES = {"trace": "latent_rl.trace", "losses": "latent_rl.losses", "codi": "latent_rl.latent", "grpo": "latent_rl.grpo",
@@ -72,12 +72,12 @@ def stages_bench(quick: bool = False, device: str = "cpu", preset: str = "tiny",
         raise SystemExit("bench stages --device cuda: no CUDA device here (run it on a GPU machine; CI skips it)")
     tok = load_tokenizer("data/tokenizer")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    torch.manual_seed(0)
-    if ARCH_PRESETS[preset] is None: model = build_tiny(tok, "tiny")
-    else:
+    def build():    # the same random weights each time
+        torch.manual_seed(0)
+        if ARCH_PRESETS[preset] is None: return build_tiny(tok, "tiny")
         cfg = Qwen2Config(**ARCH_PRESETS[preset], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.to(device=device, dtype=dtype).train()
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = build().to(device=device, dtype=dtype).train()
     B = batch_size or (4 if quick else 16)
     rows = load_rows("data/corpus/train.jsonl", 4 * B)
     out = []
@@ -116,10 +116,51 @@ def stages_bench(quick: bool = False, device: str = "cpu", preset: str = "tiny",
         (_, m), dt, mem = _timed(lambda: (lambda r: (r[0].backward(), r[1]))(grpo_micro_loss(pol, smp)), device)
         pol.module.zero_grad()
         row(f"grpo train ({kind})", "tokens", sum(map(len, ro.completion_ids)), dt, mem, align_abs_max=m["align_abs_max"])
+    n_model = n_params(model); del model, lm, pol
+    out += [dict(r, preset=preset, batch=B) for r in engine_rows(build, exs, tok.pad_token_id, device)]
     return {"name": "stages", "rows": out,
-            "notes": f"{preset}: {n_params(model) / 1e6:.1f}M params, randomly initialised from its config, {dtype} on {device}; "
+            "notes": f"{preset}: {n_model / 1e6:.1f}M params, randomly initialised from its config, {dtype} on {device}; "
                      f"batch {B} real corpus examples (sequences ≤ 512 tokens), latent_steps {steps}; one timed step after a warm-up; peak memory is "
-                     "torch.cuda.max_memory_allocated per stage (nan on CPU)."}
+                     "torch.cuda.max_memory_allocated per stage (nan on CPU). The `sft step (strategy, ...)` rows: `engine_rows`."}
+
+# %% ../nbs/13_bench.ipynb #7268fc4e
+def _one_process_group(device: str) -> None:
+    "A process group of one (FSDP2 needs a mesh), unless this process already has one."
+    import socket, torch.distributed as dist
+    if dist.is_initialized(): return
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+ENGINE_VARIANTS = [("ddp", "fp32", "fp32"), ("ddp", "bf16", "fp32"), ("fsdp", "bf16", "fp32"), ("fsdp", "fp32", "fp32"),
+                   ("ddp", "fp32", "bf16")]       # (strategy, compute precision, weights' dtype)
+
+def engine_rows(build, exs, pad_id, device: str, steps: int = 3, lr: float = 1e-6) -> list[dict]:
+    "Per engine variant: tokens/s of an SFT step, peak memory, and the update after `steps` steps relative to fp32's."
+    import torch
+    from types import SimpleNamespace
+    from latent_rl.stages import make_engine, sft_batch_loss, _local
+    _one_process_group(device)
+    acc, out, ref = SimpleNamespace(num_processes=1, device=torch.device(device), local_process_index=0), [], None
+    for strategy, precision, wdtype in ENGINE_VARIANTS:
+        model = build().to(device=device, dtype=torch.bfloat16 if wdtype == "bf16" else torch.float32).train()
+        w0 = [p.detach().float().clone() for p in model.parameters()]
+        eng = make_engine(model, SimpleNamespace(strategy=strategy, precision=precision), acc)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        amp = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
+        def step():
+            with amp: loss = eng.root(lambda: sft_batch_loss(model, exs, pad_id)[0])
+            loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        times = [_timed(step, device) for _ in range(steps)]
+        dt = min(t[1] for t in times[1:] or times)
+        upd = torch.cat([(_local(p.detach()).float() - w).flatten() for p, w in zip(model.parameters(), w0)])
+        ref = upd if ref is None else ref
+        out.append({"stage": f"sft step ({strategy}, {precision} compute, {wdtype} weights)", "device": device,
+                    "tokens_per_s": sum(len(e["input_ids"]) for e in exs) / dt, "step_s": dt,
+                    "peak_mem_gb": max(t[2] for t in times), "update_vs_fp32": float(upd.norm() / ref.norm()),
+                    "update_cos_fp32": float(torch.nn.functional.cosine_similarity(upd, ref, 0))})
+        del eng, opt, model
+    return out
 
 # %% ../nbs/13_bench.ipynb #8ff4e3c9
 def main(argv: list[str] | None = None):

@@ -18,7 +18,7 @@ from .generate import row_key
 from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
-from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, teacher_dtype
+from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, teacher_dtype, TrainConfig, gathered_weights
 from .models import n_params
 
 # %% auto #0
@@ -82,11 +82,10 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
 
 # %% ../nbs/12_gkd.ipynb #fe9058b9
 @dataclass
-class GKDConfig:
+class GKDConfig(TrainConfig):
     "On-policy distillation (GKD) of a text or latent student from a teacher."
     model: str = "runs/demo/codi/final"  # student: latent model dir (CODI) or any HF causal LM
     teacher: str = "data/teacher"        # model path | self | http://host:port
-    train: str = "data/corpus/train.jsonl"
     out: str = "runs/gkd"
     lmbda: float = 0.5                   # probability of on-policy completions per generation cycle
     beta: float = 0.5                    # JSD interpolation (0 = forward KL, 1 = reverse KL)
@@ -111,26 +110,10 @@ class GKDConfig:
     http_timeout: float = 60.0
     http_retries: int = 3
     http_backoff: float = 1.0            # seconds before the first retry (doubling)
-    steps: int = 100
-    batch_size: int = 16
-    grad_accum: int = 1
     lr: float = 2e-4
-    min_lr_frac: float = 0.1
-    warmup: int = 10
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_train: int = 0
-    seed: int = 0
-    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
-    precision: str = "fp32"             # fp32 | bf16: bf16 autocast compute over fp32 weights, gradients and AdamW states
-    pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
     save_every: int = 50
     log_every: int = 5
     record_every: int = 10               # steps between logprobs.jsonl samples (0 = never)
-    wandb: str = "disabled"
-    resume: bool = False
-    overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
-    allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 
 def make_teacher(cfg: GKDConfig, policy: Policy) -> Teacher:
     k = cfg.topk or None
@@ -182,7 +165,7 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
               f"({type(teacher).__name__}), λ={cfg.lmbda}, β={cfg.beta}, {n} rows, {cfg.steps} steps × {cfg.batch_size}")
     buf = {}                 # step -> this rank's items for that step (the current generation cycle)
     timing = {"gen_s": 0.0, "teacher_s": 0.0, "sync_s": 0.0}
-    counters, calls = {"generations": 0}, {}
+    counters, calls, tcount = {"generations": 0}, {}, {}
     rec = RunRecord(cfg.out, acc.is_main_process and cfg.record_every > 0, "logprobs.jsonl")
 
     def batch_fn(step):
@@ -208,12 +191,17 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
             if engine is not None:
                 ts = time.time(); engine.sync(policy.lm); timing["sync_s"] += time.time() - ts   # on-policy = current weights
                 ro = engine.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys)
-            else: ro = policy.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, keys=keys)
+            else:
+                with gathered_weights(policy.module): ro = policy.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, keys=keys)
             policy.module.train()
             for it, c, la in zip(flat, ro.completion_ids, ro.latent_at):
                 it.update(completion=c, latent_at=la if policy.kind == "latent" else [])
             timing["gen_s"] += time.time() - t0; counters["generations"] += 1
         buf.clear(); buf.update({s: (on, mine[s]) for s in steps}); calls.clear()
+        counts = torch.tensor([float(sampled_mask([x["completion"] for x in mine[s]], [x["latent_at"] for x in mine[s]]
+                                                  if policy.kind == "latent" else None).sum()) for s in steps], device=acc.device)
+        if W > 1: counts = acc.reduce(counts, "sum")               # the global batch's scored tokens, as on one process
+        tcount.clear(); tcount.update({s: max(1.0, float(c)) for s, c in zip(steps, counts.tolist())})
 
     def micro_loss(step, part, idx):
         if step not in buf: fill(step)
@@ -232,25 +220,26 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
         h = m.pop("hidden")
         if record: _record_logprobs(rec, step, policy, items, tout, cfg.temperature, h)
         m["sft_loss"] = m.get("sft_loss", 0.0)
-        return loss * len(part) / len(idx), m
+        return loss * m["n_tokens"] / tcount[step], m              # token mean over the whole global batch
 
     def step_metrics(step):
         out = dict(timing, generations=float(counters["generations"]))
         for k in timing: timing[k] = 0.0
         return out
 
-    def state_fn(): return {"buffer": {s: (on, [{k: v for k, v in it.items() if k != "row"} for it in items]) for s, (on, items) in buf.items()}}
+    def state_fn(): return {"buffer": {s: (on, [{k: v for k, v in it.items() if k != "row"} for it in items]) for s, (on, items) in buf.items()},
+                            "token_counts": dict(tcount)}
     def load_state_fn(st):
-        buf.clear()
+        buf.clear(); tcount.clear(); tcount.update(st.get("token_counts", {}))
         for s, (on, items) in st.get("buffer", {}).items():
             buf[s] = (on, [dict(it, row=data[it["idx"]]["row"]) for it in items])
 
-    def save(d): policy.save(d)
+    def save(d, state_dict=None): policy.save(d, state_dict)
     res = train_loop(cfg, acc, policy.module, n, micro_loss, save, "gkd", policy.load_weights_from, progress,
                      batch_fn=batch_fn, state_fn=state_fn, load_state_fn=load_state_fn, step_metrics=step_metrics)
     summary = {"steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], "rows": n,
                "teacher": cfg.teacher, "time_split_s": res["totals"], "generations": counters["generations"],
                **{f"final_{k}": v for k, v in res["last"].items()}}
-    final = finish_run(cfg.out, acc, save, summary)
+    final = finish_run(cfg.out, acc, save, summary, engine=res["engine"])
     log0(acc, f"gkd done in {res['train_seconds']:.0f}s: " + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k))
     return final

@@ -15,7 +15,7 @@ from .losses import grpo_loss, group_advantages
 from .policy import Policy, sampled_mask, make_rollout_engine
 from .generate import row_key
 from .rewards import weighted
-from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, peak_memory_mb
+from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, peak_memory_mb, TrainConfig, gathered_weights
 from .models import n_params
 
 # %% auto #0
@@ -45,15 +45,13 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
 
 # %% ../nbs/12_grpo.ipynb #d836dd9b
 @dataclass
-class GRPOConfig:
+class GRPOConfig(TrainConfig):
     "GRPO on output prediction for a text or latent policy."
     model: str = "runs/demo/gkd/final"   # text model or latent model directory
-    train: str = "data/corpus/train.jsonl"
     out: str = "runs/grpo"
     rewards: str = "correct:1,format:0.1"  # weighted sum of latent_rl.rewards (correct, format, executed)
     group_size: int = 8
     batch_size: int = 8                  # prompts per optimizer step (× group_size completions)
-    grad_accum: int = 1
     temperature: float = 1.0
     max_new_tokens: int = 256
     steps_per_generation: int = 1
@@ -71,23 +69,11 @@ class GRPOConfig:
     vllm_sleep: bool = True              # colocate: release the engine's memory between generations
     vllm_group_port: int = 51216         # server mode: port of the NCCL weight-sync group (on rank 0's machine)
     steps: int = 50
-    lr: float = 1e-4
     min_lr_frac: float = 1.0             # constant after warmup (the seed's schedule)
     warmup: int = 5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_train: int = 0
-    seed: int = 0
-    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
-    precision: str = "fp32"             # fp32 | bf16: bf16 autocast compute over fp32 weights, gradients and AdamW states
-    pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
     save_every: int = 25
     log_every: int = 1
     record_every: int = 5                # steps between logprobs/rollouts records (0 = never)
-    wandb: str = "disabled"
-    resume: bool = False
-    overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
-    allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 
 def _tok_strs(tok, ids):
     return tok.convert_ids_to_tokens(list(ids)) if hasattr(tok, "convert_ids_to_tokens") else [str(i) for i in ids]
@@ -129,8 +115,9 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
                                  temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys)
         else:
             policy.module.eval()
-            ro = policy.generate([prompts[i] for _, i, _ in flat], max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, keys=keys, return_latents=truncated)
+            with gathered_weights(policy.module):
+                ro = policy.generate([prompts[i] for _, i, _ in flat], max_new_tokens=cfg.max_new_tokens,
+                                     temperature=cfg.temperature, keys=keys, return_latents=truncated)
             policy.module.train()
         timing["gen_s"] += time.time() - t0
         stats["gen_tokens"] += sum(map(len, ro.completion_ids))
@@ -206,7 +193,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
              "reward_first": hist[0].get("reward_mean") if hist else None, "reward_last": hist[-1].get("reward_mean") if hist else None}
     summary = {"train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], "prompts": n, "benchmark": bench,
                **{f"final_{k}": v for k, v in res["last"].items()}}
-    final = finish_run(cfg.out, acc, policy.save, summary)
+    final = finish_run(cfg.out, acc, policy.save, summary, engine=res["engine"])
     log0(acc, "grpo benchmark summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in bench.items()))
     return final
 

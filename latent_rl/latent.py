@@ -56,12 +56,14 @@ class LatentModel(nn.Module):
     def head_weight(self): return lm_head_weight(self.model)
     def embed(self, ids): return self.model.get_input_embeddings()(ids)
 
-    def save(self, path, tok=None):
-        "A directory HF loads as a normal model, plus `projector.pt` and `latent_spec.json`."
+    def save(self, path, tok=None, state_dict: dict | None = None):
+        "A directory HF loads as a normal model, plus `projector.pt` and `latent_spec.json` (of `state_dict` when given)."
         path = Path(path); path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        sd = state_dict or {}
+        part = lambda pre: {k[len(pre):]: v for k, v in sd.items() if k.startswith(pre)} or None
+        self.model.save_pretrained(path, state_dict=part("model."))
         if tok is not None: tok.save_pretrained(path)
-        torch.save(self.prj.state_dict(), path / "projector.pt")
+        torch.save(part("prj.") or self.prj.state_dict(), path / "projector.pt")
         (path / "latent_spec.json").write_text(json.dumps(asdict(self.spec), indent=1))
         return path
 
@@ -75,7 +77,7 @@ class LatentModel(nn.Module):
             if latent_steps is not None: spec.latent_steps = latent_steps
         else: spec = LatentSpec.from_tokenizer(tok, latent_steps or 1)
         lm = cls(model, spec)
-        if (path / "projector.pt").exists(): lm.prj.load_state_dict(torch.load(path / "projector.pt", map_location=device))
+        if (path / "projector.pt").exists(): lm.prj.load_state_dict(torch.load(path / "projector.pt", map_location="cpu"))
         return lm.to(device), tok
 
     @staticmethod

@@ -78,10 +78,11 @@ class Policy:
     @property
     def pad_id(self): return self.tok.pad_token_id
 
-    def save(self, path):
+    def save(self, path, state_dict: dict | None = None):
+        "Save as a model directory of this policy's kind (the weights of `state_dict` when given: gathered FSDP2 shards)."
         path = Path(path)
-        if self.kind == "latent": self.model.save(path, self.tok)
-        else: self.model.save_pretrained(path); self.tok.save_pretrained(path)
+        if self.kind == "latent": self.model.save(path, self.tok, state_dict)
+        else: self.model.save_pretrained(path, state_dict=state_dict); self.tok.save_pretrained(path)
         return path
 
     def load_weights_from(self, path):

@@ -4,11 +4,12 @@
 
 # %% ../nbs/10_stages.ipynb #6177dd51
 from __future__ import annotations
-import hashlib, json, math, os, random, re, shutil, signal, sys, threading, time
+import contextlib, hashlib, json, math, os, random, re, shutil, signal, sys, threading, time
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .corpus import load_rows
@@ -18,13 +19,15 @@ from .models import load_model, load_tokenizer, build_tiny, n_params, backbone, 
 # %% auto #0
 __all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', 'RECORD_FILES', 'RESUME_MAY_CHANGE', 'setup',
            'log0', 'lr_lambda', 'RunRecord', 'CheckpointError', 'rng_state', 'set_rng_state', 'file_manifest',
-           'save_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state', 'latest_checkpoint',
-           'ConfigError', 'check_field', 'config_from_dict', 'load_config_file', 'parse_config', 'RunDirBusy',
-           'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config', 'trim_records', 'batch_indices',
-           'bucket_groups', 'bucket_indices', 'check_precision', 'teacher_dtype', 'StopRequest', 'sync_grads',
-           'peak_memory_mb', 'reduce_metrics', 'train_loop', 'check_ranks_in_sync', 'finish_run', 'SFTConfig',
-           'load_traced', 'wandb_settings', 'wandb_run', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft',
-           'CodiConfig', 'run_codi']
+           'save_checkpoint', 'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint',
+           'load_checkpoint_state', 'latest_checkpoint', 'ConfigError', 'check_field', 'config_from_dict',
+           'load_config_file', 'parse_config', 'RunDirBusy', 'lock_run_dir', 'release_run_dir', 'config_changes',
+           'write_config', 'trim_records', 'batch_indices', 'bucket_groups', 'bucket_indices', 'check_precision',
+           'teacher_dtype', 'StopRequest', 'StepModule', 'decoder_layers', 'checkpoint_layers', 'Engine', 'make_engine',
+           'gathered_weights', 'param_checksum', 'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb',
+           'reduce_metrics', 'resume_run', 'write_checkpoint', 'train_step', 'step_record', 'train_loop', 'finish_run',
+           'TrainConfig', 'SFTConfig', 'load_traced', 'wandb_settings', 'wandb_run', 'build_or_load', 'sft_batch_loss',
+           'eval_loss', 'run_sft', 'CodiConfig', 'run_codi']
 
 # %% ../nbs/10_stages.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -33,8 +36,8 @@ def setup(seed: int = 0):
     from accelerate.utils import set_seed, DistributedType
     acc = Accelerator(cpu=not torch.cuda.is_available())   # cpu=True: torchrun on CPU becomes a gloo process group
     if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise NotImplementedError(f"{acc.distributed_type} launch configs are not supported yet: use DDP-style launches "
-                                  "(torchrun / accelerate launch --multi_gpu); gradients are all-reduced by latent_rl")
+        raise ConfigError(f"{acc.distributed_type} launch configs: latent_rl wraps the model itself. Launch a plain "
+                          "multi-process run (torchrun, or accelerate launch --multi_gpu) and pass --strategy fsdp or ddp")
     set_seed(seed)
     return acc
 
@@ -91,10 +94,21 @@ def file_manifest(root) -> dict:
 def save_checkpoint(run_dir, step: int, save_model, state: dict, keep: int = 2) -> Path:
     """Atomically write `checkpoints/step-{step}`: `save_model(dir)` writes `model/`, then `state.pt`, a `MANIFEST.json`
     (sizes and hashes of both) and a COMPLETE marker."""
-    root = Path(run_dir) / "checkpoints"; root.mkdir(parents=True, exist_ok=True)
-    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}-{os.getpid()}"
-    if tmp.exists(): shutil.rmtree(tmp)
+    tmp = checkpoint_tmp(run_dir, step, fresh=True)
     save_model(tmp / "model")
+    return seal_checkpoint(run_dir, step, state, keep)
+
+def checkpoint_tmp(run_dir, step: int, fresh: bool = False) -> Path:
+    "The temporary directory a checkpoint of `step` is written into (the same name on every rank); `fresh` empties it."
+    tmp = Path(run_dir) / "checkpoints" / f".tmp-step-{step}"
+    if fresh:
+        if tmp.exists(): shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    return tmp
+
+def seal_checkpoint(run_dir, step: int, state: dict, keep: int = 2) -> Path:
+    "Add `state.pt`, the manifest and the COMPLETE marker to the temporary directory, then rename it into place."
+    tmp, final = checkpoint_tmp(run_dir, step), Path(run_dir) / "checkpoints" / f"step-{step}"
     torch.save({**state, "step": step}, tmp / "state.pt")
     (tmp / "MANIFEST.json").write_text(json.dumps(file_manifest(tmp), indent=0))
     (tmp / "COMPLETE").write_text(str(step))
@@ -155,7 +169,7 @@ CHOICES = {"dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"), 
            "curriculum_from": ("end", "start"), "prj_init": ("default", "embed"), "mode": ("trace", "answer"),
            "adv_scale": ("group", "batch", "none"), "norm": ("sequence", "token"),
            "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
-           "replay": ("exact", "truncated")}
+           "replay": ("exact", "truncated"), "strategy": ("ddp", "fsdp")}
 
 # %% ../nbs/10_stages.ipynb #7ff3fab6
 def _typed(tp: str, v):
@@ -283,7 +297,7 @@ def release_run_dir(out) -> None:
 
 # %% ../nbs/10_stages.ipynb #978d3f72
 RECORD_FILES = {"metrics.jsonl": 1, "kd_anchors.jsonl": 0, "logprobs.jsonl": 0, "rollouts.jsonl": 0}   # name -> step base
-RESUME_MAY_CHANGE = {"resume", "overwrite", "allow_config_change", "log_every", "save_every", "anchor_every", "record_every", "wandb"}
+RESUME_MAY_CHANGE = {"out", "resume", "overwrite", "allow_config_change", "log_every", "save_every", "anchor_every", "record_every", "wandb"}
 
 def config_changes(old: dict, new: dict) -> dict:
     "`{field: [saved, now]}` for the fields a resumed run would change (fields the saved config lacks keep their default)."
@@ -398,20 +412,131 @@ class StopRequest:
         if acc.num_processes == 1: return self.flag
         return bool(acc.reduce(torch.tensor([float(self.flag)], device=acc.device), "max").item())
 
-# %% ../nbs/10_stages.ipynb #90b4ce7c
-def sync_grads(params, acc):
-    "Sum gradients over processes with one flat all-reduce (no-op on one process)."
-    if acc.num_processes == 1: return
-    import torch.distributed as dist
-    ps = [p for p in params if p.requires_grad]
-    for p in ps:
-        if p.grad is None: p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in ps])
-    dist.all_reduce(flat)
-    o = 0
-    for p in ps:
-        n = p.numel(); p.grad.copy_(flat[o:o + n].view_as(p)); o += n
+# %% ../nbs/10_stages.ipynb #d14a702d
+class StepModule(nn.Module):
+    "The unit an engine wraps: `root(fn, *args)` runs `fn(*args)` inside one forward of the module (and its hooks)."
+    def __init__(self, module: nn.Module): super().__init__(); self.module = module
+    def forward(self, fn, *args, **kwargs): return fn(*args, **kwargs)
 
+def decoder_layers(module: nn.Module) -> list[nn.Module]:
+    "The decoder layers of every HF model inside `module` (its `_no_split_modules` classes): FSDP2's per-layer units."
+    names = set()
+    for m in module.modules(): names |= set(getattr(m, "_no_split_modules", None) or [])
+    layers = [m for m in module.modules() if type(m).__name__ in names]
+    return [m for m in layers if not any(m is not o and any(x is m for x in o.modules()) for o in layers)]  # outermost only
+
+def checkpoint_layers(module: nn.Module) -> None:
+    """Recompute each decoder layer in backward instead of keeping its activations. Refused for a latent student: its
+    passes carry a KV cache from call to call, and a recomputed layer would write its keys and values a second time."""
+    if hasattr(module, "prj"):
+        raise ConfigError("activation_checkpointing: a latent student's chained passes keep a KV cache that layer "
+                          "recomputation would write twice; leave it off (CODI: grad_ckpt recomputes the teacher pass)")
+    hf = [m for m in module.modules() if getattr(m, "supports_gradient_checkpointing", False)]
+    if not hf: raise ConfigError(f"activation_checkpointing: {type(module).__name__} holds no model that supports it")
+    hf[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+# %% ../nbs/10_stages.ipynb #5fca5582
+@dataclass
+class Engine:
+    "How a stage's model runs on the processes: call `root(fn, *args)` for every use of the model during training."
+    root: nn.Module                  # StepModule, DDP(StepModule) or fully_shard(StepModule)
+    module: nn.Module                # the model itself (parameters are DTensor shards under FSDP2)
+    strategy: str = "ddp"            # ddp | fsdp
+    world: int = 1
+    wrapped: bool = False            # root is DDP or FSDP2 (else the plain step module: one process)
+    gathered: bool = False           # FSDP2 layers stay gathered from forward to the end of backward (latent students)
+
+    @property
+    def sharded(self) -> bool: return self.strategy == "fsdp"      # checkpoints in shards (DCP), on any process count
+    @property
+    def grad_scale(self) -> float: return float(self.world)         # DDP and FSDP2 average; our losses sum over ranks
+    def reshard(self) -> None:
+        "Free the gathered layer weights after a backward (`gathered` engines); the next forward gathers fresh ones."
+        if self.gathered:
+            for m in self.root.modules():
+                if hasattr(m, "reshard") and m is not self.root: m.reshard()
+    def no_sync(self, last: bool):
+        "DDP: skip the all-reduce on every micro-batch but the step's last (FSDP2 reduce-scatters each: less memory)."
+        return self.root.no_sync() if self.wrapped and self.strategy == "ddp" and not last else contextlib.nullcontext()
+
+def make_engine(module: nn.Module, cfg, acc) -> Engine:
+    """Wrap `module` for `cfg.strategy` (fsdp: bf16 compute over fp32 master weights when `cfg.precision` is bf16).
+    One process outside a process group is not wrapped."""
+    strategy, W, root = getattr(cfg, "strategy", "ddp"), acc.num_processes, StepModule(module)
+    if getattr(cfg, "activation_checkpointing", False): checkpoint_layers(module)   # before sharding: FSDP2 hooks stay outside
+    dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if W > 1 and strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dev = [acc.local_process_index] if acc.device.type == "cuda" else None
+        return Engine(DDP(root, device_ids=dev, broadcast_buffers=False, find_unused_parameters=True), module, strategy, W, True)
+    if strategy == "fsdp" and dist_on:                   # also one process in a process group (the GPU bench)
+        from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(acc.device.type, (W,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if getattr(cfg, "precision", "fp32") == "bf16" else None,
+                                  reduce_dtype=torch.float32)
+        gathered = hasattr(module, "prj")    # latent student: see `Engine.gathered`
+        for layer in decoder_layers(module):
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not gathered)
+            if gathered: layer.set_reshard_after_backward(False)
+            layer.latent_rl_reshard = not gathered           # what `gathered_weights` restores
+        fully_shard(root, mesh=mesh, mp_policy=mp)
+        return Engine(root, module, strategy, W, True, gathered)
+    return Engine(root, module, strategy, W)
+
+@contextlib.contextmanager
+def gathered_weights(module: nn.Module):
+    """Every FSDP2 layer of `module` gathered for the block, then freed: for generation, where ranks decode different
+    numbers of tokens, so gathering per call would leave collectives unmatched. A no-op when nothing is sharded."""
+    units = [m for m in module.modules() if hasattr(m, "latent_rl_reshard")]
+    for m in units: m.set_reshard_after_forward(False, recurse=False); m.unshard()
+    try: yield
+    finally:
+        for m in units: m.reshard(); m.set_reshard_after_forward(m.latent_rl_reshard, recurse=False)
+
+
+# %% ../nbs/10_stages.ipynb #7b0ae70d
+def _local(t: torch.Tensor) -> torch.Tensor: return t.to_local() if hasattr(t, "to_local") else t
+
+def param_checksum(params, acc, sharded: bool) -> list[float]:
+    """Every rank's parameter checksum (float64 sum); raises if replicated ranks differ at all. Sharded ranks hold
+    different shards, so they report the sum over all shards (one all-reduce)."""
+    t = torch.stack([_local(p.detach()).double().sum() for p in params]).sum().reshape(1)        # [1]
+    if sharded and acc.num_processes > 1:
+        t = t.to(acc.device); torch.distributed.all_reduce(t); return [float(t)] * acc.num_processes
+    g = acc.gather(t.to(acc.device)).cpu() if acc.num_processes > 1 else t
+    if not bool((g == g[0]).all()): raise RuntimeError(f"parameters differ across ranks after training: checksums {g.tolist()}")
+    return g.tolist()
+
+def full_state_dict(eng: Engine) -> dict | None:
+    "The whole model's weights gathered once onto rank 0's CPU (every rank must call it); None where nothing is sharded."
+    if not (eng.sharded and eng.wrapped): return None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+    sd = get_model_state_dict(eng.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    seen, tied = set(), set()                          # a tied head is saved once, as Hugging Face saves it
+    for n, p in eng.module.named_parameters(remove_duplicate=False):
+        (tied if id(p) in seen else seen).add(n if id(p) in seen else id(p))
+    return {k.removeprefix("module."): v for k, v in sd.items() if k.removeprefix("module.") not in tied}
+
+# %% ../nbs/10_stages.ipynb #dd79d124
+def save_shards(eng: Engine, opt, path) -> None:
+    "Every rank writes its own shard of the weights and AdamW states (`torch.distributed.checkpoint`); no rank gathers."
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(eng.root, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+
+def load_shards(eng: Engine, opt, path) -> None:
+    "Read a sharded checkpoint into this run's shards, resharding when it was written by another number of processes."
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(eng.root, opt)
+    st = {"model": msd, "optim": osd}
+    dcp.load(st, checkpoint_id=str(path))
+    set_state_dict(eng.root, opt, model_state_dict=st["model"], optim_state_dict=st["optim"])
+
+# %% ../nbs/10_stages.ipynb #a1173289
 def peak_memory_mb(device=None) -> float:
     "Peak accelerator memory allocated (CUDA), else this process's peak resident set (VmHWM), in MB."
     if device is not None and torch.device(device).type == "cuda": return torch.cuda.max_memory_allocated(device) / 2**20
@@ -429,112 +554,132 @@ def reduce_metrics(metrics: dict, acc) -> dict:
     t = acc.reduce(torch.tensor([float(metrics[k]) for k in keys], device=acc.device), "mean")
     return {**metrics, **dict(zip(keys, t.tolist()))}
 
+# %% ../nbs/10_stages.ipynb #27b2a93a
+def resume_run(cfg, acc, eng: Engine, opt, sched, load_model_state, load_state_fn=None) -> int:
+    "Load the newest good checkpoint of `cfg.out` into the model, optimizer, schedule, RNGs and stage state; its step."
+    ck = latest_checkpoint(cfg.out, log=lambda m: log0(acc, m)) if cfg.resume else None
+    if ck is None: return 0
+    path, st = ck
+    if (path / "shards").exists():
+        load_shards(eng, opt, path / "shards")           # reshards to this run's process count
+    elif eng.sharded and eng.wrapped:
+        raise CheckpointError(f"checkpoint {path} holds whole weights (written with --strategy ddp): resume it with ddp")
+    else:
+        load_model_state(path / "model"); opt.load_state_dict(st["optimizer"])
+    sched.load_state_dict(st["scheduler"]); set_rng_state(st["rng"])
+    if load_state_fn:   # each rank's own stage state (e.g. its share of a rollout buffer)
+        per_rank = st.get("stage_state_by_rank") or [{}] * acc.num_processes
+        if len(per_rank) != acc.num_processes:
+            raise CheckpointError(f"checkpoint {path} was written by {len(per_rank)} processes and holds their rollout "
+                                  f"buffers; resume it with {len(per_rank)} processes, not {acc.num_processes}")
+        load_state_fn(per_rank[acc.process_index])
+    log0(acc, f"resumed from {path} at step {st['step']}")
+    return st["step"]
+
+def write_checkpoint(cfg, acc, eng: Engine, opt, sched, step: int, save_model, state_fn=None) -> None:
+    "Checkpoint after `step` steps: whole weights from rank 0 (ddp) or every rank's shard (fsdp), sealed by rank 0."
+    stage_state = [state_fn()] if state_fn else [{}]
+    if state_fn and acc.num_processes > 1:                                        # every rank's own buffer
+        from accelerate.utils import gather_object
+        stage_state = gather_object(stage_state)
+    state = {"scheduler": sched.state_dict(), "rng": rng_state(), "data_position": step * cfg.batch_size,
+             "config": asdict(cfg), "stage_state_by_rank": stage_state}
+    if acc.is_main_process: checkpoint_tmp(cfg.out, step, fresh=True)
+    acc.wait_for_everyone()
+    if eng.sharded: save_shards(eng, opt, checkpoint_tmp(cfg.out, step) / "shards")
+    elif acc.is_main_process: save_model(checkpoint_tmp(cfg.out, step) / "model"); state["optimizer"] = opt.state_dict()
+    acc.wait_for_everyone()
+    if acc.is_main_process: seal_checkpoint(cfg.out, step, state)
+    acc.wait_for_everyone()
+
+# %% ../nbs/10_stages.ipynb #154932a0
+def train_step(cfg, acc, eng: Engine, micro_loss, step: int, idx: list[int], amp) -> tuple[list[dict], float]:
+    "Forward and backward of this rank's share of the global batch `idx`, micro-batch by micro-batch; (metrics, seconds)."
+    W = acc.num_processes
+    micro, mine, ms, t = cfg.batch_size // (W * cfg.grad_accum), idx[acc.process_index::W], [], 0.0
+    for a in range(cfg.grad_accum):
+        tm = time.time()
+        with eng.no_sync(last=a == cfg.grad_accum - 1):
+            with amp: loss, m = eng.root(micro_loss, step, mine[a * micro:(a + 1) * micro], idx)
+            (loss * eng.grad_scale if eng.wrapped else loss).backward()
+            eng.reshard()
+        ms.append(m); t += time.time() - tm
+    return ms, t
+
+def step_record(ms: list[dict], extra: dict, t_micro: float) -> dict:
+    "Mean metrics of a step's micro-batches, with its timings."
+    m = {k: sum(x[k] for x in ms) / len(ms) for k in ms[0] if isinstance(ms[0][k], (int, float))}
+    m.update(extra)
+    # time in micro-batches (forward + backward) not spent generating or scoring with a teacher = training
+    m["train_s"] = t_micro - m.get("gen_s", 0.0) - m.get("teacher_s", 0.0)
+    return m
+
+# %% ../nbs/10_stages.ipynb #2726c371
 def train_loop(cfg, acc, module, n_examples: int, micro_loss, save_model, stage: str, load_model_state=None,
                progress: bool = True, on_step=None, batch_fn=None, state_fn=None, load_state_fn=None,
                step_metrics=None) -> dict:
     """Optimise `module` for `cfg.steps` steps. `micro_loss(step, idx_part, idx_global) -> (loss, metrics)` returns the
-    loss of this rank's part of the global batch, normalised for the whole global batch. Hooks: `batch_fn(step)` gives
-    the global batch's indices (default `batch_indices`), `state_fn() -> dict` / `load_state_fn(dict)` add stage state
-    to checkpoints (e.g. a rollout buffer), `step_metrics(step) -> dict` adds per-step figures (timings) to the record."""
-    out = Path(cfg.out)
-    W = acc.num_processes
+    loss of this rank's part of the global batch, normalised for the whole global batch; it runs inside the engine's
+    step module (`Engine.root`). Hooks: `batch_fn(step)` gives the global batch (default `batch_indices`),
+    `state_fn() -> dict` / `load_state_fn(dict)` add stage state to checkpoints (e.g. a rollout buffer),
+    `step_metrics(step) -> dict` adds per-step figures (timings) to the record. The result holds the engine."""
+    out, W = Path(cfg.out), acc.num_processes
     if cfg.batch_size % (W * cfg.grad_accum):
-        raise ValueError(f"batch_size {cfg.batch_size} must be divisible by processes × grad_accum = {W * cfg.grad_accum}")
-    micro = cfg.batch_size // (W * cfg.grad_accum)
-    params = [p for p in module.parameters() if p.requires_grad]
-    check_precision(cfg, params)
+        raise ConfigError(f"batch_size {cfg.batch_size} must be divisible by processes × grad_accum = {W * cfg.grad_accum}")
+    check_precision(cfg, [p for p in module.parameters() if p.requires_grad])
+    eng = make_engine(module, cfg, acc)
+    params = [p for p in module.parameters() if p.requires_grad]                 # after wrapping: shards under FSDP2
     amp = torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=getattr(cfg, "precision", "fp32") == "bf16")
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg.warmup, cfg.steps, cfg.min_lr_frac))
-    start = 0
-    if cfg.resume and (ck := latest_checkpoint(out, log=lambda m: log0(acc, m))):
-        path, st = ck
-        load_model_state(path / "model")
-        opt.load_state_dict(st["optimizer"]); sched.load_state_dict(st["scheduler"]); set_rng_state(st["rng"])
-        if load_state_fn:   # each rank's own stage state (e.g. its share of a rollout buffer)
-            per_rank = st.get("stage_state_by_rank") or [{}] * W
-            if len(per_rank) != W:
-                raise CheckpointError(f"checkpoint {path} was written by {len(per_rank)} processes and holds their rollout "
-                                      f"buffers; resume it with {len(per_rank)} processes, not {W}")
-            load_state_fn(per_rank[acc.process_index])
-        start = st["step"]; log0(acc, f"resumed from {path} at step {start}")
+    start = resume_run(cfg, acc, eng, opt, sched, load_model_state, load_state_fn)
     if cfg.resume and acc.is_main_process: trim_records(out, start)    # also when no checkpoint was reached: all redone
     module.train()
     rec, wb = RunRecord(out, acc.is_main_process), wandb_run(cfg, stage, acc)
     bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not (progress and acc.is_main_process))
-    t0, last, totals = time.time(), {}, {}
-    stop = StopRequest()
+    t0, last, totals, stop = time.time(), {}, {}, StopRequest()
     try:
         for step in range(start, cfg.steps):
             if on_step: on_step(step)
             ts = time.time()
-            idx = batch_fn(step) if batch_fn else batch_indices(step, cfg.batch_size, n_examples, cfg.seed)
-            mine = idx[acc.process_index::W]
-            ms, t_micro = [], 0.0
-            for a in range(cfg.grad_accum):
-                tm = time.time()
-                with amp: loss, m = micro_loss(step, mine[a * micro:(a + 1) * micro], idx)
-                loss.backward(); ms.append(m)
-                t_micro += time.time() - tm
-            t_sync = time.time()
-            sync_grads(params, acc)
-            t_sync = time.time() - t_sync
+            ms, t_micro = train_step(cfg, acc, eng, micro_loss, step, batch_fn(step) if batch_fn else
+                                     batch_indices(step, cfg.batch_size, n_examples, cfg.seed), amp)
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
-            m = {k: sum(x[k] for x in ms) / len(ms) for k in ms[0] if isinstance(ms[0][k], (int, float))}
-            if step_metrics: m.update(step_metrics(step))
-            # time in micro-batches (forward + backward) not spent generating or scoring with a teacher = training
-            m["train_s"] = t_micro - m.get("gen_s", 0.0) - m.get("teacher_s", 0.0)
-            m["grad_sync_s"] = t_sync
-            m = reduce_metrics(m, acc)
-            last = m
+            last = m = reduce_metrics(step_record(ms, step_metrics(step) if step_metrics else {}, t_micro), acc)
             m_step = time.time() - ts
-            for k in ("gen_s", "teacher_s", "train_s", "sync_s", "grad_sync_s"):
+            for k in ("gen_s", "teacher_s", "train_s", "sync_s"):
                 if k in m: totals[k] = totals.get(k, 0.0) + m[k]
             totals["step_s"] = totals.get("step_s", 0.0) + m_step
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                row = dict(step=step + 1, **m, lr=sched.get_last_lr()[0], grad_norm=float(gn), step_s=m_step,
-                           peak_mem_mb=peak_memory_mb(acc.device),
-                           elapsed_s=time.time() - t0)
+                row = dict(step=step + 1, **m, lr=sched.get_last_lr()[0], grad_norm=float(_local(gn)), step_s=m_step,
+                           peak_mem_mb=peak_memory_mb(acc.device), elapsed_s=time.time() - t0)
                 rec.log(**row)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in m.items() if "loss" in k})
                 if wb: wb.log(row, step=step + 1)
             bar.update(1)
             stopping = stop.requested(acc)
             if step + 1 < cfg.steps and (stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
-                stage_state = [state_fn()] if state_fn else [{}]
-                if state_fn and W > 1:                                                # every rank's own buffer
-                    from accelerate.utils import gather_object
-                    stage_state = gather_object(stage_state)
-                if acc.is_main_process:
-                    save_checkpoint(out, step + 1, save_model, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                    "rng": rng_state(), "data_position": (step + 1) * cfg.batch_size, "config": asdict(cfg),
-                                    "stage_state_by_rank": stage_state})
-                acc.wait_for_everyone()
+                write_checkpoint(cfg, acc, eng, opt, sched, step + 1, save_model, state_fn)
             if stopping:
                 bar.close(); log0(acc, f"stopped at step {step + 1}: checkpoint written; --resume continues from it")
                 raise KeyboardInterrupt
         bar.close()
     finally: stop.close()
     if wb: wb.finish()
-    sums = check_ranks_in_sync(params, acc)
-    return {"steps": cfg.steps, "train_seconds": time.time() - t0, "last": last, "param_checksums": sums, "totals": totals,
-            "start": start}
+    return {"steps": cfg.steps, "train_seconds": time.time() - t0, "last": last, "totals": totals, "start": start,
+            "param_checksums": param_checksum(params, acc, eng.sharded), "engine": eng}
 
-def check_ranks_in_sync(params, acc) -> list[float]:
-    "Every rank's parameter checksum (float64 sum of sums); raises if the ranks' parameters differ at all."
-    t = torch.stack([torch.stack([(x := p.detach().double()).sum(), x.pow(2).sum()]) for p in params]).sum(0)  # [2]
-    g = acc.gather(t).view(-1, 2).cpu() if acc.num_processes > 1 else t.view(1, 2).cpu()
-    if not bool((g == g[0]).all()): raise RuntimeError(f"parameters differ across ranks after training: checksums {g.tolist()}")
-    return g[:, 0].tolist()
-
-def finish_run(out, acc, save_model, summary: dict, rec_name="metrics.jsonl") -> Path:
-    "Write `{out}/final` atomically (rank 0) with a `training_summary.json`."
+# %% ../nbs/10_stages.ipynb #3b16175d
+def finish_run(out, acc, save_model, summary: dict, rec_name="metrics.jsonl", engine: Engine | None = None) -> Path:
+    """Write `{out}/final` atomically (rank 0) with a `training_summary.json`: a normal Hugging Face directory, the
+    weights gathered once from the shards under FSDP2 (every rank calls this)."""
     final = Path(out) / "final"
     summary = {"processes": acc.num_processes, **summary}
+    sd = full_state_dict(engine) if engine is not None else None
     if acc.is_main_process:
         tmp = Path(out) / ".final-tmp"; shutil.rmtree(tmp, ignore_errors=True)
-        save_model(tmp)
+        save_model(tmp) if sd is None else save_model(tmp, state_dict=sd)
         (tmp / "training_summary.json").write_text(json.dumps(summary, indent=1, default=float))
         shutil.rmtree(final, ignore_errors=True); os.replace(tmp, final)
         RunRecord(out).log(event="done", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
@@ -542,39 +687,54 @@ def finish_run(out, acc, save_model, summary: dict, rec_name="metrics.jsonl") ->
     release_run_dir(out)
     return final
 
-# %% ../nbs/10_stages.ipynb #25076a4b
+# %% ../nbs/10_stages.ipynb #2daf934f
 @dataclass
-class SFTConfig:
+class TrainConfig:
+    "The fields every training stage shares; each stage's config adds its own and may change these defaults."
+    train: str = "data/corpus/train.jsonl"   # CRUXEval-format JSONL (traced in the sandbox when rows lack a trace)
+    out: str = "runs/train"             # run directory: config, records, checkpoints, final/
+    steps: int = 100
+    batch_size: int = 16                # global batch per optimizer step (over all processes and micro-batches)
+    grad_accum: int = 1
+    lr: float = 1e-4
+    min_lr_frac: float = 0.1            # cosine decay to this fraction of lr after warmup (1.0 = constant)
+    warmup: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_train: int = 0                  # 0 = all training rows
+    seed: int = 0
+    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
+    precision: str = "fp32"             # fp32 | bf16: bf16 compute over fp32 weights, gradients and AdamW states
+    pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
+    strategy: str = "ddp"               # ddp (torch DDP: replicated) | fsdp (FSDP2: sharded weights, grads, states)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (text passes; not latent ones)
+    save_every: int = 100               # steps between checkpoints (0 = none)
+    log_every: int = 10
+    wandb: str = "disabled"             # disabled / offline / online (WANDB_* environment variables win)
+    resume: bool = False
+    overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
+    allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
+
+# %% ../nbs/10_stages.ipynb #0429109c
+@dataclass
+class SFTConfig(TrainConfig):
     "Supervised fine-tuning on explicit traces (or answers only)."
     model: str = ""                     # hub name or path; "" = build a tiny model over `tokenizer`
     tokenizer: str = "data/tokenizer"
     preset: str = "tiny"                # tiny-model preset when `model` is ""
     arch: str = "qwen2"
-    train: str = "data/corpus/train.jsonl"
     val: str = "data/corpus/val.jsonl"
     mode: str = "trace"                 # 'trace' (explicit) or 'answer' (no-trace baseline)
+    max_len: int = 384
     out: str = "runs/sft"
     steps: int = 600
-    batch_size: int = 32                # global batch per optimizer step
-    grad_accum: int = 1
+    batch_size: int = 32
     lr: float = 3e-3
-    min_lr_frac: float = 0.1
     warmup: int = 30
     weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    max_len: int = 384
-    max_train: int = 0                  # 0 = all training rows
-    seed: int = 0
-    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
-    precision: str = "fp32"             # fp32 | bf16: bf16 autocast compute over fp32 weights, gradients and AdamW states
-    pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
     save_every: int = 200
-    log_every: int = 10
-    wandb: str = "disabled"             # disabled / offline / online
-    resume: bool = False
-    overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
-    allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 
+# %% ../nbs/10_stages.ipynb #25076a4b
 def load_traced(path, limit: int = 0, progress: bool = True) -> list[dict]:
     "CRUXEval-format rows with traces: rows without a `trace` field are traced in the sandbox (failures dropped; "
     "`SandboxUnavailable` where it cannot start, unless `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."
@@ -655,25 +815,27 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> Path:
         loss, m = sft_batch_loss(model, [exs[i] for i in part], tok.pad_token_id)
         return loss * m["n_tokens"] / sum(n_lab[i] for i in idx), {"loss": loss.item(), "tokens": m["tokens"]}
 
-    def save(d): model.save_pretrained(d); tok.save_pretrained(d)
+    def save(d, state_dict=None): model.save_pretrained(d, state_dict=state_dict); tok.save_pretrained(d)
     def load_state(d):
         from transformers import AutoModelForCausalLM
         model.load_state_dict(AutoModelForCausalLM.from_pretrained(d, dtype=model.dtype).state_dict())
     res = train_loop(cfg, acc, model, len(exs), micro_loss, save, f"sft[{cfg.mode}]", load_state, progress)
     summary = {"steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], "params": n_params(model), "examples": len(exs),
                "final_train_loss": res["last"].get("loss")}
-    if val and acc.is_main_process: summary["val_loss"] = eval_loss(model, val, tok.pad_token_id)
-    final = finish_run(cfg.out, acc, save, summary)
+    eng = res["engine"]
+    if val and (eng.sharded and eng.wrapped):                      # the shards' owners all take part in the forward
+        summary["val_loss"] = eng.root(eval_loss, model, val, tok.pad_token_id)
+    elif val and acc.is_main_process: summary["val_loss"] = eval_loss(model, val, tok.pad_token_id)
+    final = finish_run(cfg.out, acc, save, summary, engine=eng)
     log0(acc, f"sft[{cfg.mode}] done in {res['train_seconds']:.0f}s: {summary}")
     return final
 
 # %% ../nbs/10_stages.ipynb #92b5837d
 @dataclass
-class CodiConfig:
+class CodiConfig(TrainConfig):
     "CODI multi-span latent self-distillation from an SFT checkpoint."
     model: str = "data/teacher"         # SFT checkpoint (name or path)
     teacher: str = ""                   # frozen teacher path; "" = shared weights (teacher CE trains them too)
-    train: str = "data/corpus/train.jsonl"
     val: str = "data/corpus/val.jsonl"
     out: str = "runs/codi"
     latent_steps: int = 1
@@ -700,27 +862,12 @@ class CodiConfig:
     prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
     bucket: bool = False                # span-aware batching: each batch from examples of similar span count
     steps: int = 300
-    batch_size: int = 16
-    grad_accum: int = 1
     lr: float = 1e-3
-    min_lr_frac: float = 0.1
     warmup: int = 20
     weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
     max_len: int = 384
     max_spans: int = 0                  # 0 = no limit
-    max_train: int = 0
-    seed: int = 0
-    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
-    precision: str = "fp32"             # fp32 | bf16: bf16 autocast compute over fp32 weights, gradients and AdamW states
-    pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
-    save_every: int = 100
-    log_every: int = 10
     anchor_every: int = 10              # steps between kd_anchors.jsonl records (0 = never)
-    wandb: str = "disabled"
-    resume: bool = False
-    overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
-    allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 
     def options(self):
         from latent_rl.latent import CodiOptions
@@ -788,7 +935,7 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
         m = dict(o.metrics, ss_p=opts.ss_p, latent_tf=opts.latent_tf, latent_share=sum(len(e["spans"]) for e in batch) / sum(len(exs[i]["spans"]) for i in part))
         return o.loss * len(part) / len(idx), m
 
-    def save(d): lm.save(d, tok)
+    def save(d, state_dict=None): lm.save(d, tok, state_dict)
     def load_state(d):
         lm2, _ = LatentModel.load(d, dtype=cfg.dtype)
         lm.load_state_dict(lm2.state_dict())
@@ -796,6 +943,6 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     batch_fn = (lambda step: bucket_indices(step, cfg.batch_size, groups, cfg.seed)) if groups else None
     res = train_loop(cfg, acc, lm, len(exs), micro_loss, save, "codi", load_state, progress, on_step, batch_fn=batch_fn)
     summary = {"steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], "examples": len(exs), **{f"final_{k}": v for k, v in res["last"].items()}}
-    final = finish_run(cfg.out, acc, save, summary)
+    final = finish_run(cfg.out, acc, save, summary, engine=res["engine"])
     log0(acc, f"codi done in {res['train_seconds']:.0f}s: " + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k))
     return final

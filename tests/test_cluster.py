@@ -1,5 +1,6 @@
-"Cluster readiness: 2-process (gloo) runs equal 1-process runs, SIGKILL + resume is exact, corrupt checkpoints are named and skipped."
-import json, os, signal, socket, subprocess, sys, time
+"""Cluster readiness: 2-process (gloo) runs equal 1-process runs under DDP and FSDP2, SIGKILL + resume is exact (also
+sharded, and resharded onto another process count), corrupt checkpoints are named and skipped."""
+import json, os, shutil, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 from conftest import run_cli, ROOT
@@ -43,27 +44,41 @@ STAGES = {
                           "--record_every", 0],   # Adam turns float noise in near-zero gradients into ~0.1·lr weight noise
 }
 
-@pytest.mark.parametrize("stage", ["sft", "codi", "grpo"])
-def test_two_processes_equal_one(stage, tiny_data, tmp_path):
-    args = STAGES[stage](tiny_data)
+@pytest.fixture(scope="module")
+def latent_dir(tmp_path_factory):
+    from latent_rl.latent import LatentModel
+    lm, tok = LatentModel.load(TEACHER)
+    return lm.save(tmp_path_factory.mktemp("latent") / "student", tok)
+
+STAGES["gkd"] = lambda data, latent: ["gkd", "--model", latent, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32,
+                                      "--batch_size", 4, "--max_new_tokens", 48, "--lmbda", 1, "--steps", 2, "--lr", 1e-4,
+                                      "--save_every", 0, "--record_every", 0]    # on-policy: latent generation + replay
+
+@pytest.mark.parametrize("stage,strategies", [("sft", ["ddp", "fsdp"]), ("codi", ["ddp", "fsdp"]), ("gkd", ["fsdp"]),
+                                              ("grpo", ["ddp", "fsdp"])])
+def test_two_processes_equal_one(stage, strategies, tiny_data, latent_dir, tmp_path):
+    args = STAGES[stage](tiny_data, latent_dir) if stage == "gkd" else STAGES[stage](tiny_data)
     launch(1, *args, "--out", tmp_path / "one")
-    launch(2, *args, "--out", tmp_path / "two")
-    s1, s2 = summary(tmp_path / "one"), summary(tmp_path / "two")
-    assert s1["processes"] == 1 and s2["processes"] == 2
-    assert len(s2["param_checksums"]) == 2 and s2["param_checksums"][0] == s2["param_checksums"][1]   # ranks identical
-    a, b = weights(tmp_path / "one" / "final"), weights(tmp_path / "two" / "final")
-    assert_close(a, b, 1e-5)
-    base = weights(TEACHER) if stage != "sft" else None
+    a = weights(tmp_path / "one" / "final")
+    for strategy in strategies:                 # torch DDP (replicated) and FSDP2 (sharded, gathered once at the end)
+        launch(2, *args, "--strategy", strategy, "--out", tmp_path / strategy)
+        s1, s2 = summary(tmp_path / "one"), summary(tmp_path / strategy)
+        assert s1["processes"] == 1 and s2["processes"] == 2
+        assert len(s2["param_checksums"]) == 2 and s2["param_checksums"][0] == s2["param_checksums"][1]
+        assert_close(a, weights(tmp_path / strategy / "final"), 1e-5)
+    base = weights(latent_dir if stage == "gkd" else TEACHER) if stage != "sft" else None
     if base is not None: assert max((a[k] - base[k]).abs().max().item() for k in base) > 1e-6   # training moved the weights
 
-def kill_after_checkpoint(cmd_args, out, step):
-    p = subprocess.Popen([sys.executable, "-m", "latent_rl.train", *map(str, cmd_args), "--out", str(out)], cwd=ROOT, env=ENV,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def kill_after_checkpoint(cmd_args, out, step, nproc=1):
+    "Start a run, SIGKILL it (every process of it) as soon as checkpoint `step` exists."
+    run = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())] if nproc > 1 else []
+    p = subprocess.Popen([sys.executable, *run, "-m", "latent_rl.train", *map(str, cmd_args), "--out", str(out)], cwd=ROOT,
+                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     target = Path(out) / "checkpoints" / f"step-{step}"
     for _ in range(3000):
         if target.exists() or p.poll() is not None: break
         time.sleep(0.05)
-    p.send_signal(signal.SIGKILL); p.wait()
+    os.killpg(p.pid, signal.SIGKILL); p.wait()
     assert p.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {p.stderr.read()[-2000:]}"
     assert not (Path(out) / "final").exists()
 
@@ -76,6 +91,24 @@ def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
     assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
     steps = [r["step"] for r in map(json.loads, (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()) if "step" in r]
     assert steps == list(range(1, 61))          # rows the killed run wrote past its checkpoint were dropped, then redone
+
+def test_fsdp_sigkill_resume_and_reshard(tiny_data, tmp_path):
+    "FSDP2 on 2 processes: each rank writes its shard; SIGKILL + resume is exact; a 2-process checkpoint resumes on 1."
+    args = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+            "--preset", "nano", "--steps", 12, "--batch_size", 16, "--save_every", 4, "--log_every", 1, "--strategy", "fsdp"]
+    launch(2, *args, "--out", tmp_path / "full")
+    kill_after_checkpoint(args, tmp_path / "part", 8, nproc=2)
+    ck = tmp_path / "part" / "checkpoints" / "step-8"
+    assert (ck / "shards" / ".metadata").exists() and not (ck / "model").exists()       # shards, no gathered copy
+    assert len(list((ck / "shards").glob("*.distcp"))) == 2                              # one file per rank
+    launch(2, *args, "--out", tmp_path / "part", "--resume")
+    assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
+    shutil.copytree(tmp_path / "part", tmp_path / "one"); shutil.rmtree(tmp_path / "one" / "final")
+    shutil.rmtree(tmp_path / "one" / "checkpoints" / "step-4")
+    launch(1, *args, "--out", tmp_path / "one", "--resume")                               # resharded onto 1 process
+    loss = lambda d: {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "step" in r}
+    assert abs(loss(tmp_path / "one")[9] - loss(tmp_path / "full")[9]) < 1e-5
+    assert summary(tmp_path / "one")["processes"] == 1
 
 def test_fresh_run_refuses_a_used_directory(tiny_data, tmp_path):
     args = STAGES["sft"](tiny_data)
