@@ -12,7 +12,7 @@ __all__ = ['BENCHES', 'ARCH_PRESETS', 'ENGINE_VARIANTS', 'markdown_table', 'run_
 
 # %% ../nbs/13_bench.ipynb #849d60e6
 BENCHES = {"trace": "latent_rl.trace", "losses": "latent_rl.losses", "codi": "latent_rl.latent", "grpo": "latent_rl.grpo",
-           "stages": "latent_rl.bench:stages_bench"}
+           "stages": "latent_rl.bench:stages_bench", "plan": "latent_rl.plan:validate"}
 
 def markdown_table(rows: list[dict]) -> str:
     "Rows of dicts as a markdown table (columns in first-seen order)."

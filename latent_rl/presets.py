@@ -29,19 +29,23 @@ PRESETS: dict[str, dict[str, dict]] = {
                            record_every=1),
     },
     "gpu-qwen2.5-coder-1.5b": {
-        "SFTConfig": dict(model="Qwen/Qwen2.5-Coder-1.5B", precision="bf16", steps=3000, batch_size=128, grad_accum=4, lr=2e-5,
+        "SFTConfig": dict(model="Qwen/Qwen2.5-Coder-1.5B", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=3000, batch_size=128, grad_accum=4, lr=2e-5,
                           warmup=100, max_len=2048, save_every=500, log_every=10, wandb="online", out="runs/sft"),
-        "CodiConfig": dict(model="runs/sft/final", precision="bf16", steps=3000, batch_size=64, grad_accum=4, lr=2e-5,
+        "CodiConfig": dict(model="runs/sft/final", precision="bf16", strategy="fsdp", steps=3000, batch_size=64, grad_accum=4, lr=2e-5,
                            warmup=100, latent_steps=6, kd_norm_std=True, max_len=2048, save_every=500, grad_ckpt=True,
                            wandb="online", out="runs/codi"),
-        "GKDConfig": dict(model="runs/codi/final", teacher="runs/sft/final", precision="bf16", steps=500, batch_size=64,
+        "GKDConfig": dict(model="runs/codi/final", teacher="runs/sft/final", precision="bf16", strategy="fsdp", steps=500, batch_size=64,
                           grad_accum=4, lr=1e-6, lmbda=0.5, beta=0.5, topk=64, max_new_tokens=1024, max_len=2048,
                           steps_per_generation=4, save_every=100, wandb="online", out="runs/gkd"),
-        "GRPOConfig": dict(model="runs/gkd/final", precision="bf16", steps=300, batch_size=64, group_size=8, grad_accum=8,
+        "GRPOConfig": dict(model="runs/gkd/final", precision="bf16", strategy="fsdp", steps=300, batch_size=64, group_size=8, grad_accum=8,
                            lr=1e-6, warmup=10, max_new_tokens=1024, steps_per_generation=2, use_vllm=False, save_every=50,
                            wandb="online", out="runs/grpo"),
     },
 }
+
+# 7B: the same pipeline on Qwen2.5-Coder-7B; micro-batches of 2 × 2048 tokens on 8 GPUs (`latent-rl plan`: CODI 75 GB)
+PRESETS["gpu-qwen2.5-coder-7b"] = {k: dict(v, grad_accum=2 * v["grad_accum"]) for k, v in PRESETS["gpu-qwen2.5-coder-1.5b"].items()}
+PRESETS["gpu-qwen2.5-coder-7b"]["SFTConfig"]["model"] = "Qwen/Qwen2.5-Coder-7B"
 
 def preset_fields(name: str, cls) -> dict:
     "The preset's fields for config class `cls` (an unknown preset or field is a clear error)."

@@ -25,9 +25,9 @@ __all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', '
            'write_config', 'trim_records', 'batch_indices', 'bucket_groups', 'bucket_indices', 'check_precision',
            'teacher_dtype', 'StopRequest', 'StepModule', 'decoder_layers', 'checkpoint_layers', 'Engine', 'make_engine',
            'gathered_weights', 'param_checksum', 'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb',
-           'reduce_metrics', 'resume_run', 'write_checkpoint', 'train_step', 'step_record', 'train_loop', 'finish_run',
-           'TrainConfig', 'SFTConfig', 'load_traced', 'wandb_settings', 'wandb_run', 'build_or_load', 'sft_batch_loss',
-           'eval_loss', 'run_sft', 'CodiConfig', 'run_codi']
+           'added_peak_mb', 'reduce_metrics', 'resume_run', 'write_checkpoint', 'train_step', 'step_record',
+           'train_loop', 'finish_run', 'TrainConfig', 'SFTConfig', 'load_traced', 'wandb_settings', 'wandb_run',
+           'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft', 'CodiConfig', 'run_codi']
 
 # %% ../nbs/10_stages.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -547,6 +547,18 @@ def peak_memory_mb(device=None) -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+def added_peak_mb(fn, device=None) -> tuple[object, float]:
+    """`fn()` and the peak memory it added over what was in use before, in MB: CUDA allocations, or on Linux the
+    resident set (its high-water mark is reset first, so later `peak_memory_mb` readings start again from here)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device); base = torch.cuda.memory_allocated(device); torch.cuda.reset_peak_memory_stats(device)
+        out = fn(); return out, (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    try:
+        with open("/proc/self/clear_refs", "w") as fh: fh.write("5")
+        base = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration): return fn(), float("nan")
+    out = fn(); return out, peak_memory_mb() - base
+
 def reduce_metrics(metrics: dict, acc) -> dict:
     "Mean of each numeric metric over processes."
     if acc.num_processes == 1 or not metrics: return metrics
@@ -561,7 +573,8 @@ def resume_run(cfg, acc, eng: Engine, opt, sched, load_model_state, load_state_f
     if ck is None: return 0
     path, st = ck
     if (path / "shards").exists():
-        load_shards(eng, opt, path / "shards")           # reshards to this run's process count
+        _, mb = added_peak_mb(lambda: load_shards(eng, opt, path / "shards"), acc.device)   # reshards to this run's count
+        log0(acc, f"loaded the shards of {path}: rank 0's memory peaked {mb:.0f} MB above what it held")
     elif eng.sharded and eng.wrapped:
         raise CheckpointError(f"checkpoint {path} holds whole weights (written with --strategy ddp): resume it with ddp")
     else:
@@ -586,7 +599,9 @@ def write_checkpoint(cfg, acc, eng: Engine, opt, sched, step: int, save_model, s
              "config": asdict(cfg), "stage_state_by_rank": stage_state}
     if acc.is_main_process: checkpoint_tmp(cfg.out, step, fresh=True)
     acc.wait_for_everyone()
-    if eng.sharded: save_shards(eng, opt, checkpoint_tmp(cfg.out, step) / "shards")
+    if eng.sharded:                             # rank 0's added peak is recorded: a shard, never the whole state
+        _, mb = added_peak_mb(lambda: save_shards(eng, opt, checkpoint_tmp(cfg.out, step) / "shards"), acc.device)
+        state["save_peak_mb"] = mb
     elif acc.is_main_process: save_model(checkpoint_tmp(cfg.out, step) / "model"); state["optimizer"] = opt.state_dict()
     acc.wait_for_everyone()
     if acc.is_main_process: seal_checkpoint(cfg.out, step, state)

@@ -10,7 +10,8 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'COMMANDS', 'sandbox_flag', 'cmd_doctor', 'cmd_data', 'cmd_trace', 'cmd_sft',
            'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot', 'cmd_diagnose',
-           'cmd_sweep', 'cmd_presets', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'user_errors', 'run_command', 'main']
+           'cmd_sweep', 'cmd_plan', 'cmd_presets', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'user_errors',
+           'run_command', 'main']
 
 # %% ../nbs/14_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -139,6 +140,10 @@ def cmd_sweep(argv):
     from latent_rl.sweep import main as sweep_main
     return sweep_main(argv)
 
+def cmd_plan(argv):
+    from latent_rl.plan import plan_command
+    return plan_command(argv)
+
 def cmd_presets(argv):
     from latent_rl.presets import PRESETS, preset_toml
     names = argv or sorted(PRESETS)
@@ -156,7 +161,7 @@ def cmd_serve_rollouts(argv):
 
 COMMANDS = {"data": cmd_data, "trace": cmd_trace, "sft": cmd_sft, "codi": cmd_codi, "gkd": cmd_gkd, "grpo": cmd_grpo, "eval": cmd_eval,
             "demo": cmd_demo, "bench": cmd_bench, "serve-teacher": cmd_serve_teacher, "serve-rollouts": cmd_serve_rollouts, "plot": cmd_plot,
-            "diagnose": cmd_diagnose, "presets": cmd_presets, "doctor": cmd_doctor, "sweep": cmd_sweep}
+            "diagnose": cmd_diagnose, "presets": cmd_presets, "doctor": cmd_doctor, "sweep": cmd_sweep, "plan": cmd_plan}
 
 # %% ../nbs/14_train.ipynb #e59d31d3
 def user_errors() -> tuple:
@@ -195,6 +200,7 @@ def main(argv: list[str] | None = None):
               "  serve-rollouts  vLLM server for rollouts and teachers on their own GPUs (wraps `vllm serve`)\n"
               "  eval   output-prediction accuracy (per-example records under --out, default runs/eval)\n"
               "  plot   figures of a run directory (PNG)\n  diagnose  why a latent student trails its teacher (markdown report)\n"
+              "  plan   memory per GPU of a stage on a model and cluster, and the cheapest change that makes it fit\n"
               "  presets  print the named recipes (--recipe NAME on any stage)\n  demo   the whole pipeline on CPU\n"
               "  sweep  a grid of runs × seeds with held-out CIs and latent counterfactuals (resumable)\n"
               "  bench  benchmarks (python -m latent_rl.bench)\n  doctor  what the tracer's sandbox does on this machine\n\n"

@@ -233,3 +233,13 @@ def test_bf16_compute_keeps_fp32_master_weights_and_learns(tmp_path):
     assert abs(norm("mixed") / norm("fp32") - 1) < 0.05 and cos > 0.5, (norm("mixed"), norm("fp32"), cos)
     print(f"update norm vs fp32: bf16 mixed {norm('mixed') / norm('fp32'):.3f} (cos {cos:.2f}), pure bf16 {norm('pure') / norm('fp32'):.3f}")
     assert norm("pure") < 0.5 * norm("fp32"), (norm("pure"), norm("fp32"))             # what pure bf16 weights lose
+
+def test_plan_prints_parts_and_a_fix():
+    p = run_cli("plan", "--model", "qwen2.5-coder-7b", "--stage", "sft", "--gpus", "8", "--gpu-mem", "80", "--strategy", "ddp",
+                "--micro-batch", "4", "--seq", "2048")
+    assert "| optimizer | 60.9 |" in p.stdout and "does not fit" in p.stdout and "cheapest change" in p.stdout
+    p = run_cli("plan", "--model", "qwen2.5-coder-0.5b", "--stage", "codi", "--gpus", "1", "--gpu_mem", "141", "--json")
+    out = json.loads(p.stdout)
+    assert out["fits"] and out["config"]["gpu_mem"] == 141 and out["parts_gb"]["activations"] > 0
+    p = run_cli("plan", "--stage", "ppo", check=False)
+    assert p.returncode == 2 and "--stage must be one of" in p.stderr

@@ -152,14 +152,31 @@ def test_corrupt_checkpoint_is_named_and_skipped(tiny_data, tmp_path):
     assert previous.exists() or (tmp_path / "final").exists()
 
 def test_accelerate_launch_two_processes(tiny_data, tmp_path):
-    "The same script under `accelerate launch` (2 CPU processes, gloo) equals the 1-process run."
+    "The same script under `accelerate launch` (2 CPU processes, gloo, FSDP2) equals the 1-process run."
     args = STAGES["sft"](tiny_data)
     launch(1, *args, "--out", tmp_path / "one")
     p = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
                         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                        str(free_port()), "-m", "latent_rl.train", *map(str, args), "--out", str(tmp_path / "acc")],
+                        str(free_port()), "-m", "latent_rl.train", *map(str, args), "--strategy", "fsdp", "--out", str(tmp_path / "acc")],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(tmp_path / "acc")
     assert s["processes"] == 2 and s["param_checksums"][0] == s["param_checksums"][1]
     assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "acc" / "final"), 1e-5)
+
+def test_two_nodes_by_rendezvous(tiny_data, tmp_path):
+    "Two 'nodes' (two torchrun agents, one process each) meet at a c10d rendezvous on localhost: equal to one process."
+    args = [*map(str, STAGES["codi"](tiny_data)), "--strategy", "fsdp", "--save_every", "1"]
+    launch(1, *args, "--out", tmp_path / "one")
+    port = free_port()
+    node = lambda r: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                                       "--node_rank", str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                                       "--rdzv_id", "latent-rl-test", "-m", "latent_rl.train", *args, "--out", str(tmp_path / "nodes")],
+                                      cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    procs = [node(0), node(1)]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs[0][-3000:] + errs[1][-3000:]
+    assert summary(tmp_path / "nodes")["processes"] == 2
+    assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "nodes" / "final"), 1e-5)
+    st = torch.load(tmp_path / "nodes" / "checkpoints" / "step-1" / "state.pt", weights_only=False)
+    assert st["save_peak_mb"] >= 0                          # rank 0's added peak while writing its shard is recorded
