@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse, importlib, json, os, platform, time
 from pathlib import Path
 
+from .plan import MODEL_CONFIGS
+
 # %% auto #0
 __all__ = ['BENCHES', 'ARCH_PRESETS', 'ENGINE_VARIANTS', 'markdown_table', 'run_bench', 'stages_bench', 'engine_rows', 'main']
 
@@ -32,18 +34,8 @@ def run_bench(name: str, **kw) -> dict:
     return res
 
 # %% ../nbs/13_bench.ipynb #ef81f744
-ARCH_PRESETS = {   # Qwen2.5-Coder architectures (config.json of the released models); 'tiny' = the demo model
-    "qwen2.5-coder-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-                               tie_word_embeddings=True),
-    "qwen2.5-coder-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-                               tie_word_embeddings=True),
-    "qwen2.5-coder-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                             num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-                             tie_word_embeddings=True),
-    "tiny": None,
-}
+ARCH_PRESETS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan); 'tiny' = the demo model
+    **{k: {f: v for f, v in d.items() if f != "model_type"} for k, d in MODEL_CONFIGS.items()}, "tiny": None}
 
 def _timed(fn, device):
     import torch

@@ -15,7 +15,7 @@ from .gkd import GKDConfig, run_gkd
 from .grpo import GRPOConfig, run_grpo
 from .presets import preset_fields
 from .evaluate import evaluate_path, save_records, paired_delta
-from .diagnose import diagnose, latent_usage, USAGE_VARIANTS
+from .diagnose import diagnose, latent_usage
 from .inspect_runs import plot_run, save_figure
 
 # %% auto #0

@@ -460,6 +460,7 @@ class Engine:
         "DDP: skip the all-reduce on every micro-batch but the step's last (FSDP2 reduce-scatters each: less memory)."
         return self.root.no_sync() if self.wrapped and self.strategy == "ddp" and not last else contextlib.nullcontext()
 
+# %% ../nbs/10_stages.ipynb #659cd7df
 def make_engine(module: nn.Module, cfg, acc) -> Engine:
     """Wrap `module` for `cfg.strategy` (fsdp: bf16 compute over fp32 master weights when `cfg.precision` is bf16).
     One process outside a process group is not wrapped."""
@@ -494,7 +495,6 @@ def gathered_weights(module: nn.Module):
     try: yield
     finally:
         for m in units: m.reshard(); m.set_reshard_after_forward(m.latent_rl_reshard, recurse=False)
-
 
 # %% ../nbs/10_stages.ipynb #7b0ae70d
 def _local(t: torch.Tensor) -> torch.Tensor: return t.to_local() if hasattr(t, "to_local") else t
