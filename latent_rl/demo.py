@@ -10,7 +10,8 @@ from pathlib import Path
 
 from .tokens import build_data, DATA_DEFAULTS
 from .latent import LatentModel
-from .stages import SFTConfig, CodiConfig, run_sft, run_codi, load_traced, config_from_dict, load_config_file, RunRecord
+from .stages import SFTConfig, CodiConfig, run_sft, run_codi, load_traced, config_from_dict, load_config_file
+from .records import RunRecord
 from .gkd import GKDConfig, run_gkd
 from .grpo import GRPOConfig, run_grpo
 from .presets import preset_fields

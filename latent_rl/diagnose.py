@@ -27,7 +27,7 @@ from .trace import parse_trace, prompt_text, same_value, LINE_SEP
 from .tokens import encode
 from .evaluate import (frames_json, true_line_frames, load_records, save_records, bootstrap_mean, paired_delta,
                                 within_noise, evaluate, load_policy)
-from .stages import RunRecord     # run records are read as a running job writes them (half-written last line skipped)
+from .records import RunRecord     # run records are read as a running job writes them (half-written last line skipped)
 
 # %% ../nbs/16_diagnose.ipynb #b9012a7d
 def record_frames(rec: dict) -> list[dict]:

@@ -10,17 +10,16 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from .records import RunRecord, RECORD_FILES, METRICS_STEP_OFFSET
+
 # %% auto #0
-__all__ = ['RECORD_FILES', 'METRICS_STEP_OFFSET', 'SHORT', 'METRIC_PANELS', 'run_file', 'read_records', 'read_config',
-           'read_metrics', 'read_logprobs', 'read_rollouts', 'read_anchors', 'run_kind', 'steps_of', 'nearest',
-           'token_arrays', 'leaks', 'alignment_stats', 'ratios', 'clip_stats', 'by_step', 'eps_of', 'detok',
-           'completion_lines', 'trace_lines', 'in_kernel', 'to_png', 'show', 'panel', 'save_figure', 'Inspector',
-           'plot_metrics', 'AlignmentInspector', 'ClipInspector', 'latent_states', 'AnchorInspector', 'RolloutViewer',
-           'plot_run', 'main']
+__all__ = ['SHORT', 'METRIC_PANELS', 'run_file', 'read_records', 'read_config', 'read_metrics', 'read_logprobs', 'read_rollouts',
+           'read_anchors', 'run_kind', 'steps_of', 'nearest', 'token_arrays', 'leaks', 'alignment_stats', 'ratios',
+           'clip_stats', 'by_step', 'eps_of', 'detok', 'completion_lines', 'trace_lines', 'in_kernel', 'to_png', 'show',
+           'panel', 'save_figure', 'Inspector', 'plot_metrics', 'AlignmentInspector', 'ClipInspector', 'latent_states',
+           'AnchorInspector', 'RolloutViewer', 'plot_run', 'main']
 
 # %% ../nbs/17_inspect.ipynb #c4b231d3
-RECORD_FILES = ("metrics.jsonl", "logprobs.jsonl", "rollouts.jsonl", "kd_anchors.jsonl")
-
 def run_file(run_dir, name: str) -> Path:
     "`RUN/name`, or a `FileNotFoundError` that says what the directory does hold."
     run = Path(run_dir)
@@ -33,7 +32,6 @@ def run_file(run_dir, name: str) -> Path:
 
 def read_records(run_dir, name: str, required=(), step: int | None = None) -> list[dict]:
     "Rows of `RUN/name` (a half-written last line is ignored); each row must have the `required` fields."
-    from latent_rl.stages import RunRecord
     p = run_file(run_dir, name)
     rows = RunRecord.read(p)
     for i, r in enumerate(rows, 1):
@@ -92,7 +90,6 @@ def run_kind(run_dir) -> str:
     if (run / "kd_anchors.jsonl").exists() or "kd_loss" in keys: return "codi"
     return "sft" if "loss" in keys else "unknown"
 
-METRICS_STEP_OFFSET = 1   # a metrics row's `step` counts completed steps: it describes record step `step - 1`
 
 def steps_of(rows) -> list[int]:
     "Sorted distinct `step` values of record rows."

@@ -13,21 +13,22 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .corpus import load_rows
+from .records import RunRecord, RECORD_FILES, trim_records
 from .tokens import sft_example, pad_collate, IGNORE_INDEX
 from .models import load_model, load_tokenizer, build_tiny, n_params, backbone, lm_head_weight
 
 # %% auto #0
-__all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', 'RECORD_FILES', 'RESUME_MAY_CHANGE', 'setup',
-           'log0', 'lr_lambda', 'RunRecord', 'CheckpointError', 'rng_state', 'set_rng_state', 'file_manifest',
-           'save_checkpoint', 'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint',
-           'load_checkpoint_state', 'latest_checkpoint', 'ConfigError', 'check_field', 'config_from_dict',
-           'load_config_file', 'parse_config', 'RunDirBusy', 'lock_run_dir', 'release_run_dir', 'config_changes',
-           'write_config', 'trim_records', 'batch_indices', 'bucket_groups', 'bucket_indices', 'check_precision',
-           'teacher_dtype', 'StopRequest', 'StepModule', 'decoder_layers', 'checkpoint_layers', 'Engine', 'make_engine',
-           'gathered_weights', 'param_checksum', 'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb',
-           'added_peak_mb', 'reduce_metrics', 'resume_run', 'write_checkpoint', 'train_step', 'step_record',
-           'train_loop', 'finish_run', 'TrainConfig', 'SFTConfig', 'load_traced', 'wandb_settings', 'wandb_run',
-           'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft', 'CodiConfig', 'run_codi']
+__all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', 'RESUME_MAY_CHANGE', 'setup', 'log0', 'lr_lambda',
+           'CheckpointError', 'rng_state', 'set_rng_state', 'file_manifest', 'save_checkpoint', 'checkpoint_tmp',
+           'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state', 'latest_checkpoint',
+           'ConfigError', 'check_field', 'config_from_dict', 'load_config_file', 'parse_config', 'RunDirBusy',
+           'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config', 'batch_indices', 'bucket_groups',
+           'bucket_indices', 'check_precision', 'teacher_dtype', 'StopRequest', 'StepModule', 'decoder_layers',
+           'checkpoint_layers', 'Engine', 'make_engine', 'gathered_weights', 'param_checksum', 'full_state_dict',
+           'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb', 'reduce_metrics', 'resume_run',
+           'write_checkpoint', 'train_step', 'step_record', 'train_loop', 'finish_run', 'TrainConfig', 'SFTConfig',
+           'load_traced', 'wandb_settings', 'wandb_run', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft',
+           'CodiConfig', 'run_codi']
 
 # %% ../nbs/10_stages.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -52,23 +53,6 @@ def lr_lambda(step: int, warmup: int, total: int, min_lr_frac: float = 0.1) -> f
     return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog))
 
 # %% ../nbs/10_stages.ipynb #de33dc37
-class RunRecord:
-    "Append-only metrics log of a run (rank 0 writes; anyone may read while it runs)."
-    def __init__(self, run_dir, enabled: bool = True, name: str = "metrics.jsonl"):
-        self.path, self.enabled = Path(run_dir) / name, enabled
-        if enabled: self.path.parent.mkdir(parents=True, exist_ok=True)
-    def log(self, **row):
-        if not self.enabled: return
-        with open(self.path, "a") as fh: fh.write(json.dumps(row, default=float) + "\n")
-    @staticmethod
-    def read(path) -> list[dict]:
-        "Rows of a metrics file; a half-written last line (a running job) is ignored."
-        rows = []
-        for line in Path(path).read_text().splitlines():
-            try: rows.append(json.loads(line))
-            except json.JSONDecodeError: pass
-        return rows
-
 class CheckpointError(RuntimeError): pass
 
 def rng_state() -> dict:
@@ -296,7 +280,6 @@ def release_run_dir(out) -> None:
     if fh is not None: fh.close()
 
 # %% ../nbs/10_stages.ipynb #978d3f72
-RECORD_FILES = {"metrics.jsonl": 1, "kd_anchors.jsonl": 0, "logprobs.jsonl": 0, "rollouts.jsonl": 0}   # name -> step base
 RESUME_MAY_CHANGE = {"out", "resume", "overwrite", "allow_config_change", "log_every", "save_every", "anchor_every", "record_every", "wandb"}
 
 def config_changes(old: dict, new: dict) -> dict:
@@ -338,14 +321,6 @@ def write_config(cfg, acc):
         raise err
     acc.wait_for_everyone()
 
-def trim_records(out, step: int):
-    "After resuming at `step`, drop record rows the killed run wrote past its last checkpoint (they will be redone)."
-    for name, base in RECORD_FILES.items():
-        p = Path(out) / name
-        if not p.exists(): continue
-        keep = [r for r in RunRecord.read(p) if "step" in r and r["step"] < step + base]
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep)); os.replace(tmp, p)
 
 # %% ../nbs/10_stages.ipynb #b207210a
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:

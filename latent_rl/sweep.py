@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .stages import load_config_file, config_from_dict, RunRecord
+from .stages import load_config_file, config_from_dict
+from .records import RunRecord
 from .evaluate import evaluate_path, load_eval_rows
 from .diagnose import latent_usage
 
