@@ -18,7 +18,7 @@ from .generate import row_key
 from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
-from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, teacher_dtype, TrainConfig, gathered_weights
+from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, teacher_dtype, TrainConfig, gathered_weights, sum_over_ranks
 from .models import n_params
 
 # %% auto #0
@@ -198,10 +198,9 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
                 it.update(completion=c, latent_at=la if policy.kind == "latent" else [])
             timing["gen_s"] += time.time() - t0; counters["generations"] += 1
         buf.clear(); buf.update({s: (on, mine[s]) for s in steps}); calls.clear()
-        counts = torch.tensor([float(sampled_mask([x["completion"] for x in mine[s]], [x["latent_at"] for x in mine[s]]
-                                                  if policy.kind == "latent" else None).sum()) for s in steps], device=acc.device)
-        if W > 1: counts = acc.reduce(counts, "sum")               # the global batch's scored tokens, as on one process
-        tcount.clear(); tcount.update({s: max(1.0, float(c)) for s, c in zip(steps, counts.tolist())})
+        counts = sum_over_ranks([sampled_mask([x["completion"] for x in mine[s]], [x["latent_at"] for x in mine[s]]
+                                              if policy.kind == "latent" else None).sum() for s in steps], acc)
+        tcount.clear(); tcount.update({s: max(1.0, c) for s, c in zip(steps, counts)})   # the global batch's scored tokens
 
     def micro_loss(step, part, idx):
         if step not in buf: fill(step)
@@ -234,12 +233,11 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
         for s, (on, items) in st.get("buffer", {}).items():
             buf[s] = (on, [dict(it, row=data[it["idx"]]["row"]) for it in items])
 
-    def save(d, state_dict=None): policy.save(d, state_dict)
-    res = train_loop(cfg, acc, policy.module, n, micro_loss, save, "gkd", policy.load_weights_from, progress,
+    res = train_loop(cfg, acc, policy.module, n, micro_loss, policy.save, "gkd", policy.load_weights_from, progress,
                      batch_fn=batch_fn, state_fn=state_fn, load_state_fn=load_state_fn, step_metrics=step_metrics)
     summary = {"steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], "rows": n,
                "teacher": cfg.teacher, "time_split_s": res["totals"], "generations": counters["generations"],
                **{f"final_{k}": v for k, v in res["last"].items()}}
-    final = finish_run(cfg.out, acc, save, summary, engine=res["engine"])
+    final = finish_run(cfg.out, acc, policy.save, summary, engine=res["engine"])
     log0(acc, f"gkd done in {res['train_seconds']:.0f}s: " + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k))
     return final

@@ -15,7 +15,7 @@ from .losses import grpo_loss, group_advantages
 from .policy import Policy, sampled_mask, make_rollout_engine
 from .generate import row_key
 from .rewards import weighted
-from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, peak_memory_mb, TrainConfig, gathered_weights
+from .stages import setup, log0, write_config, load_traced, train_loop, finish_run, RunRecord, batch_indices, peak_memory_mb, TrainConfig, gathered_weights, sum_over_ranks
 from .models import n_params
 
 # %% auto #0
@@ -139,10 +139,9 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
             for x, z in zip(samples, ro.latents): x["latents"] = z
         buf.clear(); calls.clear()
         for s in steps: buf[s] = [x for x in samples if x["step"] == s]
-        counts = torch.tensor([float(sum(len(x["completion"]) - len(x["latent_at"]) for x in buf[s])) for s in steps],
-                              device=acc.device)                                  # sampled tokens (forced ones excluded)
-        if W > 1: counts = acc.reduce(counts, "sum")
-        tcount.clear(); tcount.update({s: float(c) for s, c in zip(steps, counts.tolist())})
+        counts = sum_over_ranks([sum(len(x["completion"]) - len(x["latent_at"]) for x in buf[s]) for s in steps],
+                                acc)                                              # sampled tokens (forced ones excluded)
+        tcount.clear(); tcount.update(zip(steps, counts))
         if cfg.record_every and c0 % cfg.record_every == 0 and acc.is_main_process:
             for g in range(min(2, len(flat) // G)):
                 grp = list(zip(flat, texts, R, adv, ro.completion_ids, ro.latent_at or [[]] * len(flat)))[g * G:(g + 1) * G]

@@ -164,8 +164,9 @@ def plan(pc: PlanConfig, shape: ModelShape | None = None, teacher: ModelShape | 
     `CHANGES`, else the fewest of them applied in order)."""
     shape = shape or model_shape(model_config(pc.model))
     total = lambda p: sum(plan_memory(p, shape, teacher).values()) / 1e9
-    out = {"parts_gb": {k: v / 1e9 for k, v in plan_memory(pc, shape, teacher).items() if v}, "total_gb": total(pc),
-           "params_b": shape.params / 1e9, "fits": total(pc) <= pc.gpu_mem, "fix": None}
+    parts = {k: v / 1e9 for k, v in plan_memory(pc, shape, teacher).items() if v}
+    out = {"parts_gb": parts, "total_gb": sum(parts.values()), "params_b": shape.params / 1e9, "fix": None}
+    out["fits"] = out["total_gb"] <= pc.gpu_mem
     if out["fits"]: return out
     for flag, change in CHANGES:
         q = change(pc)
@@ -214,11 +215,6 @@ def plan_command(argv: list[str] | None = None) -> dict:
     return res
 
 # %% ../nbs/20_plan.ipynb #eb063cb0
-def _rss_mb(field: str = "VmRSS") -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"): return int(line.split()[1]) / 1024
-    return float("nan")
-
 CPU_RUNTIME_GB = 0.05     # what a CPU process's resident set grows by besides tensors (code pages, allocator arenas)
 
 def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: int = 1, max_len: int = 384,
@@ -231,7 +227,7 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
     from latent_rl.models import load_tokenizer
     from latent_rl.corpus import load_rows
     from latent_rl.tokens import sft_example, codi_example, pad_collate
-    from latent_rl.stages import sft_batch_loss
+    from latent_rl.stages import sft_batch_loss, added_peak_mb
     from latent_rl.latent import LatentModel, LatentSpec, codi_forward, CodiOptions
     from latent_rl.policy import Policy
     from latent_rl.gkd import dataset_completion, gkd_loss
@@ -257,24 +253,23 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
     pc = PlanConfig(model="", stage=stage, completion=comp, latent_share=share if stage == "codi" else 0.35, gpus=1, seq=seq, micro_batch=micro_batch, latent_steps=latent_steps,
                     spans=spans, latent=latent, strategy="ddp", precision=precision, runtime_gb=0.0 if device == "cuda" else CPU_RUNTIME_GB,
                     attention="flash" if device == "cuda" else "math")
-    if device == "cuda": torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
-    else: open("/proc/self/clear_refs", "w").write("5"); base = _rss_mb()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(device).train()
-    mod = LatentModel(model, LatentSpec.from_tokenizer(tok, latent_steps)) if latent else model
-    opt = torch.optim.AdamW(mod.parameters(), lr=1e-5)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
-    def loss():
+    def loss(model, mod):
         if stage == "sft": return sft_batch_loss(model, exs, tok.pad_token_id)[0]
         if stage == "codi": return codi_forward(mod, exs, CodiOptions()).loss
         pol = Policy(mod, tok, "latent")
         if stage == "gkd": return gkd_loss(pol, SelfTeacher(pol), items)[0]
         smp = [dict(x, logp_inf=[0.0] * len(x["completion"]), adv=1.0 if k % 2 else -1.0) for k, x in enumerate(items)]
         return grpo_micro_loss(pol, smp)[0]
-    for _ in range(steps):
-        with amp: l = loss()
-        l.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else _rss_mb("VmHWM") - base
+    def train():                                # from before the model exists: all it adds is the step's memory
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).to(device).train()
+        mod = LatentModel(model, LatentSpec.from_tokenizer(tok, latent_steps)) if latent else model
+        opt = torch.optim.AdamW(mod.parameters(), lr=1e-5)
+        for _ in range(steps):
+            with amp: l = loss(model, mod)
+            l.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    _, peak = added_peak_mb(train, device)
     return {"plan": asdict(pc), "shape": asdict(shape), "peak_mb": peak}
 
 # %% ../nbs/20_plan.ipynb #2d75e1bd

@@ -25,10 +25,10 @@ __all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', '
            'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config', 'batch_indices', 'bucket_groups',
            'bucket_indices', 'check_precision', 'teacher_dtype', 'StopRequest', 'StepModule', 'decoder_layers',
            'checkpoint_layers', 'Engine', 'make_engine', 'gathered_weights', 'param_checksum', 'full_state_dict',
-           'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb', 'reduce_metrics', 'resume_run',
-           'write_checkpoint', 'train_step', 'step_record', 'train_loop', 'finish_run', 'TrainConfig', 'SFTConfig',
-           'load_traced', 'wandb_settings', 'wandb_run', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'run_sft',
-           'CodiConfig', 'run_codi']
+           'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb', 'sum_over_ranks', 'reduce_metrics',
+           'resume_run', 'write_checkpoint', 'train_step', 'step_record', 'train_loop', 'finish_run', 'TrainConfig',
+           'SFTConfig', 'load_traced', 'wandb_settings', 'wandb_run', 'build_or_load', 'sft_batch_loss', 'eval_loss',
+           'run_sft', 'CodiConfig', 'run_codi']
 
 # %% ../nbs/10_stages.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -424,8 +424,6 @@ class Engine:
 
     @property
     def sharded(self) -> bool: return self.strategy == "fsdp"      # checkpoints in shards (DCP), on any process count
-    @property
-    def grad_scale(self) -> float: return float(self.world)         # DDP and FSDP2 average; our losses sum over ranks
     def reshard(self) -> None:
         "Free the gathered layer weights after a backward (`gathered` engines); the next forward gathers fresh ones."
         if self.gathered:
@@ -491,7 +489,8 @@ def full_state_dict(eng: Engine) -> dict | None:
     sd = get_model_state_dict(eng.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     seen, tied = set(), set()                          # a tied head is saved once, as Hugging Face saves it
     for n, p in eng.module.named_parameters(remove_duplicate=False):
-        (tied if id(p) in seen else seen).add(n if id(p) in seen else id(p))
+        if id(p) in seen: tied.add(n)
+        seen.add(id(p))
     return {k.removeprefix("module."): v for k, v in sd.items() if k.removeprefix("module.") not in tied}
 
 # %% ../nbs/10_stages.ipynb #dd79d124
@@ -534,6 +533,11 @@ def added_peak_mb(fn, device=None) -> tuple[object, float]:
     except (OSError, StopIteration): return fn(), float("nan")
     out = fn(); return out, peak_memory_mb() - base
 
+def sum_over_ranks(values: list[float], acc) -> list[float]:
+    "Each value summed over processes (one all-reduce), e.g. the tokens a global batch scores."
+    t = torch.tensor([float(v) for v in values], device=acc.device)
+    return (acc.reduce(t, "sum") if acc.num_processes > 1 else t).tolist()
+
 def reduce_metrics(metrics: dict, acc) -> dict:
     "Mean of each numeric metric over processes."
     if acc.num_processes == 1 or not metrics: return metrics
@@ -572,12 +576,12 @@ def write_checkpoint(cfg, acc, eng: Engine, opt, sched, step: int, save_model, s
         stage_state = gather_object(stage_state)
     state = {"scheduler": sched.state_dict(), "rng": rng_state(), "data_position": step * cfg.batch_size,
              "config": asdict(cfg), "stage_state_by_rank": stage_state}
+    if not eng.sharded:
+        if acc.is_main_process: save_checkpoint(cfg.out, step, save_model, {**state, "optimizer": opt.state_dict()})
+        acc.wait_for_everyone(); return
     if acc.is_main_process: checkpoint_tmp(cfg.out, step, fresh=True)
-    acc.wait_for_everyone()
-    if eng.sharded:                             # rank 0's added peak is recorded: a shard, never the whole state
-        _, mb = added_peak_mb(lambda: save_shards(eng, opt, checkpoint_tmp(cfg.out, step) / "shards"), acc.device)
-        state["save_peak_mb"] = mb
-    elif acc.is_main_process: save_model(checkpoint_tmp(cfg.out, step) / "model"); state["optimizer"] = opt.state_dict()
+    acc.wait_for_everyone()                     # rank 0's added peak is recorded: a shard, never the whole state
+    _, state["save_peak_mb"] = added_peak_mb(lambda: save_shards(eng, opt, checkpoint_tmp(cfg.out, step) / "shards"), acc.device)
     acc.wait_for_everyone()
     if acc.is_main_process: seal_checkpoint(cfg.out, step, state)
     acc.wait_for_everyone()
@@ -591,7 +595,7 @@ def train_step(cfg, acc, eng: Engine, micro_loss, step: int, idx: list[int], amp
         tm = time.time()
         with eng.no_sync(last=a == cfg.grad_accum - 1):
             with amp: loss, m = eng.root(micro_loss, step, mine[a * micro:(a + 1) * micro], idx)
-            (loss * eng.grad_scale if eng.wrapped else loss).backward()
+            (loss * eng.world).backward()          # DDP and FSDP2 average over ranks; our losses are global-batch sums
             eng.reshard()
         ms.append(m); t += time.time() - tm
     return ms, t

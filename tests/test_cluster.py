@@ -1,6 +1,6 @@
 """Cluster readiness: 2-process (gloo) runs equal 1-process runs under DDP and FSDP2, SIGKILL + resume is exact (also
 sharded, and resharded onto another process count), corrupt checkpoints are named and skipped."""
-import json, os, shutil, signal, socket, subprocess, sys, time
+import json, math, os, shutil, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 from conftest import run_cli, ROOT
@@ -179,4 +179,4 @@ def test_two_nodes_by_rendezvous(tiny_data, tmp_path):
     assert summary(tmp_path / "nodes")["processes"] == 2
     assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "nodes" / "final"), 1e-5)
     st = torch.load(tmp_path / "nodes" / "checkpoints" / "step-1" / "state.pt", weights_only=False)
-    assert st["save_peak_mb"] >= 0                          # rank 0's added peak while writing its shard is recorded
+    assert math.isfinite(st["save_peak_mb"])               # rank 0's added peak while writing its shard is recorded
