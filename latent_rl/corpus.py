@@ -8,9 +8,10 @@ import ast, hashlib, json, os, random
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Iterable
+from .trace import trace_rows
 
 # %% auto #0
-__all__ = ['REQUIRED_FIELDS', 'PRESETS', 'RowError', 'check_row', 'load_rows', 'save_rows', 'GenConfig', 'generate_programs',
+__all__ = ['REQUIRED_FIELDS', 'LEVELS', 'RowError', 'check_row', 'load_rows', 'save_rows', 'GenConfig', 'generate_programs',
            'split_of', 'dedupe', 'split_rows', 'trace_and_fill', 'build_corpus', 'build_heldout']
 
 # %% ../nbs/01_corpus.ipynb #53115b07
@@ -41,6 +42,7 @@ def check_row(row, where: str = "<row>") -> dict:
     except SyntaxError: raise RowError(f"{where}: field 'output' is not a Python expression: {row['output'][:60]!r}") from None
     return row
 
+# %% ../nbs/01_corpus.ipynb #18be89c0
 def load_rows(path, limit: int | None = None) -> list[dict]:
     "Load CRUXEval-format JSONL from any path; malformed rows raise `RowError` naming file, line and field."
     path = Path(path)
@@ -85,7 +87,7 @@ class GenConfig:
     max_loop: int = 3                        # `range(k)` bound of loops
     max_line_frames: int = 12                # reject programs with longer traces
 
-PRESETS = {
+LEVELS = {
     "easy": GenConfig(),
     "medium": GenConfig(n_statements=(2, 4), loop_prob=0.15, branch_prob=0.2, ops=("+", "-", "*"), value_range=(0, 9), max_abs_value=99,
                         kinds=("int", "list", "str"), max_line_frames=20),
@@ -96,6 +98,7 @@ PRESETS = {
 # %% ../nbs/01_corpus.ipynb #102ef1ef
 _NAMES = "abcdeghkmnpqrstuvwyz"
 
+# %% ../nbs/01_corpus.ipynb #a6189b9c
 class _Gen:
     def __init__(self, cfg: GenConfig, rng: random.Random): self.cfg, self.r = cfg, rng
     def const(self): return self.r.randint(*self.cfg.value_range)
@@ -176,9 +179,10 @@ class _Gen:
         code = f"def f({', '.join(params)}):\n" + "".join(f"    {l}\n" for l in body) + f"    {ret}"
         return kind, code, args
 
+# %% ../nbs/01_corpus.ipynb #ca4fbc6f
 def generate_programs(n: int, cfg: GenConfig | str = "easy", seed: int = 0) -> list[dict]:
     "`n` distinct candidate programs `{id, code, input, kind}` (no `output` yet: tracing fills it)."
-    cfg = PRESETS[cfg] if isinstance(cfg, str) else cfg
+    cfg = LEVELS[cfg] if isinstance(cfg, str) else cfg
     g, seen, out = _Gen(cfg, random.Random(seed)), set(), []
     tries = 0
     while len(out) < n:
@@ -213,7 +217,6 @@ def split_rows(rows, fracs=(0.8, 0.1, 0.1)) -> dict[str, list[dict]]:
 def trace_and_fill(rows: list[dict], *, max_line_frames: int | None = None, progress: bool = True, desc: str = "trace",
                    **trace_kw) -> tuple[list[dict], dict[str, int]]:
     "Trace rows in the sandbox; return kept rows (with `output`, `trace`, `n_line_frames`) and counts of skip reasons."
-    from latent_rl.trace import trace_rows
     res = trace_rows(rows, progress=progress, desc=desc, **trace_kw)
     # a crash or timeout can be the machine's fault (load, memory pressure), not the program's: retry those rows once,
     # so the corpus does not depend on what else was running
@@ -239,7 +242,7 @@ def _small_output(output: str, cfg: GenConfig, max_chars: int) -> bool:
 def build_corpus(n: int, cfg: GenConfig | str = "easy", seed: int = 0, out_dir=None, progress: bool = True,
                  max_output_chars: int = 40, fracs=(0.9, 0.05, 0.05)) -> dict[str, list[dict]]:
     "Generate, trace, filter, dedupe and split `n` candidate programs; write `{train,val,test}.jsonl` to `out_dir`."
-    cfg_ = PRESETS[cfg] if isinstance(cfg, str) else cfg
+    cfg_ = LEVELS[cfg] if isinstance(cfg, str) else cfg
     cands = generate_programs(n, cfg_, seed)
     kept, skipped = trace_and_fill(cands, max_line_frames=cfg_.max_line_frames, progress=progress, desc="trace corpus")
     kept = [r for r in kept if _small_output(r["output"], cfg_, max_output_chars)]
@@ -256,7 +259,7 @@ def build_corpus(n: int, cfg: GenConfig | str = "easy", seed: int = 0, out_dir=N
 def build_heldout(n: int, cfg: GenConfig | str = "easy", seed: int = 0, exclude: Iterable[str] = (), progress: bool = True,
                   max_output_chars: int = 40, max_rounds: int = 20) -> list[dict]:
     "`n` traced programs from the generator stream `seed + 1000` whose code is not in `exclude` (nor repeated)."
-    cfg_ = PRESETS[cfg] if isinstance(cfg, str) else cfg
+    cfg_ = LEVELS[cfg] if isinstance(cfg, str) else cfg
     seen, out = set(exclude), []
     for r in range(max_rounds):
         cands = [c for c in generate_programs(n + n // 2, cfg_, seed + 1000 + r) if c["code"] not in seen]

@@ -14,7 +14,7 @@ __all__ = ['TRACE_CONTEXT_START', 'CALL_SEP', 'LINE_SEP', 'RETURN_SEP', 'EXCEPTI
            'prompt_text', 'Frame', 'render_frame', 'render_trace', 'TraceTimeout', 'TraceResult', 'trace_inprocess',
            'ParsedTrace', 'parse_trace', 'predicted_value', 'same_value', 'seccomp_program', 'SandboxUnavailable',
            'unsafe_allowed', 'sandbox_status', 'sandbox_notice', 'TracePool', 'trace_rows', 'trace_one',
-           'sandbox_report', 'find_cruxeval', 'bench']
+           'sandbox_report', 'find_cruxeval']
 
 # %% ../nbs/00_trace.ipynb #058e45e0
 TRACE_CONTEXT_START = "<|trace_context_start|>"
@@ -73,6 +73,7 @@ class _FrameCap(BaseException):
     "Raised inside a traced program when the frame cap is reached."
 
 _RETURN_OPS = frozenset(dis.opmap[n] for n in ("RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE") if n in dis.opmap)
+
 _counter = itertools.count()
 
 def _safe_repr(v) -> str:
@@ -90,6 +91,7 @@ def _exc_reason(e: BaseException, max_frames: int | None = None) -> str:
     if len(msg) > 200: msg = msg[:200] + "..."
     return f"raised {type(e).__name__}: {msg}" if msg else f"raised {type(e).__name__}"
 
+# %% ../nbs/00_trace.ipynb #237afd4c
 class _Scope:
     "Local trace function of one activation: remembers the reprs of its previous frame for `\"..\"`."
     __slots__ = ("t", "prev", "exc")
@@ -115,6 +117,7 @@ class _Scope:
             t.add(Frame("exception", t.line(frame), None, getattr(arg[0], "__name__", _safe_repr(arg[0]))))
         return self
 
+# %% ../nbs/00_trace.ipynb #f4b63850
 class _Tracer:
     "Global trace function: starts a `_Scope` for every new activation of the program's own code."
     def __init__(self, fname, src, main_code, max_frames):
@@ -210,6 +213,7 @@ class ParsedTrace:
 class _ParseError(ValueError): pass
 
 _JSON = json.JSONDecoder()
+
 _PROMPT_END = f"{ACTION_SEP}def main():\n{FRAME_SEP}"
 
 def _expect(text, i, tok):
@@ -225,6 +229,7 @@ def _until(text, i, tok):
         if t in line: raise _ParseError(f"unexpected {t} in the source line at char {i}")
     return line, j + len(tok)
 
+# %% ../nbs/00_trace.ipynb #46f18b6e
 def _parse_frame(text, i):
     for kind, sep in _KIND_SEP.items():
         if text.startswith(sep, i): break
@@ -252,6 +257,7 @@ def _parse_frame(text, i):
     i = _expect(text, i, FRAME_SEP)
     return Frame(kind, line, None, value), i
 
+# %% ../nbs/00_trace.ipynb #fc326f38
 def parse_trace(text: str) -> ParsedTrace:
     "Parse generated trace text into frames; tolerant (never raises)."
     frames, err = [], None
@@ -325,6 +331,7 @@ _DENY_EVENTS = {
     "ctypes.call_function": "ctypes", "ctypes.cdata": "ctypes", "sys.addaudithook": "adding an audit hook",
     "resource.setrlimit": "changing resource limits", "resource.prlimit": "changing resource limits",
 }
+
 # event -> indices of path arguments that must lie inside the work directory
 _PATH_EVENTS = {
     "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.mkdir": (0,), "os.link": (0, 1),
@@ -334,8 +341,10 @@ _PATH_EVENTS = {
     "shutil.copytree": (1,), "shutil.move": (0, 1), "shutil.chown": (0,), "shutil.make_archive": (0,),
     "shutil.unpack_archive": (1,), "tempfile.mkstemp": (0,), "tempfile.mkdtemp": (0,),
 }
+
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
+# %% ../nbs/00_trace.ipynb #0f5e1723
 def _audit_hook(sb: _Sandbox):
     def hook(event, args):
         if event == "open":
@@ -387,8 +396,10 @@ _X86_64_DENY = {
     "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
     "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "removexattrat": 466,
 }
+
 _NR_CLONE, _NR_CLONE3, _NR_PRLIMIT64, _NR_PRCTL, _CLONE_THREAD, _PR_SET_DUMPABLE = 56, 435, 302, 157, 0x00010000, 4
 
+# %% ../nbs/00_trace.ipynb #4d210cda
 def seccomp_program(machine: str | None = None) -> bytes | None:
     "The classic-BPF seccomp filter of traced children (x86_64; `None` elsewhere: that layer is then absent)."
     if (machine or platform.machine()) != "x86_64": return None
@@ -508,6 +519,7 @@ def _confine(cfg: dict, rfd: int, wfd: int, seccomp) -> dict:
     if seccomp is not None: seccomp()
     return req
 
+# %% ../nbs/00_trace.ipynb #9075d2f3
 def _run_program(req: dict, workdir: str, audit: bool) -> dict:
     "Trace one program in this (confined) child under its alarm; the result as plain data."
     timeout, sb = float(req.get("timeout", 2.0)), _Sandbox(workdir)
@@ -582,6 +594,7 @@ def _empty_dir(top: str) -> bool:
         except OSError: pass
         if back is not None: os.close(back)
 
+# %% ../nbs/00_trace.ipynb #6f8a255d
 def _scratch_state(root: str) -> tuple:
     "What the server keeps constant about its scratch root: type, owner, mode and extended attributes."
     st = os.lstat(root)
@@ -677,6 +690,7 @@ def _relay(r: int, deadline: float, cfg: dict) -> tuple[bytearray, str]:
             if len(buf) > cfg["max_result_bytes"]: return buf, "overflow"
     finally: poller.unregister(r)
 
+# %% ../nbs/00_trace.ipynb #802534ed
 def _serve_one(cfg: dict, req: dict, zygote) -> tuple[dict, bytes]:
     "Have the zygote fork a clean child for one request, hand the child its request on a pipe of its own, relay what it"
     "writes on its result pipe, then end it and empty the scratch."
@@ -721,6 +735,7 @@ def _read_exact(fd: int, n: int) -> bytes | None:
         buf += b
     return bytes(buf)
 
+# %% ../nbs/00_trace.ipynb #d814318e
 def _server_main(cfg: dict):
     "Prepare once (imports, seccomp, warm caches, gc.freeze), then split: this process (PID 1 of the jail) becomes the"
     "zygote, which never sees a row; its child becomes the server, which reads requests and has the zygote fork a clean"
@@ -935,6 +950,7 @@ _m._server_main(json.loads(sys.argv[2]))
 
 class _ProtocolError(Exception): pass
 
+# %% ../nbs/00_trace.ipynb #49c96a2f
 class _Jail:
     "Parent side of one fork server: a bwrap jail, or (`jailed=False`, unsafe) a bare process in a temporary directory."
     def __init__(self, cfg: dict, jailed: bool):
@@ -1020,9 +1036,12 @@ def _clean_reason(s: str, n: int = 300) -> str:
     return " ".join(s.split())[:n]
 
 _MAX_LOCALS = 4096      # names in one frame's locals (a function with more is no program of ours)
+
 _MAX_NAME = 1000        # characters of one local's name
+
 _CHECK_EVERY = 256      # frames between two looks at the clock
 
+# %% ../nbs/00_trace.ipynb #86be9fac
 def _check_result(payload: bytes, lines: frozenset, max_frames: int, deadline: float | None = None) -> tuple | str:
     "Validate a child's result against the schema: `(ok, reason, value, frames)`, or what is wrong with it. Every"
     "field has its exact JSON type, counts and lengths are bounded, and past `deadline` (monotonic) it gives up."
@@ -1084,10 +1103,14 @@ def _relayed(id: str, head: dict, payload: bytes, row: dict, pool, deadline: flo
 
 # %% ../nbs/00_trace.ipynb #7c0e3ea2
 _BOOT_TIMEOUT = 60.0    # a fork server must be ready this long after it was started
+
 _SERVER_SLACK = 10.0    # ... and relay a row this long after the row's own deadline (else it is killed)
+
 _DEPTH = 2              # requests queued per server: the next one is ready when a child ends
+
 _UNJAILED_WARNED: list = []
 
+# %% ../nbs/00_trace.ipynb #a18630b6
 class TracePool:
     "Fork servers (one per worker) that trace rows, each program in a fresh confined child; `map` keeps input order."
     def __init__(self, workers: int | None = None,   # fork servers (jails); default: one per CPU
@@ -1148,6 +1171,8 @@ class TracePool:
         return now + self.timeout + self.grace + self.cfg["result_grace"] + _SERVER_SLACK
 
 # %% ../nbs/00_trace.ipynb #6c9a7172
+# Long on purpose: one event loop owns every worker's state (dispatch, timeouts, respawn, results), and splitting it
+# would pass that state around between functions that only make sense together.
 def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trace") -> list[TraceResult]:
     "Trace every row (`code`, `input`, optional `id`) in the sandbox; results in input order, one per row, always."
     from tqdm.auto import tqdm
@@ -1236,6 +1261,7 @@ def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trac
         bar.close()
     return results
 
+# %% ../nbs/00_trace.ipynb #4fbe536e
 TracePool.map = _pool_map
 
 # %% ../nbs/00_trace.ipynb #b163d9d4
@@ -1356,39 +1382,3 @@ def find_cruxeval() -> Path | None:
 
 def _load_jsonl(path) -> list[dict]:
     with open(path) as f: return [json.loads(l) for l in f if l.strip()]
-
-# %% ../nbs/00_trace.ipynb #550abbec
-def bench(quick: bool = False) -> dict:
-    "Programs/s and fidelity of the sandboxed and in-process tracers on the CRUXEval dev rows, and their ratio."
-    path = find_cruxeval()
-    if path is None:
-        return {"name": "trace", "rows": [], "notes": "cruxeval_dev.jsonl not found (set LATENT_RL_CRUXEVAL)"}
-    rows = _load_jsonl(path)
-    reps = 1 if quick else 5
-    batch, load = rows * reps, os.getloadavg()[0]
-    def fidelity(res): return round(sum(r.ok and r.value == row["output"] for r, row in zip(res, batch)) / len(batch), 4)
-    def cpu():                                    # seconds of CPU: this process, and its children that have ended
-        import resource
-        return [sum(getattr(resource.getrusage(w), a) for a in ("ru_utime", "ru_stime"))
-                for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    def row(mode, res, dt, c0):
-        c = sum(cpu()) - sum(c0)
-        return {"mode": mode, "programs": len(batch), "seconds": round(dt, 3), "programs_per_s": round(len(batch) / dt, 1),
-                "cpu_ms_per_program": round(1000 * c / len(batch), 2), "fidelity": fidelity(res),
-                "mean_line_frames": round(sum(r.n_line_frames for r in res) / len(res), 1)}
-    out = []
-    if sandbox_status()["available"] or unsafe_allowed():
-        c0, t0 = cpu(), time.perf_counter()
-        with TracePool(2) as pool: sres = pool.map(batch, progress=False)
-        out.append(row(f"sandboxed ({'bwrap jail' if pool.jailed else 'NO jail: unsafe'}), 2 workers", sres,
-                       time.perf_counter() - t0, c0))
-    c0, t0 = cpu(), time.perf_counter()
-    ires = [trace_inprocess(r["code"], r["input"], id=r["id"]) for r in batch]
-    out.append(row("in-process, 1 core, no sandbox", ires, time.perf_counter() - t0, c0))
-    for r in out: r["vs_in_process"] = round(r["programs_per_s"] / out[-1]["programs_per_s"], 3)
-    return {"name": "trace", "rows": out,
-            "notes": (f"{len(rows)} CRUXEval dev rows x {reps}; fidelity = fraction traced ok with repr(f(input)) == output; "
-                      f"sandboxed: one fresh confined process per program, time includes starting the jails; cpu_ms_per_program "
-                      f"counts this process and the jails (all their processes); "
-                      f"{os.cpu_count()} CPUs, load average {load:.2f} at the start"
-                      + ("" if len(out) == 2 else f"; no sandboxed row: {sandbox_status()['reason']}") + ".")}

@@ -48,7 +48,7 @@ def test_unknown_config_field_is_refused(tmp_path, tiny_data):
 
 def test_sft_then_eval(tiny_data, tmp_path):
     run_cli("sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
-            "--val", tiny_data / "corpus/val.jsonl", "--preset", "nano", "--steps", 6, "--batch_size", 8,
+            "--val", tiny_data / "corpus/val.jsonl", "--size", "nano", "--steps", 6, "--batch_size", 8,
             "--save_every", 3, "--log_every", 2, "--out", tmp_path / "run")
     run = tmp_path / "run"
     cfg = json.loads((run / "config.json").read_text()); assert cfg["steps"] == 6
@@ -66,7 +66,7 @@ def test_sft_resume_continues_exactly(tiny_data, tmp_path):
     # run to run, and Adam amplifies last-bit differences; exactness of *resume* is what this test is about
     one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     common = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-              "--preset", "nano", "--batch_size", 8, "--save_every", 3, "--log_every", 1]
+              "--size", "nano", "--batch_size", 8, "--save_every", 3, "--log_every", 1]
     run_cli(*common, "--steps", 6, "--out", tmp_path / "full", env=one)
     run_cli(*common, "--steps", 6, "--out", tmp_path / "part", "--save_every", 3, env=one)
     import shutil; shutil.rmtree(tmp_path / "part" / "final")
@@ -87,7 +87,7 @@ def test_bench_prints_table_and_json(tmp_path):
 
 def test_every_announced_command_exists():
     from latent_rl.train import COMMANDS, PENDING
-    assert not PENDING and {"gkd", "grpo", "plot", "diagnose", "serve-teacher", "presets"} <= set(COMMANDS)
+    assert not PENDING and {"gkd", "grpo", "plot", "diagnose", "serve-teacher", "recipes"} <= set(COMMANDS)
     p = run_cli("--help")
     assert all(c in p.stdout for c in COMMANDS)
 
@@ -104,7 +104,7 @@ def test_demo_pipeline_smoke(tmp_path):
 
 def _sft_args(tiny_data, out, *more):
     return ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-            "--preset", "nano", "--batch_size", 8, "--log_every", 1, "--out", out, *more]
+            "--size", "nano", "--batch_size", 8, "--log_every", 1, "--out", out, *more]
 
 @pytest.mark.parametrize("text,msg", [('lr = "fast"\n', "field 'lr' expects a finite number, got 'fast'"),
                                       ("steps = 2.5\n", "field 'steps' expects an integer, got 2.5"),

@@ -36,7 +36,7 @@ def summary(d): return json.loads((Path(d) / "final" / "training_summary.json").
 
 STAGES = {
     "sft": lambda data: ["sft", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val", "",
-                         "--preset", "nano", "--steps", 3, "--batch_size", 8, "--lr", 1e-3, "--save_every", 0, "--log_every", 1],
+                         "--size", "nano", "--steps", 3, "--batch_size", 8, "--lr", 1e-3, "--save_every", 0, "--log_every", 1],
     "codi": lambda data: ["codi", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2,
                           "--batch_size", 4, "--lr", 1e-4, "--save_every", 0, "--log_every", 1],
     "grpo": lambda data: ["grpo", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
@@ -84,7 +84,7 @@ def kill_after_checkpoint(cmd_args, out, step, nproc=1):
 
 def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
     args = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-            "--preset", "nano", "--steps", 60, "--batch_size", 16, "--save_every", 4, "--log_every", 1]
+            "--size", "nano", "--steps", 60, "--batch_size", 16, "--save_every", 4, "--log_every", 1]
     launch(1, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 8)
     launch(1, *args, "--out", tmp_path / "part", "--resume")
@@ -95,7 +95,7 @@ def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
 def test_fsdp_sigkill_resume_and_reshard(tiny_data, tmp_path):
     "FSDP2 on 2 processes: each rank writes its shard; SIGKILL + resume is exact; a 2-process checkpoint resumes on 1."
     args = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-            "--preset", "nano", "--steps", 12, "--batch_size", 16, "--save_every", 4, "--log_every", 1, "--strategy", "fsdp"]
+            "--size", "nano", "--steps", 12, "--batch_size", 16, "--save_every", 4, "--log_every", 1, "--strategy", "fsdp"]
     launch(2, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 8, nproc=2)
     ck = tmp_path / "part" / "checkpoints" / "step-8"
@@ -129,7 +129,7 @@ def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
     launch(1, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 3)
     import shutil
-    from latent_rl.stages import list_checkpoints
+    from latent_rl.loop import list_checkpoints
     for step, path in list_checkpoints(tmp_path / "part"):
         if step % 2 == 0: shutil.rmtree(path)                     # resume from an odd step: inside a generation cycle
     assert list_checkpoints(tmp_path / "part") and all(s % 2 == 1 for s, _ in list_checkpoints(tmp_path / "part"))
@@ -138,9 +138,9 @@ def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
 
 def test_corrupt_checkpoint_is_named_and_skipped(tiny_data, tmp_path):
     args = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-            "--preset", "nano", "--steps", 60, "--batch_size", 8, "--save_every", 2, "--log_every", 1]
+            "--size", "nano", "--steps", 60, "--batch_size", 8, "--save_every", 2, "--log_every", 1]
     kill_after_checkpoint(args, tmp_path, 6)
-    from latent_rl.stages import list_checkpoints, load_checkpoint_state, CheckpointError
+    from latent_rl.loop import list_checkpoints, load_checkpoint_state, CheckpointError
     cks = list_checkpoints(tmp_path)
     newest, previous = cks[-1][1], cks[-2][1]
     st = newest / "state.pt"

@@ -7,7 +7,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 def test_stages_bench_cpu_tiny(tmp_path):
     "The GPU benchmark's code path, on the CPU with the tiny architecture (what CI can run)."
-    run_cli("stages", "--quick", "--preset", "tiny", "--json", tmp_path / "s.json", module="latent_rl.bench")
+    run_cli("stages", "--quick", "--arch", "tiny", "--json", tmp_path / "s.json", module="latent_rl.bench")
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert {r["stage"] for r in rows} >= {"sft", "codi", "grpo rollout (latent)", "grpo train (latent)"}
     assert all(r["step_s"] > 0 for r in rows)
@@ -19,7 +19,7 @@ def test_stages_bench_refuses_cuda_without_gpu():
 
 @cuda
 def test_stages_bench_real_size_on_gpu(tmp_path):
-    run_cli("stages", "--device", "cuda", "--preset", "qwen2.5-coder-0.5b", "--quick", "--json", tmp_path / "g.json",
+    run_cli("stages", "--device", "cuda", "--arch", "qwen2.5-coder-0.5b", "--quick", "--json", tmp_path / "g.json",
             module="latent_rl.bench", timeout=1200)
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]
     assert all(r["peak_mem_gb"] > 0 for r in rows)

@@ -56,7 +56,7 @@ def grpo_run(tmp_path): return write_run(tmp_path / "grpo")
 @pytest.fixture(scope="module")
 def codi_run(tmp_path_factory):
     "A real 3-step CODI run from the shipped tiny teacher, recording KD anchors at every step."
-    from latent_rl.stages import CodiConfig, run_codi
+    from latent_rl.codi import CodiConfig, run_codi
     out = tmp_path_factory.mktemp("codi")
     run_codi(CodiConfig(model=str(ROOT / "data/teacher"), train=str(ROOT / "data/corpus/train.jsonl"), val="", steps=3,
                         batch_size=4, max_train=16, anchor_every=1, log_every=1, save_every=0, out=str(out)), progress=False)

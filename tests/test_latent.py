@@ -8,6 +8,7 @@ from transformers import Qwen2Config, AutoModelForCausalLM, DynamicCache
 
 from latent_rl.latent import LatentModel, LatentSpec, CodiOptions, codi_forward, kd_layer_indices
 from latent_rl.models import cache_kw, out_cache
+from latent_rl.bench import ref_forward     # the per-example reference (the seed's algorithm): the oracle
 
 V, LS, LE, LSEP, ASEP, EOT = 48, 40, 41, 42, 43, 44
 
@@ -34,82 +35,6 @@ def batch(seed=0):
     return [make_example(rng, n, p) for n, p in ((1, 5), (3, 3), (2, 7), (1, 2))]
 
 # ---------------------------------------------------------------- the per-example reference (seed semantics)
-def ref_forward(lm, examples, opts, teacher=None, coins=None):
-    model, prj, s = lm.model, lm.prj, lm.spec.latent_steps
-    ls_id, le_id = lm.spec.latent_start_id, lm.spec.latent_end_id
-    body, head = model.model, model.lm_head
-    L = model.config.num_hidden_layers
-    layers = kd_layer_indices(opts, L, teacher is not None)
-    emb = model.get_input_embeddings()
-    tl = sl = kl = 0.0
-    for bi, ex in enumerate(examples):
-        prompt, trace, spans = torch.tensor(ex["prompt_ids"]), torch.tensor(ex["trace_ids"]), ex["spans"]
-        full = torch.cat([prompt, trace])
-        kd_pos = [len(prompt) + j for _, j in spans]
-        # teacher
-        if teacher is None:
-            out = model(input_ids=full[None], output_hidden_states=True)
-            labels = torch.cat([torch.full((len(prompt),), -100), trace])
-            t_ce = F.cross_entropy(out.logits[0, :-1], labels[1:], ignore_index=-100)
-            hs = out.hidden_states
-        else:
-            with torch.no_grad():
-                out = teacher(input_ids=full[None], output_hidden_states=True)
-            t_ce, hs = None, out.hidden_states
-        t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)  # the seed: each model's own
-        t_kd = [hs[l][0, kd_pos].detach() for l in t_layers]
-        t_logits = out.logits[0, kd_pos].detach()
-        # student
-        segs, prev, kd = [], 0, False
-        for i, j in spans:
-            segs.append(("text", trace[prev:i + 1], kd)); segs.append(("latent", None, False)); prev, kd = j, True
-        segs.append(("text", trace[prev:], kd))
-        last = len(segs) - 1
-        o = model(inputs_embeds=emb(prompt[None]), use_cache=True)
-        cache, prev_logits = out_cache(o), o.logits[:, -1]
-        ce_logits, ce_t, kd_vecs, kd_last, seg_k = [], [], [], [], 0
-        for si, (kind, ids, kdf) in enumerate(segs):
-            if kind == "latent":
-                o = body(inputs_embeds=emb(torch.tensor([[ls_id]])), use_cache=True, **cache_kw(body, cache))
-                cache, h = out_cache(o), o.last_hidden_state[:, -1:]
-                for _ in range(s):
-                    o = body(inputs_embeds=prj(h), use_cache=True, **cache_kw(body, cache))
-                    cache, h = out_cache(o), o.last_hidden_state[:, -1:]
-                o = body(inputs_embeds=emb(torch.tensor([[le_id]])), use_cache=True, **cache_kw(body, cache))
-                cache, prev_logits = out_cache(o), head(o.last_hidden_state[:, -1])
-                continue
-            seg_k += 1
-            inp = ids
-            if kdf and coins is not None and coins[bi, seg_k - 1]:
-                end = ids.numel() if si == last else ids.numel() - 1
-                c = DynamicCache()
-                for li, ly in enumerate(cache.layers): c.update(ly.keys.detach(), ly.values.detach(), li)
-                with torch.no_grad():
-                    pred = model(inputs_embeds=emb(ids[None]), use_cache=True, **cache_kw(model, c)).logits[0].argmax(-1)
-                inp = ids.clone(); inp[1:end] = pred[:end - 1]
-            ce_logits.append(prev_logits); ce_t.append(ids[:1])
-            o = model(inputs_embeds=emb(inp[None]), use_cache=True, output_hidden_states=kdf, **cache_kw(model, cache))
-            cache, logits = out_cache(o), o.logits[0]
-            if ids.numel() > 1: ce_logits.append(logits[:-1]); ce_t.append(ids[1:])
-            prev_logits = logits[-1:]
-            if kdf:
-                kd_vecs.append([o.hidden_states[l][0, 0] for l in layers]); kd_last.append(o.hidden_states[-1][0, 0])
-        s_ce = F.cross_entropy(torch.cat(ce_logits), torch.cat(ce_t))
-        s_kd = [torch.stack([v[l] for v in kd_vecs]) for l in range(len(layers))]
-        s_last = torch.stack(kd_last)
-        if opts.single_anchor:
-            t_kd, s_kd, s_last, t_logits = [t[-1:] for t in t_kd], [x[-1:] for x in s_kd], s_last[-1:], t_logits[-1:]
-        if opts.kd_target == "logit":
-            T = opts.kd_temp
-            k_loss = F.kl_div(F.log_softmax(head(s_last) / T, -1), F.softmax(t_logits / T, -1), reduction="batchmean") * T * T
-        else:
-            k_loss = F.smooth_l1_loss(torch.stack(s_kd), torch.stack(t_kd))
-        tl = tl + (t_ce if t_ce is not None else 0.0); sl = sl + s_ce; kl = kl + k_loss
-    n = len(examples)
-    loss = opts.a * tl / n + opts.b * sl / n + opts.g * kl / n
-    f = lambda x: float(x.detach()) if torch.is_tensor(x) else float(x)
-    return loss, {"student_loss": f(sl / n), "kd_loss": f(kl / n), "teacher_loss": f(tl / n) if teacher is None else 0.0}
-
 # ---------------------------------------------------------------- equivalence
 CASES = [dict(steps=s, kd=kd, frozen=fr, single=sa) for s, kd, fr, sa in itertools.product((1, 3), ("hidden", "logit"), (False, True), (False, True))]
 

@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from latent_rl.logprobs import (IGNORE_INDEX, logprobs_from_logits, shift_labels, token_logprobs,
                                 token_logprobs_checkpointed)
-from latent_rl.losses import (TeacherOutput, bench, generalized_jsd, generalized_jsd_from_hidden, group_advantages,
-                              grpo_loss, hidden_kd_loss, logit_kd_loss, sft_loss)
+from latent_rl.bench import losses_bench
+from latent_rl.losses import (TeacherOutput, generalized_jsd, generalized_jsd_from_hidden, group_advantages,
+                              grpo_loss, anchor_kd_loss, sft_loss)
 
 VAL, GRAD = 1e-6, 1e-5
 
@@ -495,44 +496,48 @@ def test_jsd_empty_mask_no_nan():
 
 
 # ----------------------------------------------------------------------------------------------- CODI KD
-def test_hidden_kd_loss_equals_naive():
+def test_anchor_kd_loss_equals_naive():
+    "Per example: the mean over its real anchors of smooth-L1 per layer (÷ the teacher's per-layer std), as the seed."
     g = torch.Generator().manual_seed(0)
-    student = [torch.randn(5, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    teacher = [torch.randn(5, 8, generator=g, dtype=torch.float64) * s for s in (0.5, 3.0, 10.0)]
+    B, K, L, H = 3, 4, 2, 8
+    student = torch.randn(B, K, L, H, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(B, K, L, H, generator=g, dtype=torch.float64) * torch.tensor([0.5, 10.0], dtype=torch.float64)[None, None, :, None]
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
     for norm in (False, True):
-        per = []
-        for s, t in zip(student, teacher):
-            d = (s - t).abs()
-            sl1 = torch.where(d < 1, 0.5 * d ** 2, d - 0.5).mean()
-            per.append(sl1 / t.std() if norm else sl1)
-        ref = torch.stack(per).mean()
-        loss, met = hidden_kd_loss(student, teacher, normalize_by_teacher_std=norm)
+        std = torch.stack([teacher[valid][:, l].std() for l in range(L)])
+        ref = []
+        for b in range(B):
+            per = []
+            for k in range(int(valid[b].sum())):
+                for l in range(L):
+                    d = (student[b, k, l] - teacher[b, k, l]).abs()
+                    sl1 = torch.where(d < 1, 0.5 * d ** 2, d - 0.5).mean()
+                    per.append(sl1 / std[l] if norm else sl1)
+            ref.append(torch.stack(per).mean())
+        ref = torch.stack(ref)
+        loss, met = anchor_kd_loss(student, teacher, valid, normalize_by_teacher_std=norm)
         assert close(loss, ref, VAL)
-        assert all(close(a, b, GRAD) for a, b in zip(torch.autograd.grad(loss, student), torch.autograd.grad(ref, student)))
-        assert met["per_layer_loss"].shape == (3,) and close(met["per_layer_loss"], torch.stack(per).detach(), VAL)
-        assert close(met["per_layer_l2"], torch.stack([(s - t).norm(dim=-1).mean() for s, t in zip(student, teacher)]).detach(), VAL)
-    stacked, _ = hidden_kd_loss(torch.stack(student), torch.stack(teacher), reduction="sum")
-    assert close(stacked, sum(F.smooth_l1_loss(s, t) for s, t in zip(student, teacher)), VAL)
-    t_req = teacher[0].clone().requires_grad_()
-    hidden_kd_loss(student[0], t_req)[0].backward()
+        assert close(torch.autograd.grad(loss.sum(), student)[0], torch.autograd.grad(ref.sum(), student)[0], GRAD)
+        assert met["dist"].shape == (B, K, L) and not met["dist"].requires_grad
+    t_req = teacher.clone().requires_grad_()
+    anchor_kd_loss(student, t_req, valid)[0].sum().backward()
     assert t_req.grad is None                                      # teacher is stop-gradient
 
 
-def test_logit_kd_loss_equals_naive():
+def test_anchor_kd_loss_logit_equals_naive():
     g = torch.Generator().manual_seed(0)
-    s = torch.randn(4, 11, generator=g, dtype=torch.float64, requires_grad=True)
-    t = torch.randn(4, 11, generator=g, dtype=torch.float64)
+    s = torch.randn(1, 4, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(1, 4, 11, generator=g, dtype=torch.float64)
     T = 2.0
     pt, ps = torch.softmax(t / T, -1), torch.softmax(s / T, -1)
     ref = (pt * (pt.log() - ps.log())).sum(-1).mean() * T * T
-    loss, met = logit_kd_loss(s, t, temperature=T)
-    assert close(loss, ref, VAL) and close(torch.autograd.grad(loss, s)[0], torch.autograd.grad(ref, s)[0], GRAD)
-    assert abs(met["kl"] * T * T - met["loss"]) < 1e-9
+    loss, _ = anchor_kd_loss(s, t, torch.ones(1, 4, dtype=torch.bool), target="logit", temperature=T)
+    assert close(loss[0], ref, VAL) and close(torch.autograd.grad(loss[0], s)[0], torch.autograd.grad(ref, s)[0], GRAD)
 
 
 # ----------------------------------------------------------------------------------------------- bench
 def test_bench_quick_runs():
-    res = bench(quick=True)
+    res = losses_bench(quick=True)
     assert res["name"] == "losses" and isinstance(res["notes"], str)
     assert len(res["rows"]) == 6
     for r in res["rows"]:

@@ -6,9 +6,10 @@ import pytest
 
 # the package may not be installed into the venv: import it from the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from latent_rl.bench import trace_bench
 from latent_rl.trace import (TRACE_TOKENS, TRACE_CONTEXT_START, CALL_SEP, LINE_SEP, RETURN_SEP, EXCEPTION_SEP,
                              ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, LATENT_START, LATENT_END, Frame,
-                             TraceResult, TracePool, bench, find_cruxeval, make_context, parse_trace,
+                             TraceResult, TracePool, find_cruxeval, make_context, parse_trace,
                              predicted_value, prompt_text, render_frame, render_trace, trace_inprocess, trace_one,
                              trace_rows)
 
@@ -284,7 +285,7 @@ def test_parse_value_of_truncated_text():
 
 def test_bench_quick():
     if find_cruxeval() is None: pytest.skip("cruxeval_dev.jsonl not found")
-    b = bench(quick=True)
+    b = trace_bench(quick=True)
     assert b["name"] == "trace" and isinstance(b["notes"], str) and len(b["rows"]) == 2
     for row in b["rows"]:
         print(row)
