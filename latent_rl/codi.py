@@ -12,12 +12,12 @@ import torch
 import torch.nn as nn
 
 from .tokens import codi_example, latent_subset
-from .models import load_model, n_params
+from .models import load_model, n_params, lora_scale, export_state, save_lora, load_lora
 from .latent import LatentModel, CodiOptions, codi_forward
 from .records import RunRecord
 from .config import TrainConfig, teacher_dtype
 from .engine import setup, log0
-from .loop import Stage, train_loop, finish_run, write_config, load_traced, bucket_groups, bucket_indices
+from .loop import Stage, train_loop, finish_run, write_config, load_traced, bucket_groups, bucket_indices, lora_student
 
 # %% auto #0
 __all__ = ['SS_SALT', 'TF_SALT', 'CodiConfig', 'example_coins', 'load_frozen_teacher', 'latent_share', 'anchor_record',
@@ -147,8 +147,11 @@ class CodiStep(Stage):
                  latent_share=sum(len(e["spans"]) for e in batch) / sum(len(self.exs[i]["spans"]) for i in part))
         return out.loss * len(part) / len(idx), m
 
-    def save(self, d, state_dict=None): self.module.save(d, self.tok, state_dict)
-    def load_weights(self, d): self.module.load_state_dict(LatentModel.load(d, dtype=self.cfg.dtype)[0].state_dict())
+    def save(self, d, state_dict=None):   # LoRA: the merged model, and the adapters and projector for a resume
+        self.module.save(d, self.tok, export_state(self.module, state_dict)); save_lora(self.module, d, state_dict)
+    def load_weights(self, d):
+        if lora_scale(self.module) is not None: return load_lora(self.module, d)
+        self.module.load_state_dict(LatentModel.load(d, dtype=self.cfg.dtype)[0].state_dict())
 
 # %% ../nbs/18_codi.ipynb #4eba2744
 def codi_examples(cfg: CodiConfig, tok, opts: CodiOptions, acc, progress: bool = True) -> list[dict]:
@@ -166,6 +169,7 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     lm, tok = LatentModel.load(cfg.model, dtype=cfg.dtype, latent_steps=cfg.latent_steps)
     lm.spec.latent_steps = cfg.latent_steps
     if cfg.prj_init == "embed" and not LatentModel.is_latent_dir(cfg.model): lm.init_projector_to_embeddings()
+    lora_student(cfg, lm.model, lm)                                  # the projector trains fully
     lm.to(acc.device)
     teacher = load_frozen_teacher(cfg, lm, tok, acc.device)
     exs = codi_examples(cfg, tok, opts, acc, progress)

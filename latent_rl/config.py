@@ -22,9 +22,9 @@ class ConfigError(ValueError):
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 POSITIVE = {"steps", "batch_size", "grad_accum", "max_len", "latent_steps", "log_every", "group_size", "max_new_tokens",
-            "steps_per_generation", "max_resample_rounds", "max_locals", "vllm_tensor_parallel_size",
+            "steps_per_generation", "max_resample_rounds", "lora_alpha", "max_locals", "vllm_tensor_parallel_size",
             "lr", "max_grad_norm", "kd_temp", "temperature", "http_timeout"}
-NON_NEGATIVE = {"warmup", "save_every", "max_train", "max_spans", "anchor_every", "record_every", "topk", "weight_decay",
+NON_NEGATIVE = {"lora_r", "warmup", "save_every", "max_train", "max_spans", "anchor_every", "record_every", "topk", "weight_decay",
                 "a", "b", "g", "value_kd", "answer_kd", "recon", "answer_weight", "sft_alpha", "http_retries",
                 "http_backoff", "vllm_max_model_len", "seed", "eps_low", "eps_high"}
 FRACTION = {"min_lr_frac", "ss_prob", "ss_ramp_frac", "latent_tf", "curriculum", "lmbda", "beta",
@@ -154,6 +154,9 @@ class TrainConfig:
     precision: str = "fp32"             # fp32 | bf16: bf16 compute over fp32 weights, gradients and AdamW states
     pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
     strategy: str = "ddp"               # ddp (torch DDP: replicated) | fsdp (FSDP2: sharded weights, grads, states)
+    lora_r: int = 0                     # LoRA rank (0 = train every weight); the base stays frozen (latent_rl.models.add_lora)
+    lora_alpha: float = 16.0            # LoRA scale α (updates are α/r · B·A)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"   # comma-separated module names
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (text passes; not latent ones)
     save_every: int = 100               # steps between checkpoints (0 = none)
     log_every: int = 10

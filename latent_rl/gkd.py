@@ -14,14 +14,14 @@ from .tokens import encode, trace_token_ids, find_spans, IGNORE_INDEX
 from .losses import generalized_jsd_from_hidden, sft_loss
 from .logprobs import token_logprobs
 from .generate import row_key
-from .models import n_params
+from .models import n_params, lora_scale, export_state, save_lora, load_lora
 from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
 from .records import RunRecord
-from .config import TrainConfig, teacher_dtype
+from .config import ConfigError, TrainConfig, teacher_dtype
 from .engine import setup, log0, gathered_weights, sum_over_ranks
-from .loop import Stage, train_loop, finish_run, write_config, load_traced, batch_indices
+from .loop import Stage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student
 
 # %% auto #0
 __all__ = ['gkd_coin', 'dataset_completion', 'resample_overlong', 'gkd_loss', 'GKDConfig', 'make_teacher', 'GKDStep', 'run_gkd']
@@ -87,7 +87,7 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
 class GKDConfig(TrainConfig):
     "On-policy distillation (GKD) of a text or latent student from a teacher."
     model: str = "runs/demo/codi/final"  # student: latent model dir (CODI) or any HF causal LM
-    teacher: str = "data/teacher"        # model path | self | http://host:port
+    teacher: str = "data/teacher"        # model path | self | base (the student, LoRA adapters off) | http://host:port
     out: str = "runs/gkd"
     lmbda: float = 0.5                   # probability of on-policy completions per generation cycle
     beta: float = 0.5                    # JSD interpolation (0 = forward KL, 1 = reverse KL)
@@ -121,6 +121,9 @@ class GKDConfig(TrainConfig):
 def make_teacher(cfg: GKDConfig, policy: Policy) -> Teacher:
     k = cfg.topk or None
     if cfg.teacher == "self": return SelfTeacher(policy, k)
+    if cfg.teacher == "base":   # the student with its LoRA adapters off: the frozen base, no second copy
+        if not cfg.lora_r: raise ConfigError("teacher = 'base' is the student without its LoRA adapters: set lora_r > 0")
+        return AdapterOffTeacher(policy, k)
     if cfg.teacher.startswith(("http://", "https://")):
         if not k: raise ValueError("GKDConfig.teacher is an HTTP server: set topk > 0 (servers return top-k logprobs)")
         return HTTPTeacher(cfg.teacher, topk=k, timeout=cfg.http_timeout, retries=cfg.http_retries,
@@ -271,8 +274,14 @@ def _load_state(self: GKDStep, st: dict) -> None:
         self.buffer[s] = (on, [dict(it, row=self.data[it["idx"]]["row"]) for it in items])
 
 GKDStep.take, GKDStep.score, GKDStep.metrics, GKDStep.state, GKDStep.load_state = _take, _score, _metrics, _state, _load_state
-GKDStep.save = lambda self, d, state_dict=None: self.policy.save(d, state_dict)
-GKDStep.load_weights = lambda self, d: self.policy.load_weights_from(d)
+def _save(self: GKDStep, d, state_dict=None):   # LoRA: the merged model, and the trained weights for a resume
+    self.policy.save(d, export_state(self.module, state_dict)); save_lora(self.module, d, state_dict)
+
+def _load_weights(self: GKDStep, d):
+    if lora_scale(self.module) is not None: return load_lora(self.module, d)
+    self.policy.load_weights_from(d)
+
+GKDStep.save, GKDStep.load_weights = _save, _load_weights
 
 # %% ../nbs/19_gkd.ipynb #84216c56
 def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
@@ -281,6 +290,8 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
         raise ValueError(f"GKDConfig.truncation_strategy must be 'delete' or 'keep', got {cfg.truncation_strategy!r}")
     acc = setup(cfg.seed); write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
+    lora_student(cfg, policy.lm, policy.module)
+    if cfg.lora_r and cfg.use_vllm: raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     teacher = make_teacher(cfg, policy)
     check_vocab(policy.tok, teacher, policy.head_weight.shape[0])     # refuse mismatched vocabularies at start-up
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)

@@ -9,10 +9,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 
 from .corpus import load_rows, trace_and_fill
+from .models import add_lora, fp32_masters
 from .records import RunRecord, RECORD_FILES, trim_records
 from .config import ConfigError, check_precision
 from .engine import (Engine, make_engine, log0, peak_memory_mb, added_peak_mb, param_checksum, full_state_dict,
@@ -23,8 +25,8 @@ __all__ = ['RESUME_MAY_CHANGE', 'lr_lambda', 'CheckpointError', 'rng_state', 'se
            'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state',
            'latest_checkpoint', 'RunDirBusy', 'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config',
            'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'StopRequest', 'resume_run', 'write_checkpoint',
-           'train_step', 'step_record', 'make_optimizer', 'log_step', 'train_loop', 'finish_run', 'load_traced',
-           'wandb_settings', 'wandb_run']
+           'train_step', 'step_record', 'make_optimizer', 'log_step', 'train_loop', 'finish_run', 'lora_student',
+           'load_traced', 'wandb_settings', 'wandb_run']
 
 # %% ../nbs/16_loop.ipynb #22ccd1d3
 def lr_lambda(step: int, warmup: int, total: int, min_lr_frac: float = 0.1) -> float:
@@ -391,6 +393,16 @@ def finish_run(stage: Stage, summary: dict, engine: Engine | None = None) -> Pat
     acc.wait_for_everyone()
     release_run_dir(out)
     return final
+
+# %% ../nbs/16_loop.ipynb #b3dae85b
+def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
+    """With `cfg.lora_r`: LoRA adapters in the HF `model` (inside the trained `module`), everything else in it frozen, and
+    the trainable weights as fp32 masters. A bf16 base then needs bf16 compute (`--precision bf16`, autocast)."""
+    if not cfg.lora_r: return
+    if cfg.dtype not in ("fp32", "float32") and cfg.precision != "bf16":
+        raise ConfigError(f"lora_r over a {cfg.dtype} base needs --precision bf16 (the fp32 adapters run under autocast)")
+    add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+    fp32_masters(module)
 
 # %% ../nbs/16_loop.ipynb #4b1596f2
 def load_traced(path, limit: int = 0, progress: bool = True) -> list[dict]:

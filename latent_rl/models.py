@@ -4,16 +4,18 @@
 
 # %% ../nbs/04_models.ipynb #be1de692
 from __future__ import annotations
-import os
+import contextlib, os
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from .tokens import add_trace_tokens
 
 # %% auto #0
-__all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_SIZES', 'resolve_dtype', 'load_tokenizer', 'check_vocab', 'load_model',
-           'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'check_plain_head',
-           'cache_kw', 'out_cache', 'copy_cache']
+__all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_SIZES', 'LORA_TARGETS', 'resolve_dtype', 'load_tokenizer', 'check_vocab',
+           'load_model', 'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight',
+           'check_plain_head', 'add_lora', 'fp32_masters', 'lora_scale', 'merge_lora', 'export_state', 'save_lora',
+           'load_lora', 'adapters_off', 'cache_kw', 'out_cache', 'copy_cache']
 
 # %% ../nbs/04_models.ipynb #43238021
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -126,6 +128,79 @@ def check_plain_head(model, where: str = ""):
         raise ValueError(f"{where or type(m).__name__}: its logits are not `last hidden state @ lm_head.weight.T` (an LM-head "
                          "bias, logit scaling or soft-capping), which latent_rl's latent and chunked-logprob paths assume; "
                          "this architecture is not supported yet")
+
+# %% ../nbs/04_models.ipynb #76c710d9
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"   # attention and MLP projections (Qwen2/Llama)
+
+def add_lora(model: nn.Module, r: int, alpha: float = 16.0, targets: str = LORA_TARGETS, seed: int = 0) -> nn.Module:
+    "Inject LoRA adapters of rank `r` into `model`'s `targets` in place; freeze everything else in it. Returns `model`."
+    try: from peft import LoraConfig, inject_adapter_in_model          # optional dependency: latent-rl[peft]
+    except ImportError as e: raise ImportError("LoRA students need peft: pip install 'latent-rl[peft]'") from e
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    if not any(n.rsplit(".", 1)[-1] in names for n, _ in model.named_modules()):
+        raise ValueError(f"lora_targets {names}: no module of {type(model).__name__} has these names")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0), model)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    model.latent_rl_lora = {"r": r, "alpha": alpha, "targets": targets}
+    return model
+
+def fp32_masters(module: nn.Module) -> None:
+    "Every trainable weight of `module` in fp32: over a bf16 base, the adapters (and a latent projector) train as fp32 masters."
+    for p in module.parameters():
+        if p.requires_grad and p.dtype != torch.float32: p.data = p.data.float()
+
+def lora_scale(module: nn.Module) -> float | None:
+    "α / r of the LoRA adapters inside `module` (None: no adapters)."
+    cfg = next((m.latent_rl_lora for m in module.modules() if hasattr(m, "latent_rl_lora")), None)
+    return None if cfg is None else cfg["alpha"] / cfg["r"]
+
+# %% ../nbs/04_models.ipynb #899299c8
+def merge_lora(sd: dict, scale: float) -> dict:
+    "`sd` with each LoRA pair folded into its base weight (`W + scale · B A`) under the plain module names."
+    out = {}
+    for k, v in sd.items():
+        if ".lora_A." in k or ".lora_B." in k: continue
+        if k.endswith(".base_layer.weight"):
+            pre = k[:-len(".base_layer.weight")]
+            A, B = sd[f"{pre}.lora_A.default.weight"], sd[f"{pre}.lora_B.default.weight"]
+            out[f"{pre}.weight"] = (v.float() + scale * (B.float() @ A.float())).to(v.dtype)
+        else: out[k.replace(".base_layer.", ".")] = v                      # biases of adapted layers, everything else
+    return out
+
+def export_state(module: nn.Module, state_dict: dict | None = None) -> dict | None:
+    "The state to save as a model: merged when `module` holds LoRA adapters, else `state_dict` unchanged (None = its own)."
+    scale = lora_scale(module)
+    if scale is None: return state_dict
+    return merge_lora(state_dict if state_dict is not None else module.state_dict(), scale)
+
+def save_lora(module: nn.Module, path, state_dict: dict | None = None) -> None:
+    "Beside a saved model, when it trains adapters: every weight that trains (the adapters, a latent projector)."
+    if lora_scale(module) is None: return
+    from safetensors.torch import save_file
+    sd = state_dict if state_dict is not None else module.state_dict()
+    train = {n for n, p in module.named_parameters() if p.requires_grad}
+    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items() if k in train}, str(Path(path) / "lora.safetensors"))
+
+def load_lora(module: nn.Module, path) -> None:
+    "Load the trained weights of a checkpoint into `module` (its frozen base is the run's starting model)."
+    from safetensors.torch import load_file
+    f = Path(path) / "lora.safetensors"
+    if not f.exists(): raise FileNotFoundError(f"{f}: this checkpoint has no LoRA adapters, the run trains some")
+    bad = module.load_state_dict(load_file(str(f)), strict=False).unexpected_keys
+    if bad: raise ValueError(f"{f}: adapters {bad[:3]} do not belong to this model (another lora_targets or rank?)")
+
+@contextlib.contextmanager
+def adapters_off(module: nn.Module):
+    "Run `module` as its base model: every LoRA adapter disabled for the block."
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers: m.enable_adapters(False)
+    try: yield
+    finally:
+        for m in layers: m.enable_adapters(True)
 
 # %% ../nbs/04_models.ipynb #81d6c20f
 import inspect

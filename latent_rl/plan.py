@@ -88,7 +88,7 @@ class PlanConfig:
     strategy: str = "fsdp"              # ddp | fsdp
     precision: str = "bf16"             # bf16 (fp32 master weights) | fp32
     activation_checkpointing: bool = False
-    lora_r: int = 0                     # LoRA rank (0 = full fine-tuning; an estimate: the stages do not train LoRA yet)
+    lora_r: int = 0                     # LoRA rank (0 = full fine-tuning; --lora_r of the stages: a frozen bf16 base)
     teacher: str = ""                   # a frozen teacher model (codi: separate teacher; gkd: the teacher); "" = none
     topk: int = 0                       # gkd: teacher top-k (0 = the full distribution over the completion)
     completion: int = 0                 # gkd: completion tokens per sequence (0 = half of seq)
@@ -156,6 +156,7 @@ CHANGES = [   # one change at a time, cheapest first: (flag, how it changes the 
     ("--strategy fsdp", lambda pc: None if pc.strategy == "fsdp" or pc.gpus == 1 else replace(pc, strategy="fsdp")),
     ("half the micro-batch (twice grad_accum)", lambda pc: replace(pc, micro_batch=pc.micro_batch // 2) if pc.micro_batch > 1 else None),
     ("twice the GPUs", lambda pc: replace(pc, gpus=pc.gpus * 2) if pc.strategy == "fsdp" else None),
+    ("--lora_r 16 (LoRA student over a frozen bf16 base)", lambda pc: None if pc.lora_r else replace(pc, lora_r=16)),
 ]
 
 def plan(pc: PlanConfig, shape: ModelShape | None = None, teacher: ModelShape | None = None) -> dict:

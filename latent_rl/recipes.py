@@ -48,6 +48,21 @@ RECIPES["gpu-qwen2.5-coder-7b"] = {k: dict(v, grad_accum=2 * v["grad_accum"]) fo
 
 RECIPES["gpu-qwen2.5-coder-7b"]["SFTConfig"]["model"] = "Qwen/Qwen2.5-Coder-7B"
 
+# 32B on 8 × 141 GB (H200): LoRA students over a bf16 base (fp32 adapters and projector), FSDP2, micro-batches of 1 ×
+# 1024 tokens (`latent-rl plan`: SFT 17 GB, CODI 114, GKD 105). No GRPO section: a latent GRPO micro-batch holds a whole
+# group (8 × 1024 tokens: 295 GB per GPU by the planner; latent passes cannot recompute activations). GKD's teacher is the student with its adapters
+# off (no second 32B copy): on-policy KL to the CODI student it starts from; to distil from the SFT teacher instead,
+# serve it on other GPUs (`latent-rl serve-teacher`) and set `teacher` to its URL with `topk`.
+_LORA32 = dict(lora_r=16, lora_alpha=32, dtype="bf16", precision="bf16", strategy="fsdp", max_len=1024, wandb="online")
+RECIPES["gpu-qwen2.5-coder-32b"] = {
+    "SFTConfig": dict(_LORA32, model="Qwen/Qwen2.5-Coder-32B", activation_checkpointing=True, steps=3000, batch_size=64,
+                      grad_accum=8, lr=1e-4, warmup=100, save_every=500, log_every=10, out="runs/sft"),
+    "CodiConfig": dict(_LORA32, model="runs/sft/final", steps=3000, batch_size=64, grad_accum=8, lr=1e-4, warmup=100,
+                       latent_steps=6, kd_norm_std=True, save_every=500, grad_ckpt=True, out="runs/codi"),
+    "GKDConfig": dict(_LORA32, model="runs/codi/final", teacher="base", steps=500, batch_size=64, grad_accum=8, lr=1e-5,
+                      lmbda=1.0, beta=0.5, max_new_tokens=512, steps_per_generation=4, save_every=100, out="runs/gkd"),
+}
+
 # %% ../nbs/13_recipes.ipynb #1f2f685a
 def recipe_fields(name: str, cls) -> dict:
     "The recipe's fields for config class `cls` (an unknown recipe or field is a clear error)."

@@ -12,12 +12,13 @@ import torch.nn as nn
 from transformers import AutoModelForCausalLM
 
 from .tokens import sft_example, pad_collate, IGNORE_INDEX
-from .models import load_model, load_tokenizer, build_tiny, n_params, backbone, lm_head_weight
+from .models import (load_model, load_tokenizer, build_tiny, n_params, backbone, lm_head_weight, lora_scale,
+                              export_state, save_lora, load_lora)
 from .logprobs import shift_labels
 from .losses import sft_loss
 from .config import TrainConfig
 from .engine import setup, log0
-from .loop import Stage, train_loop, finish_run, write_config, load_traced
+from .loop import Stage, train_loop, finish_run, write_config, load_traced, lora_student
 
 # %% auto #0
 __all__ = ['SFTConfig', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'SFTStep', 'sft_examples', 'run_sft']
@@ -85,8 +86,11 @@ class SFTStep(Stage):
         loss, m = sft_batch_loss(self.module, [self.exs[i] for i in part], self.tok.pad_token_id)
         return loss * m["n_tokens"] / sum(self.n_lab[i] for i in idx), {"loss": loss.item(), "tokens": m["tokens"]}
 
-    def save(self, d, state_dict=None): self.module.save_pretrained(d, state_dict=state_dict); self.tok.save_pretrained(d)
+    def save(self, d, state_dict=None):   # LoRA: the merged model, and the adapters for a resume
+        self.module.save_pretrained(d, state_dict=export_state(self.module, state_dict)); self.tok.save_pretrained(d)
+        save_lora(self.module, d, state_dict)
     def load_weights(self, d):
+        if lora_scale(self.module) is not None: return load_lora(self.module, d)
         self.module.load_state_dict(AutoModelForCausalLM.from_pretrained(d, dtype=self.module.dtype).state_dict())
 
 # %% ../nbs/17_sft.ipynb #2b224d1b
@@ -105,6 +109,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> Path:
     if cfg.mode not in ("trace", "answer"): raise ValueError(f"SFTConfig.mode must be 'trace' or 'answer', got {cfg.mode!r}")
     acc = setup(cfg.seed); write_config(cfg, acc)
     model, tok = build_or_load(cfg)
+    lora_student(cfg, model, model)
     model.to(acc.device)
     exs, val = sft_examples(cfg, tok, acc, progress)
     log0(acc, f"sft[{cfg.mode}]: {n_params(model):,} params, {len(exs)} examples, {cfg.steps} steps × {cfg.batch_size}")

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import torch
 from .tokens import IGNORE_INDEX
-from .models import backbone, lm_head_weight, load_model, cache_kw, out_cache
+from .models import backbone, lm_head_weight, load_model, cache_kw, out_cache, lora_scale, adapters_off
 from .losses import TeacherOutput
 from .latent import LatentSpec
 from .policy import Policy, completion_labels
@@ -98,9 +98,9 @@ class AdapterOffTeacher(SelfTeacher):
     "The student with its peft LoRA adapter disabled: the frozen base model, no second copy in memory."
     @torch.no_grad()
     def score(self, batch):
-        if not hasattr(self.policy.lm, "disable_adapter"):
-            raise TypeError("AdapterOffTeacher needs a peft model (get_peft_model(...)) as the student")
-        with self.policy.lm.disable_adapter(): return super().score(batch)
+        if lora_scale(self.policy.module) is None and not hasattr(self.policy.lm, "disable_adapter"):
+            raise TypeError("AdapterOffTeacher needs a student with LoRA adapters (--lora_r, or a peft model)")
+        with adapters_off(self.policy.module): return super().score(batch)
 
 # %% ../nbs/11_teachers.ipynb #86dcf4e3
 class PrivilegedTeacher(Teacher):
