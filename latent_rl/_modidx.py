@@ -166,6 +166,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.engine.reduce_metrics': ('engine.html#reduce_metrics', 'latent_rl/engine.py'),
                                   'latent_rl.engine.save_shards': ('engine.html#save_shards', 'latent_rl/engine.py'),
                                   'latent_rl.engine.setup': ('engine.html#setup', 'latent_rl/engine.py'),
+                                  'latent_rl.engine.shard_frozen': ('engine.html#shard_frozen', 'latent_rl/engine.py'),
                                   'latent_rl.engine.sum_over_ranks': ('engine.html#sum_over_ranks', 'latent_rl/engine.py')},
             'latent_rl.evaluate': { 'latent_rl.evaluate._score_parsed': ('evaluate.html#_score_parsed', 'latent_rl/evaluate.py'),
                                     'latent_rl.evaluate.bootstrap_mean': ('evaluate.html#bootstrap_mean', 'latent_rl/evaluate.py'),

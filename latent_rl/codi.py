@@ -16,7 +16,7 @@ from .models import load_model, n_params, lora_scale, export_state, save_lora, l
 from .latent import LatentModel, CodiOptions, codi_forward
 from .records import RunRecord
 from .config import TrainConfig, teacher_dtype
-from .engine import setup, log0
+from .engine import setup, log0, shard_frozen
 from .loop import Stage, train_loop, finish_run, write_config, load_traced, bucket_groups, bucket_indices, lora_student
 
 # %% auto #0
@@ -172,6 +172,7 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     lora_student(cfg, lm.model, lm)                                  # the projector trains fully
     lm.to(acc.device)
     teacher = load_frozen_teacher(cfg, lm, tok, acc.device)
+    if teacher is not None: shard_frozen(teacher, cfg, acc)         # FSDP2: its layers sharded, gathered per forward
     exs = codi_examples(cfg, tok, opts, acc, progress)
     log0(acc, f"codi: {n_params(lm):,} params (projector included), {len(exs)} examples, latent_steps={cfg.latent_steps}, "
               f"{'frozen' if teacher is not None else 'shared-weight'} teacher, {cfg.steps} steps × {cfg.batch_size}")

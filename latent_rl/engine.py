@@ -21,8 +21,8 @@ from .config import ConfigError
 
 # %% auto #0
 __all__ = ['setup', 'log0', 'StepModule', 'decoder_layers', 'checkpoint_layers', 'Engine', 'make_engine', 'gathered_weights',
-           'local_tensor', 'param_checksum', 'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb',
-           'added_peak_mb', 'sum_over_ranks', 'reduce_metrics']
+           'shard_frozen', 'local_tensor', 'param_checksum', 'full_state_dict', 'save_shards', 'load_shards',
+           'peak_memory_mb', 'added_peak_mb', 'sum_over_ranks', 'reduce_metrics']
 
 # %% ../nbs/15_engine.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -116,6 +116,19 @@ def gathered_weights(module: nn.Module):
     try: yield
     finally:
         for m in units: m.reshard(); m.set_reshard_after_forward(m.latent_rl_reshard, recurse=False)
+
+# %% ../nbs/15_engine.ipynb #b7bd8089
+def shard_frozen(model: nn.Module, cfg, acc) -> nn.Module:
+    "Shard a frozen model's decoder layers over the processes under `--strategy fsdp` (a no-op otherwise); returns it."
+    dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if getattr(cfg, "strategy", "ddp") != "fsdp" or acc.num_processes < 2 or not dist_on: return model
+    mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+        layer.latent_rl_reshard = True                   # what `gathered_weights` restores
+    log0(acc, f"frozen {type(model).__name__}: {len(layers)} decoder layers sharded over {acc.num_processes} processes")
+    return model
 
 # %% ../nbs/15_engine.ipynb #7b0ae70d
 def local_tensor(t: torch.Tensor) -> torch.Tensor: return t.to_local() if hasattr(t, "to_local") else t

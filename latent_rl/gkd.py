@@ -4,7 +4,7 @@
 
 # %% ../nbs/19_gkd.ipynb #c0bc4d6a
 from __future__ import annotations
-import random, time
+import contextlib, random, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOf
                                 HTTPTeacher, check_vocab)
 from .records import RunRecord
 from .config import ConfigError, TrainConfig, teacher_dtype
-from .engine import setup, log0, gathered_weights, sum_over_ranks
+from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
 from .loop import Stage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student
 
 # %% auto #0
@@ -118,7 +118,8 @@ class GKDConfig(TrainConfig):
     record_every: int = 10               # steps between logprobs.jsonl samples (0 = never)
 
 # %% ../nbs/19_gkd.ipynb #60958a91
-def make_teacher(cfg: GKDConfig, policy: Policy) -> Teacher:
+def make_teacher(cfg: GKDConfig, policy: Policy, acc=None) -> Teacher:
+    "The teacher `cfg.teacher` names; a frozen model's decoder layers sharded over the processes under FSDP2."
     k = cfg.topk or None
     if cfg.teacher == "self": return SelfTeacher(policy, k)
     if cfg.teacher == "base":   # the student with its LoRA adapters off: the frozen base, no second copy
@@ -128,8 +129,13 @@ def make_teacher(cfg: GKDConfig, policy: Policy) -> Teacher:
         if not k: raise ValueError("GKDConfig.teacher is an HTTP server: set topk > 0 (servers return top-k logprobs)")
         return HTTPTeacher(cfg.teacher, topk=k, timeout=cfg.http_timeout, retries=cfg.http_retries,
                            backoff=cfg.http_backoff)
-    if policy.kind == "latent": return ExplicitTraceTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device), cfg.max_locals)
-    return ModelTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device))
+    if policy.kind == "latent":
+        t = ExplicitTraceTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device), cfg.max_locals)
+        if acc is not None: shard_frozen(t.model, cfg, acc)
+        return t
+    t = ModelTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device))
+    if acc is not None: shard_frozen(t.policy.lm, cfg, acc)
+    return t
 
 # %% ../nbs/19_gkd.ipynb #2864a4c7
 def _record_logprobs(rec, step, policy, items, teacher_out, temperature, hidden, n=4):
@@ -255,7 +261,9 @@ def _score(self: GKDStep, items: list[dict]):
     t0 = time.time()
     P, C, LA = [x["prompt"] for x in items], [x["completion"] for x in items], [x["latent_at"] for x in items]
     mask = sampled_mask(C, LA if self.policy.kind == "latent" else None, None, self.policy.device)
-    out = self.teacher.score(ScoreBatch(P, C, mask, LA, [x["row"] for x in items]))
+    decodes = isinstance(self.teacher, ExplicitTraceTeacher)   # writes locals: ranks run different numbers of calls
+    with gathered_weights(self.teacher.model) if decodes else contextlib.nullcontext():
+        out = self.teacher.score(ScoreBatch(P, C, mask, LA, [x["row"] for x in items]))
     self.timing["teacher_s"] += time.time() - t0
     return out
 
@@ -292,7 +300,7 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     lora_student(cfg, policy.lm, policy.module)
     if cfg.lora_r and cfg.use_vllm: raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
-    teacher = make_teacher(cfg, policy)
+    teacher = make_teacher(cfg, policy, acc)
     check_vocab(policy.tok, teacher, policy.head_weight.shape[0])     # refuse mismatched vocabularies at start-up
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)
     data = [dataset_completion(policy.tok, r, policy.kind) for r in rows]

@@ -128,12 +128,13 @@ def plan_memory(pc: PlanConfig, shape: ModelShape | None = None, teacher: ModelS
     b = 2 if pc.precision == "bf16" else 4
     r = 2 if pc.precision == "bf16" and pc.strategy == "fsdp" and pc.gpus > 1 else 4   # FSDP2 bf16 params: bf16 stream
     latent = pc.stage == "codi" or (pc.latent and pc.stage in ("gkd", "grpo"))
-    prj = 2 * s.hidden ** 2 + 3 * s.hidden if latent else 0
+    shard_t = not (pc.stage == "gkd" and pc.latent)       # FSDP2 shards a frozen teacher's layers; the explicit-trace
+    prj = 2 * s.hidden ** 2 + 3 * s.hidden if latent else 0   # teacher (latent GKD) decodes, so it is gathered to score
     train = (pc.lora_r * s.lora_per_r if pc.lora_r else s.params) + prj
     p = {"weights": (4 * train + (2 * s.params if pc.lora_r else 0)) / N,
          "gathered": b * (s.root + (s.layers if latent else 2) * s.layer) if N > 1 else 0,
          "grads": 4 * train / N, "optimizer": 8 * train / N,
-         "teacher": 2 * t.params if pc.teacher else 0}
+         "teacher": 2 * (t.root + t.layers * t.layer / (N if shard_t else 1)) if pc.teacher else 0}
     grad_tok, teacher_tok, kv_prefix = pass_tokens(pc)
     per_layer = layer_act_bytes(s, b, r)
     ckpt = pc.activation_checkpointing and not latent          # latent passes cannot recompute (their KV cache)

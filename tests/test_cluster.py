@@ -180,3 +180,15 @@ def test_two_nodes_by_rendezvous(tiny_data, tmp_path):
     assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "nodes" / "final"), 1e-5)
     st = torch.load(tmp_path / "nodes" / "checkpoints" / "step-1" / "state.pt", weights_only=False)
     assert math.isfinite(st["save_peak_mb"])               # rank 0's added peak while writing its shard is recorded
+
+GKD_TEXT = ["gkd", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32, "--batch_size", 4,
+            "--max_new_tokens", 48, "--lmbda", 1, "--steps", 2, "--lr", 1e-4, "--save_every", 0, "--record_every", 0]
+
+@pytest.mark.parametrize("stage", ["codi", "gkd"])
+def test_frozen_teacher_sharded_two_processes_equal_one(stage, tiny_data, tmp_path):
+    "FSDP2 shards a frozen teacher's layers too (CODI's teacher pass; GKD's text ModelTeacher): 2 processes = 1."
+    args = [*STAGES["codi"](tiny_data), "--teacher", TEACHER] if stage == "codi" else GKD_TEXT
+    launch(1, *args, "--out", tmp_path / "one")
+    p = launch(2, *args, "--strategy", "fsdp", "--out", tmp_path / "fsdp")
+    assert "decoder layers sharded over 2 processes" in p.stdout + p.stderr
+    assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "fsdp" / "final"), 1e-5)
