@@ -23,7 +23,7 @@ from .losses import TeacherOutput, grpo_loss, generalized_jsd_from_hidden
 from .latent import LatentModel, LatentSpec, CodiOptions, codi_forward, kd_layer_indices
 from .policy import Policy
 from .teachers import ModelTeacher, ExplicitTraceTeacher, SelfTeacher
-from .engine import make_engine, local_tensor, added_peak_mb
+from .engine import make_engine, local_tensor, added_peak_mb, checkpoint_layers
 from .sft import sft_batch_loss
 from .gkd import gkd_loss, dataset_completion
 from .grpo import grpo_micro_loss
@@ -34,7 +34,7 @@ from .plan import MODEL_CONFIGS, STAGES, PlanConfig, ModelShape, model_shape, pl
 # %% auto #0
 __all__ = ['BENCH_CHUNK', 'ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'BENCHES', 'markdown_table', 'run_bench',
            'trace_bench', 'losses_bench', 'ref_forward', 'codi_bench', 'grpo_bench', 'stages_bench', 'engine_rows',
-           'main', 'measure_step_peak', 'plan_bench']
+           'main', 'ckpt_bench', 'measure_step_peak', 'plan_bench']
 
 # %% ../nbs/27_bench.ipynb #029202da
 def markdown_table(rows: list[dict]) -> str:
@@ -537,6 +537,38 @@ def main(argv: list[str] | None = None):
         print(f"wrote {a.json}")
     return out
 
+# %% ../nbs/27_bench.ipynb #355708e4
+def _ckpt_child(spec: str):
+    "Subprocess entry: one CODI forward + backward with or without layer recomputation; prints its added peak as JSON."
+    a = json.loads(spec); torch.set_num_threads(a["threads"])
+    tok = load_tokenizer("data/tokenizer")
+    exs = [e for e in (codi_example(tok, r, 384) for r in load_rows("data/corpus/train.jsonl", 400)) if e]
+    exs = sorted(exs, key=lambda e: -len(e["spans"]))[:a["batch"]]                      # the most spans: the worst case
+    lm = LatentModel(build_tiny(tok, a["size"], seed=0), LatentSpec.from_tokenizer(tok, a["latent_steps"]))
+    if a["ckpt"]: checkpoint_layers(lm)
+    lm.train(); codi_forward(lm, exs[:2], CodiOptions()).loss.backward(); lm.zero_grad()   # warm-up
+    def step():
+        o = codi_forward(lm, exs, CodiOptions()); o.loss.backward(); return o.loss.item()
+    t0 = time.perf_counter(); loss, mb = added_peak_mb(step); dt = time.perf_counter() - t0
+    print(json.dumps({"loss": loss, "peak_mb": mb, "seconds": dt, "spans": sum(len(e["spans"]) for e in exs) / len(exs)}))
+
+def ckpt_bench(quick: bool = False, size: str = "small", batch: int = 16, latent_steps: int = 3) -> dict:
+    "Peak memory and time of a CODI step with and without activation checkpointing of the latent passes (fresh processes)."
+    rows = []
+    for ckpt in (False, True):
+        spec = json.dumps(dict(ckpt=ckpt, size="nano" if quick else size, batch=4 if quick else batch,
+                               latent_steps=latent_steps, threads=2))
+        p = subprocess.run([sys.executable, "-c", "import sys; from latent_rl.bench import _ckpt_child; _ckpt_child(sys.argv[1])", spec],
+                           capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        if p.returncode: raise RuntimeError(f"ckpt bench ({'with' if ckpt else 'without'} checkpointing) failed:\n{p.stderr[-2000:]}")
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        rows.append({"activation_checkpointing": ckpt, "peak_mb": r["peak_mb"], "step_s": r["seconds"], "loss": r["loss"]})
+    for r in rows: r.update(mem_x=r["peak_mb"] / rows[0]["peak_mb"], time_x=r["step_s"] / rows[0]["step_s"])
+    return {"name": "ckpt", "rows": rows,
+            "notes": f"CODI forward + backward, {size if not quick else 'nano'} model, batch {batch if not quick else 4} of the "
+                     f"corpus rows with the most spans, {latent_steps} latent steps, CPU; peak = resident set added by the step "
+                     "(each configuration in a fresh process); the same loss both ways."}
+
 # %% ../nbs/27_bench.ipynb #38eafc3f
 CPU_RUNTIME_GB = 0.05     # what a CPU process's resident set grows by besides tensors (code pages, allocator arenas)
 
@@ -617,7 +649,7 @@ def plan_bench(quick: bool = False, device: str = "cpu") -> dict:
 
 # %% ../nbs/27_bench.ipynb #fdaf09d4
 BENCHES = {"trace": trace_bench, "losses": losses_bench, "codi": codi_bench, "grpo": grpo_bench,
-           "stages": stages_bench, "plan": plan_bench}
+           "stages": stages_bench, "plan": plan_bench, "ckpt": ckpt_bench}
 
 # %% ../nbs/27_bench.ipynb #a62161a5
 if __name__ == "__main__": main()

@@ -14,15 +14,16 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 from accelerate import Accelerator
 from accelerate.utils import set_seed, DistributedType
 
 from .config import ConfigError
 
 # %% auto #0
-__all__ = ['setup', 'log0', 'StepModule', 'decoder_layers', 'checkpoint_layers', 'Engine', 'make_engine', 'gathered_weights',
-           'shard_frozen', 'local_tensor', 'param_checksum', 'full_state_dict', 'save_shards', 'load_shards',
-           'peak_memory_mb', 'added_peak_mb', 'sum_over_ranks', 'reduce_metrics']
+__all__ = ['setup', 'log0', 'StepModule', 'decoder_layers', 'LayerKV', 'checkpointed_forward', 'checkpoint_layers', 'Engine',
+           'make_engine', 'gathered_weights', 'shard_frozen', 'local_tensor', 'param_checksum', 'full_state_dict',
+           'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb', 'sum_over_ranks', 'reduce_metrics']
 
 # %% ../nbs/15_engine.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -51,16 +52,50 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
     layers = [m for m in module.modules() if type(m).__name__ in names]
     return [m for m in layers if not any(m is not o and any(x is m for x in o.modules()) for o in layers)]  # outermost only
 
+# %% ../nbs/15_engine.ipynb #5a403b1e
+class LayerKV:
+    "A one-layer KV cache inside a recomputable layer call: `update` appends to the past it was given, nothing else."
+    def __init__(self, k: torch.Tensor | None, v: torch.Tensor | None): self.k, self.v = k, v
+    def update(self, k, v, *args, **kwargs):
+        self.k = k if self.k is None else torch.cat([self.k, k], -2)             # [B, KV heads, past + new, D]
+        self.v = v if self.v is None else torch.cat([self.v, v], -2)
+        return self.k, self.v
+
+def checkpointed_forward(layer: nn.Module, forward):
+    """`layer`'s forward recomputed in backward, KV cache included: the layer's past keys and values go in as inputs,
+    it writes into a `LayerKV`, and the new keys and values are written into the real cache once, outside the
+    recomputed region. So a latent student's chained calls (one per phase and latent step) can recompute too."""
+    def run(hidden, *args, **kwargs):
+        if not (layer.training and torch.is_grad_enabled()): return forward(hidden, *args, **kwargs)
+        name = "cache" if "cache" in kwargs else "past_key_values"              # transformers ≥ 5.2x renamed it
+        cache = kwargs.pop(name, None)
+        if cache is None: return checkpoint(forward, hidden, *args, use_reentrant=False, **kwargs)
+        i = layer.self_attn.layer_idx
+        lay = cache.layers[i] if i < len(cache.layers) else None
+        had = lay is not None and getattr(lay, "is_initialized", False) and lay.keys.numel() > 0
+        def fn(h, pk, pv, *a, **kw):
+            kv = LayerKV(pk, pv)
+            return forward(h, *a, **{name: kv}, **kw), kv.k, kv.v
+        out, k, v = checkpoint(fn, hidden, lay.keys if had else None, lay.values if had else None, *args,
+                               use_reentrant=False, **kwargs)
+        if had: lay.keys, lay.values = k, v
+        else: cache.update(k, v, i)                                             # the layer's first keys and values
+        return out
+    return run
+
+# %% ../nbs/15_engine.ipynb #7af69dc5
 def checkpoint_layers(module: nn.Module) -> None:
-    """Recompute each decoder layer in backward instead of keeping its activations. Refused for a latent student: its
-    passes carry a KV cache from call to call, and a recomputed layer would write its keys and values a second time."""
+    """Recompute each decoder layer in backward instead of keeping its activations: HF's own checkpointing for text
+    models; for a latent student (its passes carry a KV cache from call to call, which HF's checkpointing drops),
+    each layer's forward through `checkpointed_forward`."""
     if hasattr(module, "prj"):
-        raise ConfigError("activation_checkpointing: a latent student's chained passes keep a KV cache that layer "
-                          "recomputation would write twice; leave it off (CODI: grad_ckpt recomputes the teacher pass)")
+        for layer in decoder_layers(module):
+            if not hasattr(layer, "self_attn"): raise ConfigError(f"activation_checkpointing: {type(layer).__name__} has no self_attn")
+            layer.forward = checkpointed_forward(layer, layer.forward)
+        return
     hf = [m for m in module.modules() if getattr(m, "supports_gradient_checkpointing", False)]
     if not hf: raise ConfigError(f"activation_checkpointing: {type(module).__name__} holds no model that supports it")
     hf[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
 
 # %% ../nbs/15_engine.ipynb #5fca5582
 @dataclass

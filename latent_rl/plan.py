@@ -137,7 +137,7 @@ def plan_memory(pc: PlanConfig, shape: ModelShape | None = None, teacher: ModelS
          "teacher": 2 * (t.root + t.layers * t.layer / (N if shard_t else 1)) if pc.teacher else 0}
     grad_tok, teacher_tok, kv_prefix = pass_tokens(pc)
     per_layer = layer_act_bytes(s, b, r)
-    ckpt = pc.activation_checkpointing and not latent          # latent passes cannot recompute (their KV cache)
+    ckpt = pc.activation_checkpointing                         # latent passes too (`engine.checkpointed_forward`)
     p["activations"] = grad_tok * (r * s.hidden * s.layers + per_layer if ckpt else per_layer * s.layers) \
                        + kv_prefix * 2 * s.kv * b * s.layers + teacher_tok * layer_act_bytes(t, b, r)
     if pc.attention == "math":                                 # softmax(QKᵀ) per head and sequence, kept for backward

@@ -31,36 +31,39 @@ RECIPES: dict[str, dict[str, dict]] = {
     "gpu-qwen2.5-coder-1.5b": {
         "SFTConfig": dict(model="Qwen/Qwen2.5-Coder-1.5B", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=3000, batch_size=128, grad_accum=4, lr=2e-5,
                           warmup=100, max_len=2048, save_every=500, log_every=10, wandb="online", out="runs/sft"),
-        "CodiConfig": dict(model="runs/sft/final", precision="bf16", strategy="fsdp", steps=3000, batch_size=64, grad_accum=4, lr=2e-5,
+        "CodiConfig": dict(model="runs/sft/final", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=3000, batch_size=64, grad_accum=4, lr=2e-5,
                            warmup=100, latent_steps=6, kd_norm_std=True, max_len=2048, save_every=500, grad_ckpt=True,
                            wandb="online", out="runs/codi"),
-        "GKDConfig": dict(model="runs/codi/final", teacher="runs/sft/final", precision="bf16", strategy="fsdp", steps=500, batch_size=64,
+        "GKDConfig": dict(model="runs/codi/final", teacher="runs/sft/final", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=500, batch_size=64,
                           grad_accum=4, lr=1e-6, lmbda=0.5, beta=0.5, topk=64, max_new_tokens=1024, max_len=2048,
                           steps_per_generation=4, save_every=100, wandb="online", out="runs/gkd"),
-        "GRPOConfig": dict(model="runs/gkd/final", precision="bf16", strategy="fsdp", steps=300, batch_size=64, group_size=8, grad_accum=8,
+        "GRPOConfig": dict(model="runs/gkd/final", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=300, batch_size=64, group_size=8, grad_accum=8,
                            lr=1e-6, warmup=10, max_new_tokens=1024, steps_per_generation=2, use_vllm=False, save_every=50,
                            wandb="online", out="runs/grpo"),
     },
 }
 
-# 7B: the same pipeline on Qwen2.5-Coder-7B; micro-batches of 2 × 2048 tokens on 8 GPUs (`latent-rl plan`: CODI 75 GB)
+# 7B: the same pipeline on Qwen2.5-Coder-7B; micro-batches of 2 × 2048 tokens on 8 GPUs (`latent-rl plan`: CODI 40 GB)
 RECIPES["gpu-qwen2.5-coder-7b"] = {k: dict(v, grad_accum=2 * v["grad_accum"]) for k, v in RECIPES["gpu-qwen2.5-coder-1.5b"].items()}
 
 RECIPES["gpu-qwen2.5-coder-7b"]["SFTConfig"]["model"] = "Qwen/Qwen2.5-Coder-7B"
 
-# 32B on 8 × 141 GB (H200): LoRA students over a bf16 base (fp32 adapters and projector), FSDP2, micro-batches of 1 ×
-# 1024 tokens (`latent-rl plan`: SFT 17 GB, CODI 114, GKD 105). No GRPO section: a latent GRPO micro-batch holds a whole
-# group (8 × 1024 tokens: 295 GB per GPU by the planner; latent passes cannot recompute activations). GKD's teacher is the student with its adapters
+# 32B on 8 × 141 GB (H200): LoRA students over a bf16 base (fp32 adapters and projector), FSDP2, every decoder layer
+# recomputed in backward (latent passes included), micro-batches of 1 × 1024 tokens; GRPO's micro-batch is one whole
+# group, 8 × (prompt + 512) tokens (`latent-rl plan`: SFT 17 GB, CODI 83, GKD 87, GRPO 129 at 768 tokens). GKD's teacher is the student with its adapters
 # off (no second 32B copy): on-policy KL to the CODI student it starts from; to distil from the SFT teacher instead,
 # serve it on other GPUs (`latent-rl serve-teacher`) and set `teacher` to its URL with `topk`.
-_LORA32 = dict(lora_r=16, lora_alpha=32, dtype="bf16", precision="bf16", strategy="fsdp", max_len=1024, wandb="online")
+_LORA32 = dict(lora_r=16, lora_alpha=32, dtype="bf16", precision="bf16", strategy="fsdp", activation_checkpointing=True,
+               max_len=1024, wandb="online")
 RECIPES["gpu-qwen2.5-coder-32b"] = {
-    "SFTConfig": dict(_LORA32, model="Qwen/Qwen2.5-Coder-32B", activation_checkpointing=True, steps=3000, batch_size=64,
+    "SFTConfig": dict(_LORA32, model="Qwen/Qwen2.5-Coder-32B", steps=3000, batch_size=64,
                       grad_accum=8, lr=1e-4, warmup=100, save_every=500, log_every=10, out="runs/sft"),
     "CodiConfig": dict(_LORA32, model="runs/sft/final", steps=3000, batch_size=64, grad_accum=8, lr=1e-4, warmup=100,
                        latent_steps=6, kd_norm_std=True, save_every=500, grad_ckpt=True, out="runs/codi"),
     "GKDConfig": dict(_LORA32, model="runs/codi/final", teacher="base", steps=500, batch_size=64, grad_accum=8, lr=1e-5,
                       lmbda=1.0, beta=0.5, max_new_tokens=512, steps_per_generation=4, save_every=100, out="runs/gkd"),
+    "GRPOConfig": dict(_LORA32, model="runs/gkd/final", steps=300, batch_size=64, group_size=8, grad_accum=8, lr=1e-5,
+                       warmup=10, max_new_tokens=512, steps_per_generation=2, save_every=50, out="runs/grpo"),
 }
 
 # %% ../nbs/13_recipes.ipynb #1f2f685a

@@ -192,3 +192,10 @@ def test_frozen_teacher_sharded_two_processes_equal_one(stage, tiny_data, tmp_pa
     p = launch(2, *args, "--strategy", "fsdp", "--out", tmp_path / "fsdp")
     assert "decoder layers sharded over 2 processes" in p.stdout + p.stderr
     assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "fsdp" / "final"), 1e-5)
+
+def test_latent_activation_checkpointing_two_processes_equal_one(tiny_data, tmp_path):
+    "CODI with every decoder layer recomputed in backward (KV cache included), 2-process FSDP2 = 1 process without."
+    args = STAGES["codi"](tiny_data)
+    launch(1, *args, "--out", tmp_path / "one")
+    launch(2, *args, "--strategy", "fsdp", "--activation_checkpointing", "true", "--out", tmp_path / "ckpt")
+    assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "ckpt" / "final"), 1e-5)
