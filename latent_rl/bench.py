@@ -392,11 +392,14 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         pol.module.train()
         for replay in (("exact", "truncated") if kind == "latent" else ("exact",)):
             s_ = [dict(x, latents=z) for x, z in zip(smp, ro.latents)] if replay == "truncated" else smp
-            t0 = time.perf_counter()
-            loss, m = grpo_micro_loss(pol, s_)
-            loss.backward(); pol.module.zero_grad()
-            if device == "cuda": torch.cuda.synchronize()
-            t_train = time.perf_counter() - t0
+            times = []
+            for _ in range(1 if quick else 4):                  # the first is a warm-up when there are several: the median of the rest
+                t0 = time.perf_counter()
+                loss, m = grpo_micro_loss(pol, s_)
+                loss.backward(); pol.module.zero_grad()
+                if device == "cuda": torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            t_train = statistics.median(times[1:] or times)
             toks = sum(len(c) for c in ro.completion_ids)
             out.append({"policy": kind, "replay": replay, "sequences": len(P), "gen_tokens": toks, "rollout_tok_per_s": toks / t_gen,
                         "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
@@ -404,8 +407,8 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
     return {"name": "grpo", "rows": out,
             "notes": f"{model} ({'fp32'}) on {device}; {n_prompts} prompts × {group_size} samples at T = 1; the latent policy "
                      "is the same weights with a projector (latent blocks after each <|line_sep|>); training = one replay "
-                     "forward + GRPO loss + backward over all sequences (latent: exact replay, or truncated = the recorded "
-                     "latents in two parallel forwards); gen_share = generation / (generation + training)."}
+                     "forward + GRPO loss + backward over all sequences, the median of 3 after a warm-up (latent: exact replay, "
+                     "or truncated = the recorded latents in two parallel forwards); gen_share = generation / (generation + training)."}
 
 # %% ../nbs/27_bench.ipynb #ef81f744
 ARCHS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan); 'tiny' = the demo model
