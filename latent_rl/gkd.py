@@ -14,14 +14,14 @@ from .tokens import encode, trace_token_ids, find_spans, IGNORE_INDEX
 from .losses import generalized_jsd_from_hidden, sft_loss
 from .logprobs import token_logprobs
 from .generate import row_key
-from .models import n_params, lora_scale, export_state, save_lora, load_lora
+from .models import n_params
 from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
 from .records import RunRecord
 from .config import ConfigError, TrainConfig, teacher_dtype
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
-from .loop import Stage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student
+from .loop import Stage, PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student
 
 # %% auto #0
 __all__ = ['gkd_coin', 'dataset_completion', 'resample_overlong', 'gkd_loss', 'GKDConfig', 'make_teacher', 'GKDStep', 'run_gkd']
@@ -161,7 +161,7 @@ def _record_logprobs(rec, step, policy, items, teacher_out, temperature, hidden,
 
 # %% ../nbs/19_gkd.ipynb #f0e0d1f3
 @dataclass
-class GKDStep(Stage):
+class GKDStep(PolicyStage):
     "GKD's step: coin → the student's samples or the dataset's completions → the teacher's scores → the JSD loss."
     cfg: GKDConfig
     acc: object
@@ -282,14 +282,7 @@ def _load_state(self: GKDStep, st: dict) -> None:
         self.buffer[s] = (on, [dict(it, row=self.data[it["idx"]]["row"]) for it in items])
 
 GKDStep.take, GKDStep.score, GKDStep.metrics, GKDStep.state, GKDStep.load_state = _take, _score, _metrics, _state, _load_state
-def _save(self: GKDStep, d, state_dict=None):   # LoRA: the merged model, and the trained weights for a resume
-    self.policy.save(d, export_state(self.module, state_dict)); save_lora(self.module, d, state_dict)
 
-def _load_weights(self: GKDStep, d):
-    if lora_scale(self.module) is not None: return load_lora(self.module, d)
-    self.policy.load_weights_from(d)
-
-GKDStep.save, GKDStep.load_weights = _save, _load_weights
 
 # %% ../nbs/19_gkd.ipynb #84216c56
 def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:

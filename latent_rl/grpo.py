@@ -15,11 +15,11 @@ from .losses import grpo_loss, group_advantages
 from .policy import Policy, sampled_mask, make_rollout_engine
 from .generate import row_key
 from .rewards import weighted
-from .models import n_params, lora_scale, export_state, save_lora, load_lora
+from .models import n_params
 from .records import RunRecord
 from .config import ConfigError, TrainConfig
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks
-from .loop import Stage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student
+from .loop import Stage, PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student
 
 # %% auto #0
 __all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'throughput_summary', 'run_grpo']
@@ -81,7 +81,7 @@ class GRPOConfig(TrainConfig):
 
 # %% ../nbs/20_grpo.ipynb #3e419025
 @dataclass
-class GRPOStep(Stage):
+class GRPOStep(PolicyStage):
     "GRPO's step: rollouts → rewards → advantages (once per generation cycle) → the clipped loss of each micro-batch."
     cfg: GRPOConfig
     acc: object
@@ -201,14 +201,7 @@ GRPOStep.keep, GRPOStep.take, GRPOStep.metrics = _keep, _take, _metrics
 GRPOStep.state = lambda self: {"buffer": self.buffer, "token_counts": self.token_counts}
 GRPOStep.load_state = lambda self, st: (self.buffer.clear(), self.buffer.update(st.get("buffer", {})),
                                         self.token_counts.clear(), self.token_counts.update(st.get("token_counts", {})))
-def _save(self: GRPOStep, d, state_dict=None):   # LoRA: the merged model, and the trained weights for a resume
-    self.policy.save(d, export_state(self.module, state_dict)); save_lora(self.module, d, state_dict)
 
-def _load_weights(self: GRPOStep, d):
-    if lora_scale(self.module) is not None: return load_lora(self.module, d)
-    self.policy.load_weights_from(d)
-
-GRPOStep.save, GRPOStep.load_weights = _save, _load_weights
 
 # %% ../nbs/20_grpo.ipynb #d40d518a
 def _tok_strs(tok, ids):

@@ -14,7 +14,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 
 from .corpus import load_rows, trace_and_fill
-from .models import add_lora, fp32_masters
+from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale
 from .records import RunRecord, RECORD_FILES, trim_records
 from .config import ConfigError, check_precision
 from .engine import (Engine, make_engine, log0, peak_memory_mb, added_peak_mb, param_checksum, full_state_dict,
@@ -24,9 +24,9 @@ from .engine import (Engine, make_engine, log0, peak_memory_mb, added_peak_mb, p
 __all__ = ['RESUME_MAY_CHANGE', 'lr_lambda', 'CheckpointError', 'rng_state', 'set_rng_state', 'file_manifest', 'save_checkpoint',
            'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state',
            'latest_checkpoint', 'RunDirBusy', 'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config',
-           'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'StopRequest', 'resume_run', 'write_checkpoint',
-           'train_step', 'step_record', 'make_optimizer', 'log_step', 'train_loop', 'finish_run', 'lora_student',
-           'load_traced', 'wandb_settings', 'wandb_run']
+           'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage', 'StopRequest', 'resume_run',
+           'write_checkpoint', 'train_step', 'step_record', 'make_optimizer', 'log_step', 'train_loop', 'finish_run',
+           'lora_student', 'load_traced', 'wandb_settings', 'wandb_run']
 
 # %% ../nbs/16_loop.ipynb #22ccd1d3
 def lr_lambda(step: int, warmup: int, total: int, min_lr_frac: float = 0.1) -> float:
@@ -233,6 +233,16 @@ class Stage:
     def load_state(self, state: dict) -> None: pass
     def save(self, path, state_dict=None) -> None: raise NotImplementedError(f"{type(self).__name__}.save")
     def load_weights(self, path) -> None: raise NotImplementedError(f"{type(self).__name__}.load_weights")
+
+# %% ../nbs/16_loop.ipynb #0eed165d
+class PolicyStage(Stage):
+    """A stage that trains a `latent_rl.policy.Policy` (GKD, GRPO): it saves a model directory of the policy's kind
+    (LoRA: merged, with the trained weights beside it for a resume) and loads a checkpoint's weights back in place."""
+    def save(self, path, state_dict=None):
+        self.policy.save(path, export_state(self.module, state_dict)); save_lora(self.module, path, state_dict)
+    def load_weights(self, path):
+        if lora_scale(self.module) is not None: return load_lora(self.module, path)
+        self.policy.load_weights_from(path)
 
 # %% ../nbs/16_loop.ipynb #7f8ff77d
 class StopRequest:
