@@ -22,8 +22,9 @@ from .config import ConfigError
 
 # %% auto #0
 __all__ = ['setup', 'log0', 'StepModule', 'decoder_layers', 'LayerKV', 'checkpointed_forward', 'checkpoint_layers', 'Engine',
-           'make_engine', 'gathered_weights', 'shard_frozen', 'local_tensor', 'param_checksum', 'full_state_dict',
-           'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb', 'sum_over_ranks', 'reduce_metrics']
+           'distributed', 'make_engine', 'gathered_weights', 'shard_frozen', 'local_tensor', 'param_checksum',
+           'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb', 'sum_over_ranks',
+           'reduce_metrics']
 
 # %% ../nbs/15_engine.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -120,16 +121,17 @@ class Engine:
         return self.root.no_sync() if self.wrapped and self.strategy == "ddp" and not last else contextlib.nullcontext()
 
 # %% ../nbs/15_engine.ipynb #659cd7df
+def distributed() -> bool: return torch.distributed.is_available() and torch.distributed.is_initialized()
+
 def make_engine(module: nn.Module, cfg, acc) -> Engine:
     """Wrap `module` for `cfg.strategy` (fsdp: bf16 compute over fp32 master weights when `cfg.precision` is bf16).
     One process outside a process group is not wrapped."""
     strategy, W, root = getattr(cfg, "strategy", "ddp"), acc.num_processes, StepModule(module)
     if getattr(cfg, "activation_checkpointing", False): checkpoint_layers(module)   # before sharding: FSDP2 hooks stay outside
-    dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
     if W > 1 and strategy == "ddp":
         dev = [acc.local_process_index] if acc.device.type == "cuda" else None
         return Engine(DDP(root, device_ids=dev, broadcast_buffers=False, find_unused_parameters=True), module, strategy, W, True)
-    if strategy == "fsdp" and dist_on:                   # also one process in a process group (the GPU bench)
+    if strategy == "fsdp" and distributed():                   # also one process in a process group (the GPU bench)
         mesh = init_device_mesh(acc.device.type, (W,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if getattr(cfg, "precision", "fp32") == "bf16" else None,
                                   reduce_dtype=torch.float32)
@@ -155,8 +157,7 @@ def gathered_weights(module: nn.Module):
 # %% ../nbs/15_engine.ipynb #b7bd8089
 def shard_frozen(model: nn.Module, cfg, acc) -> nn.Module:
     "Shard a frozen model's decoder layers over the processes under `--strategy fsdp` (a no-op otherwise); returns it."
-    dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if getattr(cfg, "strategy", "ddp") != "fsdp" or acc.num_processes < 2 or not dist_on: return model
+    if getattr(cfg, "strategy", "ddp") != "fsdp" or acc.num_processes < 2 or not distributed(): return model
     mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
     layers = decoder_layers(model)
     for layer in layers:

@@ -21,7 +21,7 @@ from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOf
 from .records import RunRecord
 from .config import ConfigError, TrainConfig, teacher_dtype
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
-from .loop import Stage, PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student
+from .loop import PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student, generation_cycle, drain
 
 # %% auto #0
 __all__ = ['gkd_coin', 'dataset_completion', 'resample_overlong', 'gkd_loss', 'GKDConfig', 'make_teacher', 'GKDStep', 'run_gkd']
@@ -214,9 +214,8 @@ def _cycle_coin(self: GKDStep, c0: int) -> bool:
 def _fill(self: GKDStep, step: int) -> None:
     "The generation cycle holding `step`: its coin, this rank's items for each of its steps, sampled when on-policy."
     cfg, acc, W = self.cfg, self.acc, self.acc.num_processes
-    c0 = step - step % max(1, cfg.steps_per_generation)
-    steps = list(range(c0, min(c0 + max(1, cfg.steps_per_generation), cfg.steps)))
-    on = self.cycle_coin(c0)
+    steps = generation_cycle(step, cfg.steps_per_generation, cfg.steps)
+    on = self.cycle_coin(steps[0])
     mine = {s: [dict(self.data[i], idx=i) for i in self.batch(s)[acc.process_index::W]] for s in steps}
     if on: self.sample(steps, mine)
     self.buffer.clear(); self.buffer.update({s: (on, mine[s]) for s in steps}); self.calls.clear()
@@ -268,9 +267,7 @@ def _score(self: GKDStep, items: list[dict]):
     return out
 
 def _metrics(self: GKDStep, step: int) -> dict:
-    out = dict(self.timing, generations=float(self.generations))
-    for k in self.timing: self.timing[k] = 0.0
-    return out
+    return dict(drain(self.timing), generations=float(self.generations))
 
 def _state(self: GKDStep) -> dict:   # rows are restored from the data on resume (not pickled)
     return {"buffer": {s: (on, [{k: v for k, v in it.items() if k != "row"} for it in items]) for s, (on, items) in self.buffer.items()},

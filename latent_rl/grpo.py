@@ -19,7 +19,7 @@ from .models import n_params
 from .records import RunRecord
 from .config import ConfigError, TrainConfig
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks
-from .loop import Stage, PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student
+from .loop import PolicyStage, train_loop, finish_run, write_config, load_traced, lora_student, generation_cycle, drain
 
 # %% auto #0
 __all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'throughput_summary', 'run_grpo']
@@ -118,10 +118,9 @@ class GRPOStep(PolicyStage):
 
     def fill(self, step: int) -> None:
         "The generation cycle holding `step`: rollouts → rewards → advantages, kept per step in the buffer."
-        c0 = step - step % max(1, self.cfg.steps_per_generation)
-        steps = list(range(c0, min(c0 + max(1, self.cfg.steps_per_generation), self.cfg.steps)))
-        W, G = self.acc.num_processes, self.cfg.group_size
-        mine = {s: batch_indices(s, self.cfg.batch_size, self.n_examples, self.cfg.seed)[self.acc.process_index::W] for s in steps}
+        steps = generation_cycle(step, self.cfg.steps_per_generation, self.cfg.steps)
+        c0, W, G = steps[0], self.acc.num_processes, self.cfg.group_size
+        mine = {s: self.batch(s)[self.acc.process_index::W] for s in steps}
         flat = [(s, i, j) for s in steps for i in mine[s] for j in range(G)]          # (step, prompt, sample)
         ro = self.rollouts(flat)
         texts = [self.policy.tok.decode(c) for c in ro.completion_ids]
@@ -193,9 +192,7 @@ def _take(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
     return smp
 
 def _metrics(self: GRPOStep, step: int) -> dict:
-    out = dict(self.timing, **self.cycle_metrics)
-    for k in self.timing: self.timing[k] = 0.0
-    return out
+    return dict(drain(self.timing), **self.cycle_metrics)
 
 GRPOStep.keep, GRPOStep.take, GRPOStep.metrics = _keep, _take, _metrics
 GRPOStep.state = lambda self: {"buffer": self.buffer, "token_counts": self.token_counts}

@@ -24,9 +24,9 @@ from .engine import (Engine, make_engine, log0, peak_memory_mb, added_peak_mb, p
 __all__ = ['RESUME_MAY_CHANGE', 'lr_lambda', 'CheckpointError', 'rng_state', 'set_rng_state', 'file_manifest', 'save_checkpoint',
            'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state',
            'latest_checkpoint', 'RunDirBusy', 'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config',
-           'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage', 'StopRequest', 'resume_run',
-           'write_checkpoint', 'train_step', 'step_record', 'make_optimizer', 'log_step', 'train_loop', 'finish_run',
-           'lora_student', 'load_traced', 'wandb_settings', 'wandb_run']
+           'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage', 'generation_cycle', 'drain',
+           'StopRequest', 'resume_run', 'write_checkpoint', 'train_step', 'step_record', 'make_optimizer', 'log_step',
+           'train_loop', 'finish_run', 'lora_student', 'load_traced', 'wandb_settings', 'wandb_run']
 
 # %% ../nbs/16_loop.ipynb #22ccd1d3
 def lr_lambda(step: int, warmup: int, total: int, min_lr_frac: float = 0.1) -> float:
@@ -243,6 +243,19 @@ class PolicyStage(Stage):
     def load_weights(self, path):
         if lora_scale(self.module) is not None: return load_lora(self.module, path)
         self.policy.load_weights_from(path)
+
+# %% ../nbs/16_loop.ipynb #1ccf1269
+def generation_cycle(step: int, steps_per_generation: int, total: int) -> list[int]:
+    "The optimizer steps that share one generation with `step` (GKD, GRPO: generate once, train several steps)."
+    n = max(1, steps_per_generation)
+    c0 = step - step % n
+    return list(range(c0, min(c0 + n, total)))
+
+def drain(timing: dict) -> dict:
+    "A copy of the step's timings, then zero them for the next step."
+    out = dict(timing)
+    for k in timing: timing[k] = 0.0
+    return out
 
 # %% ../nbs/16_loop.ipynb #7f8ff77d
 class StopRequest:
