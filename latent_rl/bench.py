@@ -20,7 +20,7 @@ from .tokens import encode, sft_example, codi_example
 from .models import load_tokenizer, build_tiny, n_params, cache_kw, out_cache
 from .logprobs import DEFAULT_CHUNK, token_logprobs, token_logprobs_checkpointed, logprobs_from_logits
 from .losses import TeacherOutput, grpo_loss, generalized_jsd_from_hidden
-from .latent import LatentModel, LatentSpec, CodiOptions, codi_forward, kd_layer_indices
+from .latent import LatentModel, LatentSpec, CodiOptions, codi_forward, kd_layer_indices, CALL_COST
 from .policy import Policy
 from .teachers import ModelTeacher, ExplicitTraceTeacher, SelfTeacher
 from .engine import make_engine, local_tensor, added_peak_mb, checkpoint_layers
@@ -371,44 +371,56 @@ def codi_bench(quick: bool = False, batch_size: int = 8, latent_steps: int = 1, 
                      f"fp32 on {device}; model calls counted on the backbone (the reference's full-LM calls included)."}
 
 # %% ../nbs/27_bench.ipynb #5f13713a
+def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
+    "GRPO samples of a rollout: the demo's rewards, group advantages, and the rollout's logprobs (and latents)."
+    R = weighted("correct:1,format:0.1")([pol.tok.decode(c) for c in ro.completion_ids], rows)
+    adv, _ = group_advantages(torch.tensor(R), group_size)
+    return [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": lp, "adv": a}
+            for p, c, la, lp, a in zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, adv.tolist())]
+
 def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teacher", group_size: int = 8) -> dict:
-    "Rollout and training tokens/s of GRPO for a text and a latent policy built from the same weights."
-    rows = load_rows("data/corpus/train.jsonl", 64)
-    n_prompts = 2 if quick else 8
-    out = []
-    for kind in ("text", "latent"):
-        pol = Policy.load(model, device=device) if kind == "text" else Policy(*LatentModel.load(model, device=device), "latent")
-        P = [encode(pol.tok, prompt_text(r["code"], r["input"])) for r in rows[:n_prompts] for _ in range(group_size)]
-        keys = list(range(len(P)))
-        pol.module.eval(); pol.generate(P[:2], max_new_tokens=8, temperature=1.0, keys=keys[:2])   # warm-up
-        t0 = time.perf_counter()
-        ro = pol.generate(P, max_new_tokens=96 if quick else 256, temperature=1.0, keys=keys, return_latents=kind == "latent")
-        if device == "cuda": torch.cuda.synchronize()
-        t_gen = time.perf_counter() - t0
-        R = weighted("correct:1,format:0.1")([pol.tok.decode(c) for c in ro.completion_ids], [r for r in rows[:n_prompts] for _ in range(group_size)])
-        adv, _ = group_advantages(torch.tensor(R), group_size)
-        smp = [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": lp, "adv": a}
-               for p, c, la, lp, a in zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, adv.tolist())]
-        pol.module.train()
-        for replay in (("exact", "truncated") if kind == "latent" else ("exact",)):
-            s_ = [dict(x, latents=z) for x, z in zip(smp, ro.latents)] if replay == "truncated" else smp
-            times = []
-            for _ in range(1 if quick else 4):                  # the first is a warm-up when there are several: the median of the rest
-                t0 = time.perf_counter()
-                loss, m = grpo_micro_loss(pol, s_)
-                loss.backward(); pol.module.zero_grad()
-                if device == "cuda": torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            t_train = statistics.median(times[1:] or times)
-            toks = sum(len(c) for c in ro.completion_ids)
-            out.append({"policy": kind, "replay": replay, "sequences": len(P), "gen_tokens": toks, "rollout_tok_per_s": toks / t_gen,
-                        "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
-                        "align_abs_max": m["align_abs_max"], "forward_passes": ro.forward_passes})
-    return {"name": "grpo", "rows": out,
-            "notes": f"{model} ({'fp32'}) on {device}; {n_prompts} prompts × {group_size} samples at T = 1; the latent policy "
-                     "is the same weights with a projector (latent blocks after each <|line_sep|>); training = one replay "
-                     "forward + GRPO loss + backward over all sequences, the median of 3 after a warm-up (latent: exact replay, "
-                     "or truncated = the recorded latents in two parallel forwards); gen_share = generation / (generation + training)."}
+    """Rollout and training tokens/s of GRPO for a text and a latent policy built from the same weights, timed
+    interleaved (text, latent, text, …) so that a change in the machine's load falls on both: medians of 3."""
+    rows = [r for r in load_rows("data/corpus/train.jsonl", 64)[:2 if quick else 8] for _ in range(group_size)]
+    pols = {"text": Policy.load(model, device=device), "latent": Policy(*LatentModel.load(model, device=device), "latent")}
+    P = [encode(pols["text"].tok, prompt_text(r["code"], r["input"])) for r in rows]
+    sync, reps, ro = (torch.cuda.synchronize if device == "cuda" else lambda: None), 1 if quick else 3, {}
+    def timed(fn):
+        t0 = time.perf_counter(); out = fn(); sync(); return out, time.perf_counter() - t0
+    gen = lambda k, n=len(P), m=96 if quick else 256: pols[k].generate(P[:n], max_new_tokens=m, temperature=1.0,
+                                                                      keys=list(range(n)), return_latents=k == "latent")
+    t_gen = {k: [] for k in pols}
+    for k, pol in pols.items(): pol.module.eval(); gen(k, 2, 8)                     # warm-up
+    for _ in range(reps):
+        for k in pols: ro[k], dt = timed(lambda: gen(k)); t_gen[k].append(dt)
+    smp = {k: _grpo_samples(pols[k], P, ro[k], rows, group_size) for k in pols}
+    variants = {("text", "exact"): smp["text"], ("latent", "exact"): smp["latent"], ("latent", "exact, one pass"): smp["latent"],
+                ("latent", "truncated"): [dict(x, latents=z) for x, z in zip(smp["latent"], ro["latent"].latents)]}
+    t_train, stats, metrics = {v: [] for v in variants}, {}, {}
+    for pol in pols.values(): pol.module.train()
+    for it in range(1 + reps):                                                       # the first round is a warm-up
+        for (k, replay), s_ in variants.items():
+            pols[k].call_cost = math.inf if replay == "exact, one pass" else CALL_COST   # one lockstep pass, or groups
+            def step():
+                loss, m = grpo_micro_loss(pols[k], s_); loss.backward(); pols[k].module.zero_grad(); return m
+            metrics[k, replay], dt = timed(step)
+            stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}
+            if it: t_train[k, replay].append(dt)
+    return {"name": "grpo", "rows": [_grpo_row(k, replay, ro[k], statistics.median(t_gen[k]), statistics.median(t_train[k, replay]),
+                                               metrics[k, replay], stats[k, replay]) for k, replay in variants],
+            "notes": f"{model} (fp32) on {device}; {len(P) // group_size} prompts × {group_size} samples at T = 1; the latent "
+                     "policy is the same weights with a projector (latent blocks after each <|line_sep|>); rollouts and "
+                     f"training steps timed interleaved, the median of {reps}; training = one replay forward + GRPO loss + "
+                     "backward over all sequences (latent: exact replay in phase_groups or in one lockstep pass, or truncated "
+                     "= the recorded latents in two parallel forwards); gen_share = generation / (generation + training); "
+                     "replay_calls / replay_pad_ratio: the exact replay's model calls and positions run per real position."}
+
+def _grpo_row(kind, replay, ro, t_gen, t_train, m, st) -> dict:
+    toks = sum(len(c) for c in ro.completion_ids)
+    return {"policy": kind, "replay": replay, "sequences": len(ro.completion_ids), "gen_tokens": toks,
+            "rollout_tok_per_s": toks / t_gen, "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
+            "align_abs_max": m["align_abs_max"], "forward_passes": ro.forward_passes, "replay_calls": st.get("calls"),
+            "replay_pad_ratio": st["positions_run"] / st["positions_real"] if st else None}
 
 # %% ../nbs/27_bench.ipynb #ef81f744
 ARCHS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan); 'tiny' = the demo model

@@ -72,7 +72,29 @@ def _sample(logits, temperature: float, generator=None, keys=None, t: int = 0):
     else: nxt = multinomial(logp.exp(), generator)
     return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
 
-# %% ../nbs/08_generate.ipynb #cf7de932
+# %% ../nbs/08_generate.ipynb #7780262f
+def _keep_rows(done: torch.Tensor, cache) -> torch.Tensor | None:
+    """The batch slots to keep once finished rows are a quarter of the batch (the KV cache is cut to them in place),
+    else None: a long straggler then decodes alone instead of dragging every finished row through each call."""
+    if int(done.sum()) * 4 < done.shape[0] or bool(done.all()): return None
+    keep = (~done).nonzero()[:, 0]                                            # [n]
+    cache.batch_select_indices(keep)
+    return keep
+
+def _take(keep: torch.Tensor, *xs):
+    "Each tensor at the kept slots (None stays None)."
+    return tuple(None if x is None else x[keep] for x in xs)
+
+def _per_row(steps: list, B: int) -> tuple[list, list]:
+    "Each row's tokens and logprobs in order, from per-call `(rows [n], token [n], logprob [n], wrote [n])` records."
+    if not steps: return [[] for _ in range(B)], [[] for _ in range(B)]
+    R, Tk, Lp, M = (torch.cat(x) for x in zip(*steps))
+    R, order = R[M], torch.sort(R[M], stable=True).indices                     # row-major, call order within a row
+    Tk, Lp, n = Tk[M][order].tolist(), Lp[M][order].tolist(), torch.bincount(R, minlength=B).tolist()
+    ends = torch.tensor(n).cumsum(0).tolist()
+    return [Tk[e - c:e] for c, e in zip(n, ends)], [Lp[e - c:e] for c, e in zip(n, ends)]
+
+# %% ../nbs/08_generate.ipynb #6b73f71e
 @torch.no_grad()
 def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int = 256,
                   temperature: float = 0.0, generator: torch.Generator | None = None,
@@ -86,31 +108,27 @@ def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, 
     body, W = backbone(model), lm_head_weight(model)
     out = body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)   # no [B, L, V] prompt logits
     cache, logits, passes = out_cache(out), out.last_hidden_state[:, -1] @ W.T, 1
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    toks, lps = [], []
+    rows, done, steps = torch.arange(B, device=dev), torch.zeros(B, dtype=torch.bool, device=dev), []
     next_pos = pos[:, -1] + 1
     kt = torch.tensor(keys, device=dev) if keys is not None else None
     for t in range(max_new_tokens):
-        nxt, lp = _sample(logits, temperature, generator, kt, t)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        toks.append(nxt); lps.append(lp)
+        nxt, lp = _sample(logits, temperature, generator, kt, t)              # [n] each: the slots' rows
         alive = ~done
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        steps.append((rows, nxt, lp, alive))
         done = done | (nxt == eos_id)
         if done.all(): break
+        if (keep := _keep_rows(done, cache)) is not None:
+            rows, done, alive, nxt, mask, next_pos, kt = _take(keep, rows, done, alive, nxt, mask, next_pos, kt)
         mask = torch.cat([mask, alive.long()[:, None]], 1)
         out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                    use_cache=True, **cache_kw(body, cache))
         cache, logits, passes = out_cache(out), out.last_hidden_state[:, -1] @ W.T, passes + 1
         next_pos = next_pos + 1
-    T = torch.stack(toks, 1).tolist() if toks else [[] for _ in range(B)]   # [B, N]
-    P = torch.stack(lps, 1).tolist() if lps else [[] for _ in range(B)]
-    comp, logp, fin = [], [], []
-    for t, p in zip(T, P):
-        n = t.index(eos_id) + 1 if eos_id in t else len(t)
-        comp.append(t[:n]); logp.append(p[:n]); fin.append(eos_id in t)
-    return Rollout(list(map(list, prompts)), comp, logp, temperature, [[] for _ in range(B)], fin, passes)
+    comp, logp = _per_row(steps, B)
+    return Rollout(list(map(list, prompts)), comp, logp, temperature, [[] for _ in range(B)], [eos_id in c for c in comp], passes)
 
-# %% ../nbs/08_generate.ipynb #f1635f5b
+# %% ../nbs/08_generate.ipynb #bd846753
 # Long on purpose: the latent decoder's state machine (text, <|latent_start|>, latent steps, <|latent_end|>) reads as
 # one loop over decode steps; its phases share the batch's KV cache and per-row positions.
 @torch.no_grad()
@@ -119,8 +137,9 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
                     forced: list[list[int]] | None = None, max_forward_passes: int | None = None,
                     keys: list[int] | None = None, latent_fn=None, return_latents: bool = False) -> Rollout:
     """Batched latent-policy decoding with a KV cache; returns text tokens, their logprobs and latent positions.
-    `latent_fn(z [B, H], block [B], step [B]) -> z` replaces the vectors fed inside blocks (counterfactuals: only rows
-    in a block use the result); `return_latents` records them. A prompt ending in `<|line_sep|>` starts in a block."""
+    `latent_fn(z [n, H], block [n], step [n]) -> z` replaces the vectors fed inside blocks (counterfactuals: only rows
+    in a block use the result); `return_latents` records them. A prompt ending in `<|line_sep|>` starts in a block.
+    Finished rows leave the batch once they are a quarter of it (`_keep_rows`)."""
     sp, body, W = lm.spec, lm.body, lm.head_weight
     dev = W.device
     ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))                 # [B, L]
@@ -133,20 +152,23 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     starts = torch.tensor([bool(p) and p[-1] == sp.line_sep_id for p in prompts], device=dev)   # [B] prompt opens a block
     state = starts.long()                                                     # 1 = feed <|latent_start|> next
     blk = starts.long() - 1                                                   # [B] index of the current block
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    steps_tok, steps_lp, steps_emit = [], [], []                             # per column: [B] each
-    fed = []                                                                  # (z [B, H], rows [B], block [B]) per block column
+    done, rows = torch.zeros(B, dtype=torch.bool, device=dev), torch.arange(B, device=dev)   # rows: each slot's row
+    steps, fed = [], []                              # per call: (rows, token, logprob, emitted); (rows, z, in a block)
     n_fed = torch.zeros(B, dtype=torch.long, device=dev)                       # text tokens emitted per row
     if forced is not None:
         Fpad = torch.tensor([list(f) + [eos_id] * (max(map(len, forced)) + 1 - len(f)) for f in forced], device=dev)  # [B, N+1]
         f_len = torch.tensor([len(f) for f in forced], device=dev)
+    else: Fpad = f_len = None
     e_ls, e_le = lm.embed(torch.tensor([sp.latent_start_id], device=dev)), lm.embed(torch.tensor([sp.latent_end_id], device=dev))
     T = temperature if temperature > 0 else 1.0
     kt, it = (torch.tensor(keys, device=dev) if keys is not None else None), 0
     while True:
+        if (keep := _keep_rows(done, cache)) is not None:
+            rows, done, h, state, blk, n_fed, next_pos, mask, kt, Fpad, f_len = _take(
+                keep, rows, done, h, state, blk, n_fed, next_pos, mask, kt, Fpad, f_len)
         # 1) rows that emit a text token now: sample (state 0) or force <|action_sep|> (state s+3)
         emit = (state == 0) | (state == s + 3)
-        logp = torch.log_softmax((h @ W.T).float() / T, -1)                    # [B, V]
+        logp = torch.log_softmax((h @ W.T).float() / T, -1)                    # [n, V]
         if forced is not None: nxt = Fpad.gather(1, n_fed.clamp(max=Fpad.shape[1] - 1)[:, None]).squeeze(1)
         elif temperature <= 0: nxt = logp.argmax(-1)
         elif kt is not None: nxt = keyed_sample(logp, kt, it) if emit.any() else logp.argmax(-1)
@@ -154,20 +176,20 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         it += 1
         nxt = torch.where(state == s + 3, torch.full_like(nxt, sp.action_sep_id), nxt)
         live_emit = emit & ~done
-        steps_tok.append(nxt); steps_lp.append(logp.gather(-1, nxt[:, None]).squeeze(-1)); steps_emit.append(live_emit)
+        steps.append((rows, nxt, logp.gather(-1, nxt[:, None]).squeeze(-1), live_emit))
         n_fed = n_fed + live_emit.long()
         finished_now = live_emit & ((nxt == eos_id) | (n_fed >= max_new_tokens))
         if forced is not None: finished_now = finished_now | (live_emit & (n_fed >= f_len))
         done = done | finished_now
         if done.all() or (max_forward_passes is not None and passes >= max_forward_passes): break
         # 2) what each row feeds next
-        tok_emb = lm.embed(torch.where(emit, nxt, torch.full_like(nxt, pad_id)))  # [B, H]
+        tok_emb = lm.embed(torch.where(emit, nxt, torch.full_like(nxt, pad_id)))  # [n, H]
         inp = torch.where((state == 1)[:, None], e_ls, tok_emb)
         in_block = (state >= 2) & (state <= s + 1)
         if in_block.any():
-            z = lm.prj(h)                                                     # [B, H]
+            z = lm.prj(h)                                                     # [n, H]
             if latent_fn is not None: z = latent_fn(z, blk, state - 2)
-            if return_latents: fed.append((z, in_block & ~done, blk.clone()))
+            if return_latents: fed.append((rows, z, in_block & ~done))
             inp = torch.where(in_block[:, None], z, inp)
         inp = torch.where((state == s + 2)[:, None], e_le, inp)
         col = (~done).long()[:, None]
@@ -181,10 +203,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         blk = blk + fed_line_sep.long()
         state = torch.where(fed_line_sep, torch.ones_like(state),
                 torch.where((state >= 1) & (state <= s + 2), state + 1, torch.zeros_like(state)))
-    # gather each row's emitted tokens once, after decoding (no per-step Python loop over the batch)
-    E = torch.stack(steps_emit, 1).tolist(); Tk = torch.stack(steps_tok, 1).tolist(); Lp = torch.stack(steps_lp, 1).tolist()
-    comp = [[t for t, e in zip(tr, er) if e] for tr, er in zip(Tk, E)]
-    lps = [[p for p, e in zip(pr, er) if e] for pr, er in zip(Lp, E)]
+    comp, lps = _per_row(steps, B)                   # each row's emitted tokens, gathered once after decoding
     # a block ran after every <|line_sep|> except one that ended the completion
     lat = [[i for i, t in enumerate(c) if t == sp.line_sep_id and i + 1 < len(c)] for c in comp]
     fin = [bool(c) and c[-1] == eos_id for c in comp]
@@ -192,14 +211,12 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     if return_latents: ro.latents = _per_row_latents(fed, B, s, h.shape[-1])
     return ro
 
-# %% ../nbs/08_generate.ipynb #af1e011e
+# %% ../nbs/08_generate.ipynb #61090c7e
 def _per_row_latents(fed, B: int, s: int, H: int) -> list:
-    "The recorded block vectors as one `[n_blocks, latent_steps, H]` tensor per row (CPU)."
+    "The recorded block vectors as one `[n_blocks, latent_steps, H]` tensor per row (CPU), from `(rows, z, in a block)` records."
     if not fed: return [torch.zeros(0, s, H) for _ in range(B)]
-    Z = torch.stack([z for z, _, _ in fed], 1).float().cpu()                  # [B, C, H]
-    R = torch.stack([r for _, r, _ in fed], 1).cpu()                          # [B, C] row was in a block
-    out = []
-    for b in range(B):
-        zb = Z[b, R[b]]
-        out.append(zb[:zb.shape[0] // s * s].view(-1, s, H))                  # a block cut by max_forward_passes is dropped
-    return out
+    R, Z, M = (torch.cat(x) for x in zip(*fed))
+    R, Z = R[M].cpu(), Z[M].float().cpu()                                      # [C] rows, [C, H] vectors (call order)
+    Z = Z[torch.sort(R, stable=True).indices]                                  # row-major, call order within a row
+    return [zb[:zb.shape[0] // s * s].view(-1, s, H)                           # a block cut by max_forward_passes is dropped
+            for zb in torch.split(Z, torch.bincount(R, minlength=B).tolist())]

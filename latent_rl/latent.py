@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_latent.ipynb #58d37a9e
 from __future__ import annotations
-import json
+import json, math
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
 
@@ -19,9 +19,9 @@ from .logprobs import token_logprobs
 from .losses import state_kd_loss, embed_kd_loss, anchor_kd_loss
 
 # %% auto #0
-__all__ = ['VALUE_KD_AT', 'LatentSpec', 'Projector', 'LatentModel', 'pack_phases', 'CodiOptions', 'kd_layer_indices',
-           'TeacherPass', 'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model', 'student_pass', 'recon_loss',
-           'codi_forward']
+__all__ = ['VALUE_KD_AT', 'CALL_COST', 'LatentSpec', 'Projector', 'LatentModel', 'pack_phases', 'CodiOptions', 'kd_layer_indices',
+           'TeacherPass', 'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model', 'student_pass',
+           'phase_groups', 'recon_loss', 'codi_forward']
 
 # %% ../nbs/07_latent.ipynb #2440d8e2
 @dataclass
@@ -241,14 +241,21 @@ def _phase_batch(phase: list, dev):
     lab[:, :-1] = torch.where(ti[:, 1:] >= 0, ids[:, 1:], IGNORE_INDEX)               # aligned: p predicts p+1
     return ids, m, ti, lab, lens
 
-def _scheduled_input(body, W, ids, m, lens, mask_cols, p_ids, cache, coins, final):
+def _phase_call(lm, ids, m, p_ids, cols, pend) -> tuple[dict, int]:
+    """The inputs of one phase's call and the column its tokens start at: the tokens alone, or (`pend` = the block
+    before's last latent input, its position and its rows `(z [B, H], pos [B], has [B, 1])`) that step in column 0."""
+    if pend is None: return dict(input_ids=ids, attention_mask=torch.cat(cols + [m], 1), position_ids=p_ids), 0
+    z, zpos, has = pend
+    return dict(inputs_embeds=torch.cat([z[:, None], lm.embed(ids)], 1), attention_mask=torch.cat(cols + [has, m], 1),
+                position_ids=torch.cat([zpos[:, None], p_ids], 1)), 1
+
+def _scheduled_input(body, W, call: tuple[dict, int], cache, ids, lens, coins, final):
     "Scheduled sampling: the code after `<|action_sep|>` replaced by the student's own argmax (side pass, detached cache)."
+    (kw, off), col = call, torch.arange(ids.shape[1], device=ids.device)[None]
     with torch.no_grad():
-        side = body(input_ids=ids, attention_mask=torch.cat(mask_cols + [m], 1), position_ids=p_ids, use_cache=True,
-                    **cache_kw(body, copy_cache(cache)))
-        am = (side.last_hidden_state @ W.T).argmax(-1)                               # [B, L]
+        side = body(**kw, use_cache=True, **cache_kw(body, copy_cache(cache)))
+        am = (side.last_hidden_state[:, off:] @ W.T).argmax(-1)                      # [B, L]
     end = torch.where(final, lens - 1, lens - 3)                                      # [B] last replaced column (seed)
-    col = torch.arange(ids.shape[1], device=ids.device)[None]
     repl = (col >= 2) & (col <= end[:, None]) & coins[:, None].to(ids.device)
     return torch.where(repl, torch.cat([am[:, :1], am[:, :-1]], 1), ids)              # argmax at p-1 feeds position p
 
@@ -278,6 +285,7 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
                     pred_mask=torch.zeros(B, Tmax, dtype=torch.bool, device=dev))
     pred_parts, at_parts, lat, lat_hs = [], [], [], []
     cache, cols, pos, bi = None, [], torch.zeros(B, dtype=torch.long, device=dev), torch.arange(B, device=dev)
+    pend = None                                                                       # a block's last latent step, run with the next phase
     for k in range(K + 1):
         ids, m, ti, lab, lens = _phase_batch([phases[k][b] for b in range(B)], dev)
         r.n_real += sum(len(phases[k][b][0]) for b in range(B)); r.n_run += ids.numel()
@@ -285,15 +293,19 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
         inp = ids
         if k >= 1 and ss_coins[:, k].any():
             final = torch.tensor([k == len(e["spans"]) for e in examples], device=dev)
-            inp = _scheduled_input(body, W, ids, m, lens, cols, p_ids, cache, ss_coins[:, k], final)
+            inp = _scheduled_input(body, W, _phase_call(lm, ids, m, p_ids, cols, pend), cache, ids, lens, ss_coins[:, k], final)
         tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)               # [B, L] trace index each position predicts
         sel = lab != IGNORE_INDEX                                                     # [B, L]
         at = sel & states_at[bi[:, None], tgt.clamp(min=0)] if states_at is not None else None   # [B, L]
-        need_hs = (k >= 1 and layers is not None) or (at is not None and bool(at.any()))
-        out = body(input_ids=inp, attention_mask=torch.cat(cols + [m], 1), position_ids=p_ids, use_cache=True,
-                   output_hidden_states=need_hs, **cache_kw(body, cache))
+        need_hs = (k >= 1 and layers is not None) or (at is not None and bool(at.any())) or (pend is not None and latent_states)
+        kw, off = _phase_call(lm, inp, m, p_ids, cols, pend)
+        out = body(**kw, use_cache=True, output_hidden_states=need_hs, **cache_kw(body, cache))
         r.calls += 1
-        cache, hid = out_cache(out), out.last_hidden_state                            # [B, L, H]
+        cache, hid = out_cache(out), out.last_hidden_state[:, off:]                   # [B, L, H]
+        hs = [x[:, off:] for x in out.hidden_states] if need_hs else None             # per layer [B, L, H]
+        if pend is not None:
+            if latent_states: lat_hs.append(torch.stack([x[:, 0] for x in out.hidden_states], 1))   # [B, L+1, H]
+            cols.append(pend[2]); pend = None
         cols.append(m)
         rows_b, rows_t = bi[:, None].expand_as(tgt)[sel], tgt[sel]
         r.pred_mask[rows_b, rows_t] = True
@@ -304,9 +316,9 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
             if return_logprobs: r.trace_lp[rows_b, rows_t] = lp.detach()[sel]
         if return_hidden: pred_parts.append((rows_b, rows_t, hid[sel]))
         if at is not None and at.any():
-            at_parts.append((bi[:, None].expand_as(tgt)[at], tgt[at], torch.stack([h[at] for h in out.hidden_states], 1)))
+            at_parts.append((bi[:, None].expand_as(tgt)[at], tgt[at], torch.stack([h[at] for h in hs], 1)))
         if k >= 1:                                                                    # anchor: <|action_sep|> at position 1
-            r.anchors.append(torch.stack([out.hidden_states[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2])
+            r.anchors.append(torch.stack([hs[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2])
         pos = pos + lens
         if k == K: break
         has = (n_sp > k).long()[:, None]                                              # [B, 1] rows with latent block k
@@ -317,6 +329,8 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
             if forced_latents is not None and (f := forced_latents[:, k, j].to(dev)).ge(0).any():
                 z = torch.where(f.ge(0)[:, None], lm.embed(f.clamp(min=0)), z)
             lat.append(z)
+            if j == S - 1:                        # its output feeds no latent: it runs as column 0 of the next phase's call
+                pend, pos = (z, pos, has), pos + has[:, 0]; break
             out = body(inputs_embeds=z[:, None], attention_mask=torch.cat(cols + [has], 1), position_ids=pos[:, None],
                        use_cache=True, output_hidden_states=latent_states, **cache_kw(body, cache))
             r.calls += 1
@@ -338,6 +352,27 @@ def _finish_pass(r: StudentPass, B, K, S, Tmax, W, lat, lat_hs, at_parts, pred_p
         rb, rt, st = (torch.cat(x) for x in zip(*pred_parts))
         r.pred_hidden = torch.zeros(B, Tmax, W.shape[1], device=W.device, dtype=W.dtype).index_put((rb, rt), st)  # [B, T, H]
     return r
+
+# %% ../nbs/07_latent.ipynb #1e17d634
+CALL_COST = 128.0   # positions one model call is worth (tiny model, CPU: bench grpo); larger for small models on a GPU
+
+def phase_groups(examples: list[dict], spec: LatentSpec, call_cost: float = CALL_COST) -> list[list[int]]:
+    """Rows of a latent batch in groups, each to run as its own lockstep pass: rows ordered by (spans, length), cut
+    where the padded positions saved outweigh `call_cost` positions per added model call. Returns row indices."""
+    phases, S, B = pack_phases(examples, spec, allow_empty=True), spec.latent_steps, len(examples)
+    K = [len(e["spans"]) for e in examples]
+    L = [[len(phases[k][b][0]) for k in range(K[b] + 1)] for b in range(B)]
+    order = sorted(range(B), key=lambda b: (-K[b], -sum(L[b]), b))
+    best, cut = [0.0] + [math.inf] * B, [0] * (B + 1)             # best[j]: cost of order[:j]; cut[j]: its last group's start
+    for i in range(B):
+        longest, Kg = [0] * (K[order[i]] + 1), K[order[i]]          # the group order[i:j] has Kg spans at most
+        for j in range(i + 1, B + 1):
+            for k, n in enumerate(L[order[j - 1]]): longest[k] = max(longest[k], n)
+            c = best[i] + (j - i) * (sum(longest) + S * Kg) + call_cost * (Kg * S + 1)
+            if c < best[j]: best[j], cut[j] = c, i
+    groups, j = [], B
+    while j: groups.append(order[cut[j]:j]); j = cut[j]
+    return groups[::-1]
 
 # %% ../nbs/07_latent.ipynb #0dc4bbd8
 def _value_pairs(examples, mode: str, S: int) -> list[tuple]:

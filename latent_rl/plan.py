@@ -107,12 +107,12 @@ def layer_act_bytes(s: ModelShape, b: int, r: int) -> int:
 
 def pass_tokens(pc: PlanConfig) -> tuple[int, int, int]:
     """(tokens through the trainable passes, through a no-grad teacher pass, Σ attended prefix over the cached calls)
-    of one micro-batch: a latent pass runs `spans + 1` phases and `spans × latent_steps` one-token calls, each of which
+    of one micro-batch: a latent pass runs `spans + 1` phases and `spans × (latent_steps − 1)` one-token calls, each of which
     keeps the keys and values it attended to (the cache so far, half the sequence on average) for backward."""
     T = pc.micro_batch * pc.seq
     latent = pc.stage == "codi" or (pc.latent and pc.stage in ("gkd", "grpo"))
     extra = pc.micro_batch * pc.spans * pc.latent_steps if latent else 0
-    calls = pc.spans * (pc.latent_steps + 1) + 1 if latent else 0
+    calls = pc.spans * pc.latent_steps + 1 if latent else 0       # a block's last step rides in the next text call
     kv_prefix = pc.micro_batch * pc.seq // 2 * calls
     if pc.stage == "codi":                                     # teacher: the whole sequence; student: what stays text
         S = int(T * (1 - pc.latent_share)) + extra

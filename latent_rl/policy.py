@@ -14,14 +14,15 @@ import torch.nn as nn
 from .tokens import IGNORE_INDEX
 from .models import backbone, lm_head_weight, load_model
 from .logprobs import token_logprobs
-from .latent import LatentModel, student_pass
+from .latent import LatentModel, student_pass, phase_groups, CALL_COST
 from .generate import Rollout, generate_text, generate_latent
 from .serve import check_exposure
 
 # %% auto #0
-__all__ = ['replay_examples', 'completion_labels', 'sampled_mask', 'Policy', 'truncated_replay_hidden', 'named_weights',
-           'layer_chunks', 'colocate_llm_kwargs', 'ensure_dist_env', 'VLLMEngine', 'completion_request',
-           'parse_completion_choice', 'VLLMServerEngine', 'vllm_serve_command', 'serve_rollouts', 'make_rollout_engine']
+__all__ = ['replay_examples', 'completion_labels', 'sampled_mask', 'replay_hidden', 'Policy', 'truncated_replay_hidden',
+           'named_weights', 'layer_chunks', 'colocate_llm_kwargs', 'ensure_dist_env', 'VLLMEngine',
+           'completion_request', 'parse_completion_choice', 'VLLMServerEngine', 'vllm_serve_command', 'serve_rollouts',
+           'make_rollout_engine']
 
 # %% ../nbs/10_policy.ipynb #b1197e3c
 def replay_examples(prompts: list[list[int]], completions: list[list[int]], latent_at: list[list[int]] | None) -> list[dict]:
@@ -49,11 +50,26 @@ def sampled_mask(completions: list[list[int]], latent_at: list[list[int]] | None
         for i in (latent_at[b] if latent_at else []): m[b, i + 1] = False
     return m.to(device)
 
+# %% ../nbs/10_policy.ipynb #6b442b95
+def replay_hidden(lm: LatentModel, prompts, completions, latent_at, call_cost: float = CALL_COST) -> tuple[torch.Tensor, dict]:
+    "(`[B, N, H]` states predicting each completion token, exactly replayed in `phase_groups`; {positions_run, positions_real, calls})."
+    ex, N = replay_examples(prompts, completions, latent_at), max(1, max(map(len, completions)))
+    h, stats = None, {"positions_run": 0, "positions_real": 0, "calls": 0}
+    for g in phase_groups(ex, lm.spec, call_cost):
+        sp = student_pass(lm, [ex[i] for i in g], ce=False, return_hidden=True)
+        hg = sp.pred_hidden[:, :N]                                                    # [b, T_g, H]
+        if h is None: h = hg.new_zeros(len(ex), N, hg.shape[-1])                      # [B, N, H]
+        rows = torch.tensor(g, device=hg.device)[:, None]
+        h = h.index_put((rows, torch.arange(hg.shape[1], device=hg.device)[None]), hg)
+        for k, v in (("positions_run", sp.n_run), ("positions_real", sp.n_real), ("calls", sp.calls)): stats[k] += v
+    return h, stats
+
 # %% ../nbs/10_policy.ipynb #6b6a632c
 class Policy:
-    "A text or latent policy with one rollout / replay interface."
-    def __init__(self, model: nn.Module, tok, kind: str | None = None):
-        self.model, self.tok = model, tok
+    """A text or latent policy with one rollout / replay interface. A latent replay runs its rows in `phase_groups`
+    of about equal spans and lengths (`call_cost`: positions one model call is worth) and leaves `replay_stats`."""
+    def __init__(self, model: nn.Module, tok, kind: str | None = None, call_cost: float = CALL_COST):
+        self.model, self.tok, self.call_cost, self.replay_stats = model, tok, call_cost, {}
         self.kind = kind or ("latent" if isinstance(model, LatentModel) else "text")
         if self.kind not in ("text", "latent"): raise ValueError(f"policy kind must be 'text' or 'latent', got {kind!r}")
 
@@ -108,10 +124,8 @@ class Policy:
             return (truncated_replay_hidden(self.model, prompts, completions, latent_at, latents)[:, :N],
                     completion_labels(completions, N, dev) != IGNORE_INDEX)
         if self.kind == "latent":
-            sp = student_pass(self.model, replay_examples(prompts, completions, latent_at), ce=False, return_hidden=True)
-            h = sp.pred_hidden                                                           # [B, T, H]
-            if h.shape[1] < N: h = torch.cat([h, h.new_zeros(h.shape[0], N - h.shape[1], h.shape[2])], 1)
-            return h[:, :N], completion_labels(completions, N, dev) != IGNORE_INDEX
+            h, self.replay_stats = replay_hidden(self.model, prompts, completions, latent_at, self.call_cost)
+            return h, completion_labels(completions, N, dev) != IGNORE_INDEX
         seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
         L = max(map(len, seqs))
         ids = torch.tensor([s + [self.pad_id] * (L - len(s)) for s in seqs], device=dev)  # [B, L] right-padded
