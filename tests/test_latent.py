@@ -59,20 +59,22 @@ def test_batched_equals_reference(case):
         a = torch.zeros_like(b) if a is None else a; b = torch.zeros_like(a) if b is None else b
         assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-8) + 1e-7, ((a - b).norm(), b.norm())
 
+@pytest.mark.parametrize("depths", [(2, 3), (4, 6)])                    # (student, frozen teacher) layers
 @pytest.mark.parametrize("kd_layers", [None, (-1,), (1, -1)])
-def test_frozen_teacher_of_another_depth_is_distilled_at_its_own_layers(kd_layers):
-    lm = LatentModel(tiny(0, layers=2), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=1))
-    teacher = tiny(1, layers=3).eval().requires_grad_(False)            # deeper than the student
+def test_frozen_teacher_of_another_depth_is_distilled_at_its_own_layers(kd_layers, depths):
+    lm = LatentModel(tiny(0, layers=depths[0]), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=1))
+    teacher = tiny(1, layers=depths[1]).eval().requires_grad_(False)    # deeper than the student
     opts, exs = CodiOptions(g=2.0, kd_layers=kd_layers), batch(0)
     out = codi_forward(lm, exs, opts, teacher=teacher, return_states=True)
     ref_loss, ref_m = ref_forward(lm, exs, opts, teacher)
     assert abs(out.loss.item() - ref_loss.item()) < 1e-5 and abs(out.metrics["kd_loss"] - ref_m["kd_loss"]) < 1e-5
     e = exs[0]; full = torch.tensor(e["prompt_ids"] + e["trace_ids"])[None]
     hs = teacher(input_ids=full, output_hidden_states=True).hidden_states
-    want = (-1,) if kd_layers is None else kd_layers                       # resolved on the teacher's 3 layers
+    want = (-1,) if kd_layers is None else kd_layers                       # resolved on the teacher's own layers
     pos = len(e["prompt_ids"]) + e["spans"][0][1]
     for i, l in enumerate(want): assert torch.allclose(out.teacher_states[0, 0, i], hs[l][0, pos], atol=1e-6)
-    with pytest.raises(ValueError, match="out of range"): codi_forward(lm, exs, CodiOptions(kd_layers=(3,)), teacher=teacher)
+    with pytest.raises(ValueError, match="out of range"):             # a layer past the student's own
+        codi_forward(lm, exs, CodiOptions(kd_layers=(depths[0] + 1,)), teacher=teacher)
 
 def test_scheduled_sampling_equals_reference():
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
