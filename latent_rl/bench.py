@@ -646,7 +646,7 @@ def plan_bench(quick: bool = False, device: str = "cpu") -> dict:
     "Planned against measured peak memory of real training steps, each configuration in a fresh process."
     out = []
     todo = VALIDATION + ([(s, "0.5b", 8, 3 if s != "sft" else 1) for s in STAGES] if device == "cuda" else [])
-    for stage, arch, mb, ls in todo[:4] if quick else todo:
+    for stage, arch, mb, ls in [t for t in todo if t[1:] == ("tiny", 16, 1) and t[0] in ("sft", "grpo")] if quick else todo:
         code = ("import json, torch; torch.set_num_threads(2); from latent_rl.bench import measure_step_peak, _ARCHS; "
                 f"print(json.dumps(measure_step_peak({stage!r}, _ARCHS[{arch!r}], {mb}, {ls}, device={device!r})))")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

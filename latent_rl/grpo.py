@@ -35,6 +35,7 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     LA = [s["latent_at"] for s in samples] if policy.kind == "latent" else None
     Z = [s["latents"] for s in samples] if LA is not None and all("latents" in s for s in samples) else None
     logp, _ = policy.logprobs(P, C, LA, temperature, latents=Z)                          # [B, N] (Z: truncated replay)
+    st = policy.replay_stats if LA is not None and Z is None else {}                    # an exact latent replay's cost
     N, dev = logp.shape[1], logp.device
     mask = sampled_mask(C, LA, N, dev)                                                  # [B, N]
     li = pad_to([s["logp_inf"] for s in samples], N, 1.0).to(dev)                       # [B, N]; 1.0 = placeholder (seed)
@@ -44,6 +45,7 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
         r = torch.exp((logp - li).clamp(-20, 20))
         for name, sel in (("pos", mask & (A > 0)[:, None]), ("neg", mask & (A < 0)[:, None])):
             m[f"ratio_mean_{name}"] = float(r[sel].mean()) if sel.any() else 1.0
+    if st: m["replay_pad_ratio"] = st["positions_run"] / max(1, st["positions_real"])
     return loss, dict(m, logp=logp.detach(), mask=mask)
 
 # %% ../nbs/20_grpo.ipynb #d836dd9b
