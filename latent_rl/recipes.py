@@ -50,7 +50,7 @@ RECIPES["gpu-qwen2.5-coder-7b"]["SFTConfig"]["model"] = "Qwen/Qwen2.5-Coder-7B"
 
 # 32B on 8 × 141 GB (H200): LoRA students over a bf16 base (fp32 adapters and projector), FSDP2, every decoder layer
 # recomputed in backward (latent passes included), micro-batches of 1 × 1024 tokens; GRPO's micro-batch is one whole
-# group, 8 × (prompt + 512) tokens (`latent-rl plan`: SFT 17 GB, CODI 83, GKD 87, GRPO 130 at 768 tokens). GKD's teacher is the student with its adapters
+# group, 8 × (prompt + 512) tokens (`latent-rl plan`: SFT 17 GB, CODI 83, GKD 86, GRPO 123 at 768 tokens). GKD's teacher is the student with its adapters
 # off (no second 32B copy): on-policy KL to the CODI student it starts from; to distil from the SFT teacher instead,
 # serve it on other GPUs (`latent-rl serve-teacher`) and set `teacher` to its URL with `topk`.
 _LORA32 = dict(lora_r=16, lora_alpha=32, dtype="bf16", precision="bf16", strategy="fsdp", activation_checkpointing=True,
