@@ -370,7 +370,7 @@ def codi_bench(quick: bool = False, batch_size: int = 8, latent_steps: int = 1, 
             "notes": f"{len(exs)} CODI examples from data/corpus/train.jsonl ({spans:.1f} spans each on average), {size} model, "
                      f"fp32 on {device}; model calls counted on the backbone (the reference's full-LM calls included)."}
 
-# %% ../nbs/27_bench.ipynb #5f13713a
+# %% ../nbs/27_bench.ipynb #6406444f
 def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
     "GRPO samples of a rollout: the demo's rewards, group advantages, and the rollout's logprobs (and latents)."
     R = weighted("correct:1,format:0.1")([pol.tok.decode(c) for c in ro.completion_ids], rows)
@@ -378,6 +378,14 @@ def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
     return [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": lp, "adv": a}
             for p, c, la, lp, a in zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, adv.tolist())]
 
+def _grpo_row(kind, replay, ro, t_gen, t_train, m, st) -> dict:
+    toks = sum(len(c) for c in ro.completion_ids)
+    return {"policy": kind, "replay": replay, "sequences": len(ro.completion_ids), "gen_tokens": toks,
+            "rollout_tok_per_s": toks / t_gen, "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
+            "align_abs_max": m["align_abs_max"], "forward_passes": ro.forward_passes, "replay_calls": st.get("calls"),
+            "replay_pad_ratio": st["positions_run"] / st["positions_real"] if st else None}
+
+# %% ../nbs/27_bench.ipynb #b214d963
 def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teacher", group_size: int = 8) -> dict:
     """Rollout and training tokens/s of GRPO for a text and a latent policy built from the same weights, timed
     interleaved (text, latent, text, …) so that a change in the machine's load falls on both: medians of 3."""
@@ -414,13 +422,6 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
                      "backward over all sequences (latent: exact replay in phase_groups or in one lockstep pass, or truncated "
                      "= the recorded latents in two parallel forwards); gen_share = generation / (generation + training); "
                      "replay_calls / replay_pad_ratio: the exact replay's model calls and positions run per real position."}
-
-def _grpo_row(kind, replay, ro, t_gen, t_train, m, st) -> dict:
-    toks = sum(len(c) for c in ro.completion_ids)
-    return {"policy": kind, "replay": replay, "sequences": len(ro.completion_ids), "gen_tokens": toks,
-            "rollout_tok_per_s": toks / t_gen, "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
-            "align_abs_max": m["align_abs_max"], "forward_passes": ro.forward_passes, "replay_calls": st.get("calls"),
-            "replay_pad_ratio": st["positions_run"] / st["positions_real"] if st else None}
 
 # %% ../nbs/27_bench.ipynb #ef81f744
 ARCHS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan); 'tiny' = the demo model
