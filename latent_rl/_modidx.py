@@ -194,6 +194,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'latent_rl.evaluate.within_noise': ('evaluate.html#within_noise', 'latent_rl/evaluate.py')},
             'latent_rl.generate': { 'latent_rl.generate.Rollout': ('generate.html#rollout', 'latent_rl/generate.py'),
                                     'latent_rl.generate.Rollout.__len__': ('generate.html#rollout.__len__', 'latent_rl/generate.py'),
+                                    'latent_rl.generate._by_row': ('generate.html#_by_row', 'latent_rl/generate.py'),
                                     'latent_rl.generate._hash32': ('generate.html#_hash32', 'latent_rl/generate.py'),
                                     'latent_rl.generate._keep_rows': ('generate.html#_keep_rows', 'latent_rl/generate.py'),
                                     'latent_rl.generate._per_row': ('generate.html#_per_row', 'latent_rl/generate.py'),

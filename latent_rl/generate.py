@@ -85,6 +85,11 @@ def _take(keep: torch.Tensor, *xs):
     "Each tensor at the kept slots (None stays None)."
     return tuple(None if x is None else x[keep] for x in xs)
 
+def _by_row(fn, rows: torch.Tensor, B: int, *xs):
+    "`fn` called on `[B, ...]` tensors indexed by the prompts' rows (zeros at rows that left), its result at the live slots."
+    full = [x.new_zeros(B, *x.shape[1:]).index_copy(0, rows, x) for x in xs]
+    return fn(*full)[rows]
+
 def _per_row(steps: list, B: int) -> tuple[list, list]:
     "Each row's tokens and logprobs in order, from per-call `(rows [n], token [n], logprob [n], wrote [n])` records."
     if not steps: return [[] for _ in range(B)], [[] for _ in range(B)]
@@ -137,8 +142,9 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
                     forced: list[list[int]] | None = None, max_forward_passes: int | None = None,
                     keys: list[int] | None = None, latent_fn=None, return_latents: bool = False) -> Rollout:
     """Batched latent-policy decoding with a KV cache; returns text tokens, their logprobs and latent positions.
-    `latent_fn(z [n, H], block [n], step [n]) -> z` replaces the vectors fed inside blocks (counterfactuals: only rows
-    in a block use the result); `return_latents` records them. A prompt ending in `<|line_sep|>` starts in a block.
+    `latent_fn(z [B, H], block [B], step [B]) -> z` replaces the vectors fed inside blocks (counterfactuals: only rows
+    in a block use the result; indexed by the prompts' rows, also after finished rows left the batch); `return_latents`
+    records them. A prompt ending in `<|line_sep|>` starts in a block.
     Finished rows leave the batch once they are a quarter of it (`_keep_rows`)."""
     sp, body, W = lm.spec, lm.body, lm.head_weight
     dev = W.device
@@ -188,7 +194,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         in_block = (state >= 2) & (state <= s + 1)
         if in_block.any():
             z = lm.prj(h)                                                     # [n, H]
-            if latent_fn is not None: z = latent_fn(z, blk, state - 2)
+            if latent_fn is not None: z = _by_row(latent_fn, rows, B, z, blk, state - 2)
             if return_latents: fed.append((rows, z, in_block & ~done))
             inp = torch.where(in_block[:, None], z, inp)
         inp = torch.where((state == s + 2)[:, None], e_le, inp)
