@@ -263,7 +263,7 @@ def _bench(quick: bool, device: str) -> dict:
 def ref_forward(lm, examples, opts, teacher=None, coins=None):
     model, prj, s = lm.model, lm.prj, lm.spec.latent_steps
     ls_id, le_id = lm.spec.latent_start_id, lm.spec.latent_end_id
-    body, head = model.model, model.lm_head
+    body = model.model                       # logits always from the model's own forward (its head: bias, scale, cap)
     L = model.config.num_hidden_layers
     layers = kd_layer_indices(opts, L, teacher is not None)
     emb = model.get_input_embeddings()
@@ -293,7 +293,7 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
         last = len(segs) - 1
         o = model(inputs_embeds=emb(prompt[None]), use_cache=True)
         cache, prev_logits = out_cache(o), o.logits[:, -1]
-        ce_logits, ce_t, kd_vecs, kd_last, seg_k = [], [], [], [], 0
+        ce_logits, ce_t, kd_vecs, kd_last, seg_k = [], [], [], [], 0        # kd_last: logits at each anchor
         for si, (kind, ids, kdf) in enumerate(segs):
             if kind == "latent":
                 o = body(inputs_embeds=emb(torch.tensor([[ls_id]])), use_cache=True, **cache_kw(body, cache))
@@ -301,8 +301,8 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
                 for _ in range(s):
                     o = body(inputs_embeds=prj(h), use_cache=True, **cache_kw(body, cache))
                     cache, h = out_cache(o), o.last_hidden_state[:, -1:]
-                o = body(inputs_embeds=emb(torch.tensor([[le_id]])), use_cache=True, **cache_kw(body, cache))
-                cache, prev_logits = out_cache(o), head(o.last_hidden_state[:, -1])
+                o = model(inputs_embeds=emb(torch.tensor([[le_id]])), use_cache=True, **cache_kw(model, cache))
+                cache, prev_logits = out_cache(o), o.logits[:, -1]
                 continue
             seg_k += 1
             inp = ids
@@ -319,7 +319,7 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
             if ids.numel() > 1: ce_logits.append(logits[:-1]); ce_t.append(ids[1:])
             prev_logits = logits[-1:]
             if kdf:
-                kd_vecs.append([o.hidden_states[l][0, 0] for l in layers]); kd_last.append(o.hidden_states[-1][0, 0])
+                kd_vecs.append([o.hidden_states[l][0, 0] for l in layers]); kd_last.append(o.logits[0, 0])
         s_ce = F.cross_entropy(torch.cat(ce_logits), torch.cat(ce_t))
         s_kd = [torch.stack([v[l] for v in kd_vecs]) for l in range(len(layers))]
         s_last = torch.stack(kd_last)
@@ -327,7 +327,7 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
             t_kd, s_kd, s_last, t_logits = [t[-1:] for t in t_kd], [x[-1:] for x in s_kd], s_last[-1:], t_logits[-1:]
         if opts.kd_target == "logit":
             T = opts.kd_temp
-            k_loss = F.kl_div(F.log_softmax(head(s_last) / T, -1), F.softmax(t_logits / T, -1), reduction="batchmean") * T * T
+            k_loss = F.kl_div(F.log_softmax(s_last / T, -1), F.softmax(t_logits / T, -1), reduction="batchmean") * T * T
         else:
             k_loss = F.smooth_l1_loss(torch.stack(s_kd), torch.stack(t_kd))
         tl = tl + (t_ce if t_ce is not None else 0.0); sl = sl + s_ce; kl = kl + k_loss

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from .tokens import left_pad
-from .models import cache_kw, out_cache, backbone, lm_head_weight
+from .models import cache_kw, out_cache, backbone, lm_head
 
 # %% auto #0
 __all__ = ['Rollout', 'multinomial', 'row_key', 'keyed_sample', 'generate_text', 'generate_latent']
@@ -110,9 +110,9 @@ def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, 
     ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))                # [B, L]
     B = ids.shape[0]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)                                  # [B, L]
-    body, W = backbone(model), lm_head_weight(model)
+    body, head = backbone(model), lm_head(model)
     out = body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)   # no [B, L, V] prompt logits
-    cache, logits, passes = out_cache(out), out.last_hidden_state[:, -1] @ W.T, 1
+    cache, logits, passes = out_cache(out), head.logits(out.last_hidden_state[:, -1]), 1
     rows, done, steps = torch.arange(B, device=dev), torch.zeros(B, dtype=torch.bool, device=dev), []
     next_pos = pos[:, -1] + 1
     kt = torch.tensor(keys, device=dev) if keys is not None else None
@@ -128,7 +128,7 @@ def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, 
         mask = torch.cat([mask, alive.long()[:, None]], 1)
         out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                    use_cache=True, **cache_kw(body, cache))
-        cache, logits, passes = out_cache(out), out.last_hidden_state[:, -1] @ W.T, passes + 1
+        cache, logits, passes = out_cache(out), head.logits(out.last_hidden_state[:, -1]), passes + 1
         next_pos = next_pos + 1
     comp, logp = _per_row(steps, B)
     return Rollout(list(map(list, prompts)), comp, logp, temperature, [[] for _ in range(B)], [eos_id in c for c in comp], passes)
@@ -146,8 +146,8 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     in a block use the result; indexed by the prompts' rows, also after finished rows left the batch); `return_latents`
     records them. A prompt ending in `<|line_sep|>` starts in a block.
     Finished rows leave the batch once they are a quarter of it (`_keep_rows`)."""
-    sp, body, W = lm.spec, lm.body, lm.head_weight
-    dev = W.device
+    sp, body, head = lm.spec, lm.body, lm.head
+    dev = head.weight.device
     ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))                 # [B, L]
     B, s = ids.shape[0], sp.latent_steps
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -174,7 +174,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
                 keep, rows, done, h, state, blk, n_fed, next_pos, mask, kt, Fpad, f_len)
         # 1) rows that emit a text token now: sample (state 0) or force <|action_sep|> (state s+3)
         emit = (state == 0) | (state == s + 3)
-        logp = torch.log_softmax((h @ W.T).float() / T, -1)                    # [n, V]
+        logp = torch.log_softmax(head.logits(h).float() / T, -1)               # [n, V]
         if forced is not None: nxt = Fpad.gather(1, n_fed.clamp(max=Fpad.shape[1] - 1)[:, None]).squeeze(1)
         elif temperature <= 0: nxt = logp.argmax(-1)
         elif kt is not None: nxt = keyed_sample(logp, kt, it) if emit.any() else logp.argmax(-1)

@@ -72,10 +72,10 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
     if teacher_out is None:
         teacher_out = teacher.score(ScoreBatch(P, C, mask, LA, [it.get("row") for it in items]))
     h, _ = policy.hidden(P, C, LA)                                                      # [B, N, H]
-    jsd, jm = generalized_jsd_from_hidden(h, policy.head_weight, teacher_out, mask, beta=beta, temperature=temperature, tail=tail)
+    jsd, jm = generalized_jsd_from_hidden(h, policy.head, teacher_out, mask, beta=beta, temperature=temperature, tail=tail)
     loss, metrics = jsd, {"jsd_loss": jm["loss"], "n_tokens": jm["n_tokens"]}
     if sft_alpha > 0 and not on_policy:                                                 # never on the student's own samples
-        ce, _ = sft_loss(h, policy.head_weight, torch.where(mask, completion_labels(C, N, policy.device), IGNORE_INDEX))
+        ce, _ = sft_loss(h, policy.head, torch.where(mask, completion_labels(C, N, policy.device), IGNORE_INDEX))
         loss = loss + sft_alpha * ce
         metrics["sft_loss"] = ce.item()
     metrics.update(loss=loss.item(), on_policy=float(on_policy))
@@ -144,7 +144,7 @@ def _record_logprobs(rec, step, policy, items, teacher_out, temperature, hidden,
         it = items[:n]
         C, LA = [x["completion"] for x in it], [x["latent_at"] for x in it]
         lab = completion_labels(C, hidden.shape[1], policy.device)                      # [n, N]
-        lp = token_logprobs(hidden[:len(it)], policy.head_weight, lab, temperature)      # [n, N] (head only, no forward)
+        lp = token_logprobs(hidden[:len(it)], policy.head, lab, temperature)             # [n, N] (head only, no forward)
         if teacher_out.is_topk:   # teacher logprob of the token when it is in the top-k, else nan
             hit = teacher_out.topk_ids[:len(it), :lp.shape[1]] == lab.clamp(min=0)[..., None]
             tl = torch.where(hit, teacher_out.topk_logprobs[:len(it), :lp.shape[1]], torch.tensor(float("-inf"))).amax(-1)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .trace import LATENT_START, LATENT_END, LINE_SEP, ACTION_SEP
 from .tokens import IGNORE_INDEX, trace_token_ids
-from .models import backbone, lm_head_weight, cache_kw, out_cache, copy_cache, load_model
+from .models import backbone, lm_head, lm_head_weight, cache_kw, out_cache, copy_cache, load_model
 from .logprobs import token_logprobs
 from .losses import state_kd_loss, embed_kd_loss, anchor_kd_loss
 
@@ -55,6 +55,8 @@ class LatentModel(nn.Module):
     def body(self): return backbone(self.model)
     @property
     def head_weight(self): return lm_head_weight(self.model)
+    @property
+    def head(self): return lm_head(self.model)                                      # bias, scale, soft cap
     def embed(self, ids): return self.model.get_input_embeddings()(ids)
 
     def save(self, path, tok=None, state_dict: dict | None = None):
@@ -182,7 +184,7 @@ def teacher_pass(lm: LatentModel, examples, layers, teacher=None, want_logits=Fa
                         for e in examples], device=dev)                               # [B, K]
     bi = torch.arange(len(examples), device=dev)[:, None]
     tp = TeacherPass(None, torch.stack([out.hidden_states[l][bi, pos] for l in layers], 2).detach())  # [B, K, L_sel, H]
-    if want_logits: tp.logits = (out.hidden_states[-1][bi, pos] @ lm_head_weight(model).T).detach()   # [B, K, V]
+    if want_logits: tp.logits = lm_head(model).logits(out.hidden_states[-1][bi, pos]).detach()        # [B, K, V]
     for name, (r, p) in (gather or {}).items():
         tp.states[name] = torch.stack([h[r.to(dev), p.to(dev)] for h in out.hidden_states], 1).detach()  # [M, L+1, H]
     if teacher is None:
@@ -190,7 +192,7 @@ def teacher_pass(lm: LatentModel, examples, layers, teacher=None, want_logits=Fa
         for b, e in enumerate(examples):
             p, t = len(e["prompt_ids"]), len(e["trace_ids"])
             lab[b, p - 1:p + t - 1] = ids[b, p:p + t]                                    # aligned: t predicts t+1
-        lp = token_logprobs(out.last_hidden_state, lm.head_weight, lab, 1.0, chunk_size)  # [B, S]
+        lp = token_logprobs(out.last_hidden_state, lm.head, lab, 1.0, chunk_size)      # [B, S]
         tp.ce = -lp.sum(1) / (lab != IGNORE_INDEX).sum(1).clamp_min(1)                   # [B]
     return tp
 
@@ -249,12 +251,12 @@ def _phase_call(lm, ids, m, p_ids, cols, pend) -> tuple[dict, int]:
     return dict(inputs_embeds=torch.cat([z[:, None], lm.embed(ids)], 1), attention_mask=torch.cat(cols + [has, m], 1),
                 position_ids=torch.cat([zpos[:, None], p_ids], 1)), 1
 
-def _scheduled_input(body, W, call: tuple[dict, int], cache, ids, lens, coins, final):
+def _scheduled_input(body, head, call: tuple[dict, int], cache, ids, lens, coins, final):
     "Scheduled sampling: the code after `<|action_sep|>` replaced by the student's own argmax (side pass, detached cache)."
     (kw, off), col = call, torch.arange(ids.shape[1], device=ids.device)[None]
     with torch.no_grad():
         side = body(**kw, use_cache=True, **cache_kw(body, copy_cache(cache)))
-        am = (side.last_hidden_state[:, off:] @ W.T).argmax(-1)                      # [B, L]
+        am = head.logits(side.last_hidden_state[:, off:]).argmax(-1)                 # [B, L]
     end = torch.where(final, lens - 1, lens - 3)                                      # [B] last replaced column (seed)
     repl = (col >= 2) & (col <= end[:, None]) & coins[:, None].to(ids.device)
     return torch.where(repl, torch.cat([am[:, :1], am[:, :-1]], 1), ids)              # argmax at p-1 feeds position p
@@ -270,8 +272,8 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
     `<|latent_end|>` + the text from `<|action_sep|>`; all examples in lockstep in one KV cache. `layers` (hidden_states
     indices) selects the anchor states to return (None: the last layer only, without `output_hidden_states`).
     `forced_latents [B, K, S]` token ids (-1: none) replace latent inputs with those tokens' embeddings (teacher forcing)."""
-    spec, body, W = lm.spec, lm.body, lm.head_weight
-    dev, B = W.device, len(examples)
+    spec, body, head = lm.spec, lm.body, lm.head
+    W, dev, B = head.weight, head.weight.device, len(examples)
     check_codi_model(lm.model)
     for e in examples:
         if not e["prompt_ids"]: raise ValueError(f"example {e.get('id')}: empty prompt")
@@ -293,7 +295,7 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
         inp = ids
         if k >= 1 and ss_coins[:, k].any():
             final = torch.tensor([k == len(e["spans"]) for e in examples], device=dev)
-            inp = _scheduled_input(body, W, _phase_call(lm, ids, m, p_ids, cols, pend), cache, ids, lens, ss_coins[:, k], final)
+            inp = _scheduled_input(body, head, _phase_call(lm, ids, m, p_ids, cols, pend), cache, ids, lens, ss_coins[:, k], final)
         tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)               # [B, L] trace index each position predicts
         sel = lab != IGNORE_INDEX                                                     # [B, L]
         at = sel & states_at[bi[:, None], tgt.clamp(min=0)] if states_at is not None else None   # [B, L]
@@ -310,7 +312,7 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
         rows_b, rows_t = bi[:, None].expand_as(tgt)[sel], tgt[sel]
         r.pred_mask[rows_b, rows_t] = True
         if ce or return_logprobs:
-            lp = token_logprobs(hid, W, lab, 1.0, chunk_size)                         # [B, L]
+            lp = token_logprobs(hid, head, lab, 1.0, chunk_size)                      # [B, L]
             w = sel.float() if token_weight is None else token_weight[bi[:, None], tgt.clamp(min=0)] * sel  # [B, L]
             r.ce_sum = r.ce_sum - (lp * w).sum(1); r.ce_cnt = r.ce_cnt + w.sum(1); r.n_scored += int(sel.sum())
             if return_logprobs: r.trace_lp[rows_b, rows_t] = lp.detach()[sel]
@@ -443,16 +445,16 @@ def recon_loss(lm: LatentModel, examples: list[dict], latents: torch.Tensor,   #
     hid = lm.body(inputs_embeds=inp, attention_mask=am).last_hidden_state             # [N, S + 2 + Lr, H]
     lab = torch.full(am.shape, IGNORE_INDEX, dtype=torch.long, device=dev)
     lab[:, S + 1:S + 1 + ids.shape[1]] = torch.where(real, ids, IGNORE_INDEX)         # <|latent_end|> predicts the first token
-    lp = token_logprobs(hid, lm.head_weight, lab, 1.0, chunk_size)                    # [N, S + 2 + Lr]
+    lp = token_logprobs(hid, lm.head, lab, 1.0, chunk_size)                           # [N, S + 2 + Lr]
     n = (lab != IGNORE_INDEX).sum()
     loss = -lp.sum() / n.clamp_min(1)
     return loss, {"recon_loss": loss.item(), "recon_tokens": int(n)}
 
 # %% ../nbs/07_latent.ipynb #e64b6c8d
-def _anchor_kd(opts: CodiOptions, S, tp: TeacherPass, valid, W):
+def _anchor_kd(opts: CodiOptions, S, tp: TeacherPass, valid, head):
     "The seed's KD at each span's `<|action_sep|>` (`losses.anchor_kd_loss`): per-example loss [B], distances [B, K, L_sel]."
     if opts.kd_target == "logit":
-        loss, m = anchor_kd_loss(S[:, :, 0] @ W.T, tp.logits, valid, target="logit", temperature=opts.kd_temp)
+        loss, m = anchor_kd_loss(head.logits(S[:, :, 0]), tp.logits, valid, target="logit", temperature=opts.kd_temp)
     else: loss, m = anchor_kd_loss(S, tp.anchors, valid, normalize_by_teacher_std=opts.kd_norm_std)
     return loss, m["dist"]
 
@@ -485,8 +487,7 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     """CODI losses for a batch of `{prompt_ids, trace_ids, spans}` examples, all spans of all examples in lockstep.
     `ss_coins [B, K+1]` / `tf_coins [B, K]` fix scheduled sampling / latent teacher forcing per segment / block
     (else drawn with `generator` / `tf_generator`)."""
-    W = lm.head_weight
-    dev, B = W.device, len(examples)
+    dev, B = lm.head_weight.device, len(examples)
     for e in examples:
         if not e["spans"]: raise ValueError(f"example {e.get('id', '?')} has no span: CODI needs at least one LINE frame")
     n_sp = torch.tensor([len(e["spans"]) for e in examples], device=dev)            # [B]
@@ -508,7 +509,7 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     S = torch.stack(sp.anchors, 1)                                                    # [B, K, L_sel, H]
     valid = torch.arange(K, device=dev)[None] < n_sp[:, None]                         # [B, K]
     if opts.single_anchor: valid = torch.arange(K, device=dev)[None] == (n_sp[:, None] - 1)
-    kd_ex, dist = _anchor_kd(opts, S, tp, valid, W)
+    kd_ex, dist = _anchor_kd(opts, S, tp, valid, lm.head)
     L_t = tp.ce.mean() if tp.ce is not None else None
     L_s, L_kd = (sp.ce_sum / sp.ce_cnt.clamp_min(1)).mean(), kd_ex.mean()
     loss = opts.b * L_s + opts.g * L_kd + (opts.a * L_t if L_t is not None else 0.0)

@@ -60,11 +60,22 @@ DEFAULT_CHUNK = 512   # rows per chunk. At V = 32768 a [512, V] float32 buffer i
                       # logprobs+GRPO under 0.25x the full path's peak memory, and large enough that the matmuls
                       # run at full speed (measured on 2 CPU cores; see latent_rl.losses.bench). Scale it by 32768 / V.
 
-def _scaled_logits(h, W, b, t, cd):
-    "`(h W^T + b) / t` for one chunk in compute dtype `[C, V]`; `t` is None for T = 1."
-    if h.dtype == cd and b is None:                                  # fold 1/T into the [C, H] side
+def _head_parts(head, bias=None) -> tuple:
+    "`(W [V, H], b [V] | None, scale, softcap)` of a head matrix (+ `bias`) or of a `latent_rl.models.Head`."
+    if torch.is_tensor(head): return head, bias, 1.0, None
+    if bias is not None: raise ValueError("a Head carries its own bias: pass head_bias=None with it")
+    return head.weight, head.bias, float(head.scale), head.softcap
+
+def _raw_logits(h, W, b, cd):
+    "`h W^T + b` for one chunk `[C, V]`: the matmul in the input dtype, the result in compute dtype."
+    return (h @ W.T if b is None else torch.addmm(b, h, W.T)).to(cd)
+
+def _scaled_logits(h, W, b, t, cd, cap=None):
+    "`softcap(h W^T + b) / t` for one chunk in compute dtype `[C, V]`; `t` is None for T = 1, `cap` None for no cap."
+    if h.dtype == cd and b is None and cap is None:                  # fold 1/T into the [C, H] side
         return (h if t is None else h / t.unsqueeze(1)) @ W.T
-    z = (h @ W.T if b is None else torch.addmm(b, h, W.T)).to(cd)   # matmul in the input dtype
+    z = _raw_logits(h, W, b, cd)
+    if cap is not None: z = z.div_(cap).tanh_().mul_(cap)
     return z if t is None else z.div_(t.unsqueeze(1))
 
 def _lse_(z: torch.Tensor) -> torch.Tensor:
@@ -73,69 +84,87 @@ def _lse_(z: torch.Tensor) -> torch.Tensor:
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     return z.sub_(m).exp_().sum(1).log_().add_(m.squeeze(1))         # [C]
 
+# %% ../nbs/05_logprobs.ipynb #f828104d
+def _plain_chunk_grads(h, W, b, y, t, lse, coef, cap, gW, gb, need_h):
+    "One chunk's backward without a cap: adds into `gW`, `gb` (when given); returns `dh [C, H]` (None unless `need_h`)."
+    cd = lse.dtype
+    p = _scaled_logits(h, W, b, t, cd).sub_(lse.unsqueeze(1)).exp_()   # [C, V] softmax
+    c = coef.unsqueeze(1)                                            # [C, 1]
+    if gW is not None:
+        ch = h.to(cd) * c                                            # [C, H]
+        gW.addmm_(p.T, ch, alpha=-1).index_add_(0, y, ch)
+    if gb is not None: gb.sub_(p.T @ coef).index_add_(0, y, coef)
+    if not need_h: return None
+    pW = p @ W if W.dtype == cd else (p.to(W.dtype) @ W).to(cd)     # [C, H]
+    return (W[y].to(cd) - pW).mul_(c).to(h.dtype)                    # c_t (W[y_t] - p_t W)
+
+def _capped_chunk_grads(h, W, b, y, t, lse, coef, cap, gW, gb, need_h):
+    "The same with a soft cap: `dL/dz = c_t (onehot(y_t) - p_t) ⊙ (1 - tanh²(z / cap))`, built on the `[C, V]` buffer."
+    cd = lse.dtype
+    th = _raw_logits(h, W, b, cd).div_(cap).tanh_()                  # [C, V] tanh(z / cap)
+    z = th * cap if t is None else th * cap / t.unsqueeze(1)         # [C, V] capped, tempered logits
+    d = z.sub_(lse.unsqueeze(1)).exp_().neg_()                       # [C, V] -softmax
+    d.scatter_add_(1, y.unsqueeze(1), torch.ones_like(d[:, :1]))     # onehot(y) - softmax
+    d.mul_(th.square_().neg_().add_(1)).mul_(coef.unsqueeze(1))      # ⊙ (1 - tanh²) · c_t
+    if gW is not None: gW.addmm_(d.T, h.to(cd))
+    if gb is not None: gb.add_(d.sum(0))
+    return (d.to(W.dtype) @ W).to(h.dtype) if need_h else None                           # [C, H]
+
 # %% ../nbs/05_logprobs.ipynb #7656ad3d
 class _ChunkedTokenLogprob(torch.autograd.Function):
-    "logp[i] = log_softmax((h[i] W^T + b) / t[i])[y[i]] over rows in chunks; backward recomputes each chunk."
+    "logp[i] = log_softmax(softcap(h[i] W^T + b) / t[i])[y[i]] over rows in chunks; backward recomputes each chunk."
     @staticmethod
-    def forward(ctx, h, W, b, y, t, chunk_size: int):
+    def forward(ctx, h, W, b, y, t, chunk_size: int, cap: float | None = None):
         cd = _compute_dtype(h.dtype)
         n = h.shape[0]
         out = torch.empty(n, dtype=cd, device=h.device)               # [N]
         lse = torch.empty(n, dtype=cd, device=h.device)               # [N]
         for i in range(0, n, chunk_size):
             sl = slice(i, i + chunk_size)
-            z = _scaled_logits(h[sl], W, b, None if t is None else t[sl], cd)   # [C, V]
+            z = _scaled_logits(h[sl], W, b, None if t is None else t[sl], cd, cap)   # [C, V]
             zy = z.gather(1, y[sl].unsqueeze(1)).squeeze(1)          # [C]
             lse[sl] = _lse_(z)
             out[sl] = zy - lse[sl]
             del z
         ctx.save_for_backward(h, W, b, y, t, lse)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.cap = chunk_size, cap
         return out
 
     @staticmethod
     def backward(ctx, g):                                            # g: [N]
         h, W, b, y, t, lse = ctx.saved_tensors
         need_h, need_W, need_b = ctx.needs_input_grad[:3]
+        if not (need_h or need_W or need_b): return (None,) * 7
         cd = _compute_dtype(h.dtype)
         gh = torch.zeros_like(h) if need_h else None                 # [N, H]
         gW = torch.zeros(W.shape, dtype=cd, device=W.device) if need_W else None   # [V, H] float32 accumulator
         gb = torch.zeros(W.shape[0], dtype=cd, device=W.device) if need_b else None
-        if not (need_h or need_W or need_b): return None, None, None, None, None, None
         g = g.to(cd)
         rows = (g != 0).nonzero().squeeze(1)                         # skip rows without gradient
         if rows.shape[0] < g.shape[0]:
             h, y, lse, g = h[rows], y[rows], lse[rows], g[rows]
             t = None if t is None else t[rows]
         coef = g if t is None else g / t                             # [n]  c_t = g_t / T_t
-        Wc = W if W.dtype == cd else None
+        chunk_grads = _plain_chunk_grads if ctx.cap is None else _capped_chunk_grads
         for i in range(0, h.shape[0], ctx.chunk_size):
             sl = slice(i, i + ctx.chunk_size)
-            p = _scaled_logits(h[sl], W, b, None if t is None else t[sl], cd)   # [C, V]  z
-            p.sub_(lse[sl].unsqueeze(1)).exp_()                      # [C, V]  softmax
-            c = coef[sl].unsqueeze(1)                                # [C, 1]
-            if need_h:
-                pW = p @ Wc if Wc is not None else (p.to(W.dtype) @ W).to(cd)   # [C, H]
-                gh_c = (W[y[sl]].to(cd) - pW).mul_(c).to(h.dtype)    # [C, H]
-                if rows.shape[0] < gh.shape[0]: gh.index_copy_(0, rows[sl], gh_c)
-                else: gh[sl] = gh_c
-            if need_W:
-                ch = h[sl].to(cd) * c                                # [C, H]
-                gW.addmm_(p.T, ch, alpha=-1).index_add_(0, y[sl], ch)
-            if need_b: gb.sub_(p.T @ c.squeeze(1)).index_add_(0, y[sl], c.squeeze(1))
-            del p
+            gh_c = chunk_grads(h[sl], W, b, y[sl], None if t is None else t[sl], lse[sl], coef[sl], ctx.cap, gW, gb, need_h)
+            if gh_c is None: continue
+            if rows.shape[0] < gh.shape[0]: gh.index_copy_(0, rows[sl], gh_c)
+            else: gh[sl] = gh_c
         return (gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype),
-                None, None, None)
+                None, None, None, None)
 
 # %% ../nbs/05_logprobs.ipynb #06cc49cc
 def token_logprobs(hidden: torch.Tensor,        # [B, S, H] final hidden states (after the final norm)
-                   head_weight: torch.Tensor,   # [V, H] LM head
+                   head_weight,                 # [V, H] LM head matrix, or a `latent_rl.models.Head` (bias, scale, cap)
                    labels: torch.Tensor,        # [B, S] aligned labels, -100 = ignore
                    temperature=1.0,             # float or Tensor[B]; T <= 0 means 1
                    chunk_size: int = DEFAULT_CHUNK,  # rows per chunk: peak extra memory ~ 2 * chunk_size * V floats
                    head_bias: torch.Tensor | None = None,  # [V]
                   ) -> torch.Tensor:            # [B, S] float32 (float64 for float64 inputs), 0 where ignored
-    "Chunked `log_softmax(hidden @ head_weight.T / T)[labels]`; no `[B, S, V]` tensor in forward or backward."
+    "Chunked `log_softmax(head(hidden) / T)[labels]`; no `[B, S, V]` tensor in forward or backward."
+    head_weight, head_bias, scale, cap = _head_parts(head_weight, head_bias)
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match labels {tuple(labels.shape)}")
     if chunk_size < 1: raise ValueError("chunk_size must be >= 1")
@@ -150,25 +179,28 @@ def token_logprobs(hidden: torch.Tensor,        # [B, S, H] final hidden states 
     t = _temperature(temperature, labels, cd).reshape(-1)[idx]       # [n]
     if bool((t == 1).all()): t = None                                # T = 1 everywhere: skip the scaling
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)    # [n, H]
-    lp = _ChunkedTokenLogprob.apply(h, head_weight, head_bias, y, t, chunk_size)   # [n]
+    if scale != 1.0: h, head_bias = h * scale, None if head_bias is None else head_bias * scale   # s(hW+b) = (sh)W + sb
+    lp = _ChunkedTokenLogprob.apply(h, head_weight, head_bias, y, t, chunk_size, cap)   # [n]
     out = torch.zeros(flat.shape[0], dtype=lp.dtype, device=lp.device)
     return out.index_copy(0, idx, lp).reshape(labels.shape)          # [B, S]
 
 # %% ../nbs/05_logprobs.ipynb #c8189ceb
-def _plain_chunk(h, W, b, y, t):
-    z = (h @ W.T if b is None else torch.addmm(b, h, W.T)).to(_compute_dtype(h.dtype)) / t.unsqueeze(1)   # [C, V]
-    return z.log_softmax(-1).gather(1, y.unsqueeze(1)).squeeze(1)                                         # [C]
+def _plain_chunk(h, W, b, y, t, scale=1.0, cap=None):
+    z = _raw_logits(h, W, b, _compute_dtype(h.dtype)) * scale                                             # [C, V]
+    if cap is not None: z = torch.tanh(z / cap) * cap
+    return (z / t.unsqueeze(1)).log_softmax(-1).gather(1, y.unsqueeze(1)).squeeze(1)                      # [C]
 
 def token_logprobs_checkpointed(hidden, head_weight, labels, temperature=1.0, chunk_size: int = DEFAULT_CHUNK,
                                 head_bias=None):
     "Same contract as `token_logprobs`, via per-chunk `torch.utils.checkpoint` (kept for comparison)."
+    head_weight, head_bias, scale, cap = _head_parts(head_weight, head_bias)
     if hidden.dtype != head_weight.dtype: hidden = hidden.to(head_weight.dtype)
     t = _temperature(temperature, labels, _compute_dtype(hidden.dtype)).reshape(-1)
     flat = labels.reshape(-1)
     idx = (flat != IGNORE_INDEX).nonzero().squeeze(1)
     h, y, t = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx), flat[idx], t[idx]
     parts = [checkpoint(_plain_chunk, h[i:i + chunk_size], head_weight, head_bias, y[i:i + chunk_size],
-                        t[i:i + chunk_size], use_reentrant=False) for i in range(0, h.shape[0], chunk_size)]
+                        t[i:i + chunk_size], scale, cap, use_reentrant=False) for i in range(0, h.shape[0], chunk_size)]
     lp = torch.cat(parts) if parts else h.new_zeros(0, dtype=_compute_dtype(h.dtype))
     out = torch.zeros(flat.shape[0], dtype=lp.dtype, device=lp.device)
     return out.index_copy(0, idx, lp).reshape(labels.shape)

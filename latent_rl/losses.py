@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from .logprobs import IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, _compute_dtype, _lse_
+from .logprobs import IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, _compute_dtype, _lse_, _head_parts, _raw_logits
 
 # %% auto #0
 __all__ = ['group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput', 'generalized_jsd', 'generalized_jsd_from_hidden',
@@ -125,7 +125,7 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
 
 # %% ../nbs/06_losses.ipynb #44311623
 def sft_loss(hidden: torch.Tensor,       # [B, S, H]
-             head_weight: torch.Tensor,  # [V, H]
+             head_weight,                # [V, H], or a `latent_rl.models.Head`
              labels: torch.Tensor,       # [B, S] aligned, -100 = ignore
              chunk_size: int = DEFAULT_CHUNK,
              head_bias: torch.Tensor | None = None,
@@ -266,7 +266,7 @@ class _JSDFromLogits(torch.autograd.Function):
 # %% ../nbs/06_losses.ipynb #5181658d
 class _JSDFromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, W, b, zt, idx, beta, T, chunk_size, need_grad):
+    def forward(ctx, h, W, b, zt, idx, beta, T, chunk_size, need_grad, cap=None):
         cd = _compute_dtype(h.dtype)
         need_h, need_W, need_b = (need_grad and x for x in ctx.needs_input_grad[:3])
         per_tok = torch.empty(h.shape[0], dtype=cd, device=h.device)   # [n]
@@ -275,11 +275,13 @@ class _JSDFromHidden(torch.autograd.Function):
         gb = torch.zeros(W.shape[0], dtype=cd, device=W.device) if need_b else None
         for i in range(0, h.shape[0], chunk_size):
             sl = slice(i, i + chunk_size)
-            fold = b is None and h.dtype == cd                       # fold 1/T into the [C, H] side
+            fold = b is None and h.dtype == cd and cap is None       # fold 1/T into the [C, H] side
             hc = h[sl] / T if fold and T != 1 else h[sl]
-            zs = (hc @ W.T if b is None else torch.addmm(b, hc, W.T)).to(cd)   # [C, V]
+            zs = _raw_logits(hc, W, b, cd)                           # [C, V]
+            if cap is not None: th = zs.div_(cap).tanh_(); zs = th * cap   # soft cap; th kept for its derivative
             per_tok[sl], d = _jsd_chunk(zs, zt.index_select(0, idx[sl]).to(cd), beta, T, need_h or need_W or need_b,
                                         student_tempered=fold)
+            if cap is not None and d is not None: d.mul_(th.square_().neg_().add_(1))   # ⊙ (1 - tanh²)
             if need_h: gh[sl] = d.to(h.dtype) @ W
             if need_W: gW.addmm_(d.T, h[sl].to(cd))
             if need_b: gb += d.sum(0)
@@ -292,7 +294,7 @@ class _JSDFromHidden(torch.autograd.Function):
     def backward(ctx, g, _):
         gh, gW, gb = ctx.grads
         sc = lambda x: None if x is None else x * g.to(x.dtype)
-        return sc(gh), sc(gW), sc(gb), None, None, None, None, None, None
+        return sc(gh), sc(gW), sc(gb), None, None, None, None, None, None, None
 
 # %% ../nbs/06_losses.ipynb #3a4db6be
 def _jsd_rows(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
@@ -384,16 +386,17 @@ class _GatheredLogits(torch.autograd.Function):
 
 # %% ../nbs/06_losses.ipynb #26ef800d
 class _ChunkedLogsumexp(torch.autograd.Function):
-    "lse[i] = logsumexp(h[i] W^T + b) over rows in chunks; backward recomputes each chunk."
+    "lse[i] = logsumexp(softcap(h[i] W^T + b)) over rows in chunks; backward recomputes each chunk."
     @staticmethod
-    def forward(ctx, h, W, b, chunk_size):
+    def forward(ctx, h, W, b, chunk_size, cap=None):
         cd = _compute_dtype(h.dtype)
         lse = torch.empty(h.shape[0], dtype=cd, device=h.device)
         for i in range(0, h.shape[0], chunk_size):
             sl = slice(i, i + chunk_size)
-            lse[sl] = _lse_((h[sl] @ W.T if b is None else torch.addmm(b, h[sl], W.T)).to(cd))
+            z = _raw_logits(h[sl], W, b, cd)                         # [C, V]
+            lse[sl] = _lse_(z if cap is None else z.div_(cap).tanh_().mul_(cap))
         ctx.save_for_backward(h, W, b, lse)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.cap = chunk_size, cap
         return lse
 
     @staticmethod
@@ -406,12 +409,14 @@ class _ChunkedLogsumexp(torch.autograd.Function):
         gb = torch.zeros(W.shape[0], dtype=cd, device=W.device) if need_b else None
         for i in range(0, h.shape[0], ctx.chunk_size):
             sl = slice(i, i + ctx.chunk_size)
-            d = (h[sl] @ W.T if b is None else torch.addmm(b, h[sl], W.T)).to(cd)
+            d = _raw_logits(h[sl], W, b, cd)                         # [C, V]
+            if ctx.cap is not None: th = d.div_(ctx.cap).tanh_(); d = th * ctx.cap
             d.sub_(lse[sl].unsqueeze(1)).exp_().mul_(g[sl].to(cd).unsqueeze(1))   # g * softmax
+            if ctx.cap is not None: d.mul_(th.square_().neg_().add_(1))         # ⊙ (1 - tanh²)
             if need_h: gh[sl] = d.to(h.dtype) @ W
             if need_W: gW.addmm_(d.T, h[sl].to(cd))
             if need_b: gb += d.sum(0)
-        return gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype), None
+        return gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype), None, None
 
 # %% ../nbs/06_losses.ipynb #9214f5ee
 def _check_jsd_args(beta, temperature):
@@ -464,7 +469,7 @@ def generalized_jsd(student_logits: torch.Tensor,   # [B, S, V]
 
 # %% ../nbs/06_losses.ipynb #60afb605
 def generalized_jsd_from_hidden(student_hidden: torch.Tensor,  # [B, S, H]
-                                head_weight: torch.Tensor,     # [V, H]
+                                head_weight,                   # [V, H], or a `latent_rl.models.Head`
                                 teacher: TeacherOutput,
                                 mask: torch.Tensor | None = None,
                                 *, beta: float = 0.5, temperature: float = 1.0, tail: bool = False,
@@ -472,25 +477,28 @@ def generalized_jsd_from_hidden(student_hidden: torch.Tensor,  # [B, S, H]
                                ) -> tuple[torch.Tensor, dict]:
     "Generalised JSD_β from student hidden states + head, chunked over tokens (no `[B, S, V]` tensor)."
     _check_jsd_args(beta, temperature)
+    head_weight, head_bias, scale, cap = _head_parts(head_weight, head_bias)
     B, S, H = student_hidden.shape
     V = head_weight.shape[0]
     m = _resolve_mask(mask, teacher, (B, S), student_hidden.device)
     rows = m.reshape(-1).nonzero().squeeze(1)                        # [n]
     if student_hidden.dtype != head_weight.dtype: student_hidden = student_hidden.to(head_weight.dtype)
     h = student_hidden.reshape(B * S, H).index_select(0, rows)       # [n, H]
+    if scale != 1.0: h, head_bias = h * scale, None if head_bias is None else head_bias * scale   # s(hW+b) = (sh)W + sb
     cd = _compute_dtype(h.dtype)
     if not teacher.is_topk:
         if teacher.logits.shape[-1] != V: raise ValueError(f"teacher vocabulary {teacher.logits.shape[-1]} != student {V}")
         need = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, head_weight, head_bias))
         total, per_tok = _JSDFromHidden.apply(h, head_weight, head_bias,
                                               teacher.logits.reshape(B * S, V).to(h.device), rows,
-                                              float(beta), float(temperature), chunk_size, need)
+                                              float(beta), float(temperature), chunk_size, need, cap)
         n = rows.new_tensor(rows.shape[0])
         loss = total / n.clamp_min(1)
         return loss, _floats({"loss": loss.detach(), "n_tokens": n.to(cd)})
     tl, ids = _topk_inputs(teacher, rows, V, h.device)
     zk = _GatheredLogits.apply(h, head_weight, head_bias, ids, chunk_size).to(cd)   # [n, K]
-    lse = _ChunkedLogsumexp.apply(h, head_weight, head_bias, chunk_size) if tail else None
+    if cap is not None: zk = torch.tanh(zk / cap) * cap                            # elementwise: autograd's own
+    lse = _ChunkedLogsumexp.apply(h, head_weight, head_bias, chunk_size, cap) if tail else None
     return _finish_topk(_topk_terms(zk, lse, tl, float(beta), float(temperature), tail), tl, rows.shape[0], cd)
 
 # %% ../nbs/06_losses.ipynb #1f3afb69

@@ -5,16 +5,18 @@
 # %% ../nbs/04_models.ipynb #be1de692
 from __future__ import annotations
 import contextlib, os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from .tokens import add_trace_tokens
 
 # %% auto #0
 __all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_SIZES', 'LORA_TARGETS', 'resolve_dtype', 'load_tokenizer', 'check_vocab',
-           'load_model', 'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight',
-           'check_plain_head', 'add_lora', 'fp32_masters', 'lora_scale', 'merge_lora', 'export_state', 'save_lora',
+           'load_model', 'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'Head',
+           'lm_head', 'check_head', 'add_lora', 'fp32_masters', 'lora_scale', 'merge_lora', 'export_state', 'save_lora',
            'load_lora', 'adapters_off', 'cache_kw', 'out_cache', 'copy_cache']
 
 # %% ../nbs/04_models.ipynb #43238021
@@ -66,7 +68,7 @@ def load_model(name_or_path, tok=None, dtype="fp32", device="cpu", attn_implemen
     kw = {"dtype": resolve_dtype(dtype)}
     if attn_implementation: kw["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(p, **kw)
-    check_vocab(tok, model, p); check_plain_head(model, p)
+    check_vocab(tok, model, p); check_head(model, p)
     add_trace_tokens(tok, model)
     return model.to(device), tok
 
@@ -114,20 +116,42 @@ def lm_head_weight(model) -> torch.Tensor:
     "The `[V, H]` output embedding matrix."
     return unwrap(model).get_output_embeddings().weight
 
+# %% ../nbs/04_models.ipynb #21126812
+@dataclass
+class Head:
+    "An LM head as latent_rl applies it: `logits = softcap(scale · (h Wᵀ + b))` with `softcap(z) = c · tanh(z / c)`."
+    weight: torch.Tensor                # [V, H]
+    bias: torch.Tensor | None = None    # [V]
+    scale: float = 1.0                  # Cohere's logit_scale; 1 / Granite's logits_scaling
+    softcap: float | None = None        # Gemma 2/3's final_logit_softcapping
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:                             # [..., H] -> [..., V]
+        h = h.to(self.weight.dtype)
+        z = h @ self.weight.T if self.bias is None else F.linear(h, self.weight, self.bias)   # plain: the exact old op
+        if self.scale != 1.0: z = z * self.scale
+        return torch.tanh(z / self.softcap) * self.softcap if self.softcap else z
+
+# %% ../nbs/04_models.ipynb #967170ca
+def lm_head(model) -> Head:
+    "The `Head` of an HF causal LM (peft wrappers unwrapped): output matrix, bias, logit scale and soft cap."
+    m = unwrap(model); out, cfg = m.get_output_embeddings(), m.config.get_text_config()
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0) / float(getattr(cfg, "logits_scaling", None) or 1.0)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return Head(out.weight, getattr(out, "bias", None), scale, float(cap) if cap else None)
+
 @torch.no_grad()
-def check_plain_head(model, where: str = ""):
-    """Refuse a model whose logits are not `last hidden state @ lm_head.weight.T` (an LM-head bias, logit scaling or
-    soft-capping): the latent forward, the latent decoder and the chunked logprobs compute logits that way."""
-    m = unwrap(model)
-    W = lm_head_weight(m)
-    ids = torch.arange(3, device=W.device)[None]                                   # [1, 3]
+def check_head(model, where: str = ""):
+    "Refuse a model whose own logits `lm_head(model).logits(last hidden state)` does not reproduce (on three tokens)."
+    m = unwrap(model); head = lm_head(m)
+    ids = torch.arange(3, device=head.weight.device)[None]                         # [1, 3]
     out = m(input_ids=ids, output_hidden_states=True, use_cache=False)
-    z, ref = (out.hidden_states[-1] @ W.T).float(), out.logits.float()            # [1, 3, V] each
-    tol = (1e-4 if W.dtype == torch.float32 else 2e-2) * max(1.0, float(ref.abs().max()))
-    if getattr(m.get_output_embeddings(), "bias", None) is not None or not torch.allclose(z, ref, atol=tol, rtol=0):
-        raise ValueError(f"{where or type(m).__name__}: its logits are not `last hidden state @ lm_head.weight.T` (an LM-head "
-                         "bias, logit scaling or soft-capping), which latent_rl's latent and chunked-logprob paths assume; "
-                         "this architecture is not supported yet")
+    z, ref = head.logits(out.hidden_states[-1]).float(), out.logits.float()         # [1, 3, V] each
+    tol = (1e-4 if head.weight.dtype == torch.float32 else 2e-2) * max(1.0, float(ref.abs().max()))
+    if not torch.allclose(z, ref, atol=tol, rtol=0):
+        raise ValueError(f"{where or type(m).__name__}: its logits are not softcap(scale · (last hidden state @ W.T + b)) with "
+                         f"the head read from its config (bias: {head.bias is not None}, scale {head.scale:g}, softcap "
+                         f"{head.softcap}); latent_rl computes logits from hidden states that way, so this architecture is "
+                         "not supported yet")
 
 # %% ../nbs/04_models.ipynb #76c710d9
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"   # attention and MLP projections (Qwen2/Llama)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from .tokens import IGNORE_INDEX
-from .models import backbone, lm_head_weight, load_model
+from .models import backbone, lm_head, lm_head_weight, load_model
 from .logprobs import token_logprobs
 from .latent import LatentModel, student_pass, phase_groups, CALL_COST
 from .generate import Rollout, generate_text, generate_latent
@@ -89,6 +89,8 @@ class Policy:
     @property
     def head_weight(self): return lm_head_weight(self.lm)
     @property
+    def head(self): return lm_head(self.lm)                                         # bias, scale, soft cap
+    @property
     def device(self): return self.head_weight.device
     @property
     def eos_id(self): return self.tok.eos_token_id
@@ -141,7 +143,7 @@ class Policy:
         "(`[B, N]` logprob of each completion token at `temperature` (0 past the end), `[B, N]` hidden states)."
         h, real = self.hidden(prompts, completions, latent_at, latents)
         lab = completion_labels(completions, h.shape[1], self.device)
-        return token_logprobs(h, self.head_weight, lab, temperature, chunk_size), h
+        return token_logprobs(h, self.head, lab, temperature, chunk_size), h
 
 # %% ../nbs/10_policy.ipynb #cd2e17d6
 def truncated_replay_hidden(lm: LatentModel, prompts, completions, latent_at, latents) -> torch.Tensor:

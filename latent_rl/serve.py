@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-from .models import backbone, lm_head_weight, load_model
+from .models import backbone, lm_head, lm_head_weight, load_model
 
 # %% auto #0
 __all__ = ['ServerLimits', 'HTTPError', 'parse_completion', 'score_sequences', 'prompt_logprobs_json', 'Batcher', 'read_head',
@@ -99,7 +99,7 @@ def _say(msg: str): print(msg, flush=True)
 @torch.no_grad()
 def score_sequences(model, seqs: list[list[int]], k: int, max_batch_tokens: int = 16_384, chunk: int = 1024) -> list[dict]:
     "Per sequence `{top_v [L-1, k], top_i, actual [L-1], rank [L-1], next}`: batched, right-padded forwards of at most `max_batch_tokens`."
-    W = lm_head_weight(model)
+    head = lm_head(model); W = head.weight
     out: list[dict | None] = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))                 # similar lengths share a batch
     groups, cur = [], []
@@ -117,11 +117,11 @@ def score_sequences(model, seqs: list[list[int]], k: int, max_batch_tokens: int 
             n, s = len(seqs[i]), ids[r, :len(seqs[i])]
             tv, ti, act, rk = [], [], [], []
             for a in range(0, n - 1, chunk):                                      # positions a.. predict tokens a+1..
-                lp = torch.log_softmax((h[r, a:min(n - 1, a + chunk)] @ W.T).float(), -1)                 # [c, V]
+                lp = torch.log_softmax(head.logits(h[r, a:min(n - 1, a + chunk)]).float(), -1)            # [c, V]
                 y = s[a + 1:a + 1 + lp.shape[0], None]                                                       # [c, 1]
                 v, j = lp.topk(max(k, 1), -1)
                 tv.append(v); ti.append(j); act.append(lp.gather(1, y)[:, 0]); rk.append((lp > lp.gather(1, y)).sum(-1) + 1)
-            nxt = int((h[r, n - 1] @ W.T).argmax())
+            nxt = int(head.logits(h[r, n - 1]).argmax())
             cat = lambda xs, shape: torch.cat(xs) if xs else torch.zeros(shape)
             out[i] = {"top_v": cat(tv, (0, max(k, 1))), "top_i": cat(ti, (0, max(k, 1))).long(), "actual": cat(act, (0,)),
                       "rank": cat(rk, (0,)).long(), "next": nxt}

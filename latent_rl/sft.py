@@ -12,7 +12,7 @@ import torch.nn as nn
 from transformers import AutoModelForCausalLM
 
 from .tokens import sft_example, pad_collate, IGNORE_INDEX
-from .models import (load_model, load_tokenizer, build_tiny, n_params, backbone, lm_head_weight, lora_scale,
+from .models import (load_model, load_tokenizer, build_tiny, n_params, backbone, lm_head, lora_scale,
                               export_state, save_lora, load_lora)
 from .logprobs import shift_labels
 from .losses import sft_loss
@@ -54,7 +54,7 @@ def sft_batch_loss(model, examples, pad_id) -> tuple[torch.Tensor, dict]:
     dev = next(model.parameters()).device
     b = {k: v.to(dev) for k, v in pad_collate(examples, pad_id).items()}
     h = backbone(model)(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state   # [B, S, H]
-    loss, m = sft_loss(h, lm_head_weight(model), shift_labels(b["input_ids"], b["labels"]))
+    loss, m = sft_loss(h, lm_head(model), shift_labels(b["input_ids"], b["labels"]))
     return loss, {**m, "tokens": float(b["attention_mask"].sum())}
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import torch
 from .tokens import IGNORE_INDEX
-from .models import backbone, lm_head_weight, load_model, cache_kw, out_cache, lora_scale, adapters_off
+from .models import Head, backbone, lm_head, lm_head_weight, load_model, cache_kw, out_cache, lora_scale, adapters_off
 from .losses import TeacherOutput
 from .latent import LatentSpec
 from .policy import Policy, completion_labels
@@ -51,14 +51,14 @@ def check_vocab(student_tok, teacher: Teacher, student_logits: int | None = None
         raise ValueError(f"teacher LM head has {n} rows, student {student_logits}: use top-k distillation (topk = k) "
                          "or a teacher with the same head size")
 
-def hidden_to_output(h: torch.Tensor, W: torch.Tensor, mask: torch.Tensor, topk: int | None, chunk: int = 1024) -> TeacherOutput:
+def hidden_to_output(h: torch.Tensor, head: Head, mask: torch.Tensor, topk: int | None, chunk: int = 1024) -> TeacherOutput:
     "Teacher hidden states `[B, N, H]` → full logits `[B, N, V]` or chunked top-k logprobs (T = 1); labels from `mask`."
     lab = torch.where(mask, 0, IGNORE_INDEX)
-    if topk is None: return TeacherOutput(logits=(h @ W.T).float(), labels=lab)  # [B, N, V]
+    if topk is None: return TeacherOutput(logits=head.logits(h).float(), labels=lab)   # [B, N, V]
     B, N, H = h.shape
     flat, vals, ids = h.reshape(B * N, H), [], []
     for i in range(0, B * N, chunk):
-        v, j = torch.log_softmax((flat[i:i + chunk] @ W.T).float(), -1).topk(topk, -1)   # [c, k]
+        v, j = torch.log_softmax(head.logits(flat[i:i + chunk]).float(), -1).topk(topk, -1)   # [c, k]
         vals.append(v); ids.append(j)
     return TeacherOutput(topk_logprobs=torch.cat(vals).view(B, N, topk), topk_ids=torch.cat(ids).view(B, N, topk), labels=lab)
 
@@ -82,7 +82,7 @@ class ModelTeacher(Teacher):
     def score(self, batch):
         h, real = self.policy.hidden(batch.prompts, batch.completions)
         _check_counts("ModelTeacher", batch, real & batch.mask)
-        return hidden_to_output(h, self.policy.head_weight, batch.mask, self.topk)
+        return hidden_to_output(h, self.policy.head, batch.mask, self.topk)
 
 class SelfTeacher(Teacher):
     "The student itself with its current weights (text or latent replay)."
@@ -92,7 +92,7 @@ class SelfTeacher(Teacher):
     @torch.no_grad()
     def score(self, batch):
         h, real = self.policy.hidden(batch.prompts, batch.completions, batch.latent_at)
-        return hidden_to_output(h, self.policy.head_weight, batch.mask, self.topk)
+        return hidden_to_output(h, self.policy.head, batch.mask, self.topk)
 
 class AdapterOffTeacher(SelfTeacher):
     "The student with its peft LoRA adapter disabled: the frozen base model, no second copy in memory."
@@ -116,14 +116,14 @@ class PrivilegedTeacher(Teacher):
         tprompts = [list(self.prompt_fn(r, p)) for r, p in zip(rows, batch.prompts)]
         h, real = self.policy.hidden(tprompts, batch.completions)
         _check_counts("PrivilegedTeacher", batch, real & batch.mask)
-        return hidden_to_output(h, self.policy.head_weight, batch.mask, self.topk)
+        return hidden_to_output(h, self.policy.head, batch.mask, self.topk)
 
 # %% ../nbs/11_teachers.ipynb #a156887b
 @torch.no_grad()
 def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, pad_id: int, max_locals: int = 48):
     "(`[B, N, H]` teacher hidden before each completion token, filled explicit sequences as lists of ids)."
-    body, W = backbone(model), lm_head_weight(model)
-    dev, B = W.device, len(prompts)
+    body, head = backbone(model), lm_head(model)
+    W, dev, B = head.weight, head.weight.device, len(prompts)
     N = max(1, max(map(len, completions)))
     C = torch.tensor([list(c) + [pad_id] * (N + 1 - len(c)) for c in completions], device=dev)        # [B, N+1]
     clen = torch.tensor([len(c) for c in completions], device=dev)                                     # [B]
@@ -141,7 +141,7 @@ def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, p
     while True:
         live = n < clen
         if not live.any(): break
-        am = (h @ W.T).argmax(-1) if free.any() else torch.zeros_like(n)                                 # [B] (only in blocks)
+        am = head.logits(h).argmax(-1) if free.any() else torch.zeros_like(n)                                 # [B] (only in blocks)
         stop = free & ((am == spec.action_sep_id) | (nfree >= max_locals))
         use_free = free & ~stop & live
         student = live & ~use_free
@@ -176,7 +176,7 @@ class ExplicitTraceTeacher(Teacher):
                              pad_id=self.tok.pad_token_id, max_locals=self.max_locals)
         real = completion_labels(batch.completions, h.shape[1], h.device) != IGNORE_INDEX
         _check_counts("ExplicitTraceTeacher", batch, real & batch.mask)
-        return hidden_to_output(h, lm_head_weight(self.model), batch.mask.to(h.device), self.topk)
+        return hidden_to_output(h, lm_head(self.model), batch.mask.to(h.device), self.topk)
 
 # %% ../nbs/11_teachers.ipynb #d71434ce
 class TeacherUnavailable(RuntimeError): pass
