@@ -64,7 +64,7 @@ def _head_parts(head, bias=None) -> tuple:
     "`(W [V, H], b [V] | None, scale, softcap)` of a head matrix (+ `bias`) or of a `latent_rl.models.Head`."
     if torch.is_tensor(head): return head, bias, 1.0, None
     if bias is not None: raise ValueError("a Head carries its own bias: pass head_bias=None with it")
-    return head.weight, head.bias, float(head.scale), head.softcap
+    return head.weight, head.bias, float(head.scale), head.softcap or None                # a cap of 0 = no cap
 
 def _raw_logits(h, W, b, cd):
     "`h W^T + b` for one chunk `[C, V]`: the matmul in the input dtype, the result in compute dtype."

@@ -135,9 +135,9 @@ class Head:
 def lm_head(model) -> Head:
     "The `Head` of an HF causal LM (peft wrappers unwrapped): output matrix, bias, logit scale and soft cap."
     m = unwrap(model); out, cfg = m.get_output_embeddings(), m.config.get_text_config()
-    scale = float(getattr(cfg, "logit_scale", None) or 1.0) / float(getattr(cfg, "logits_scaling", None) or 1.0)
-    cap = getattr(cfg, "final_logit_softcapping", None)
-    return Head(out.weight, getattr(out, "bias", None), scale, float(cap) if cap else None)
+    num = lambda k: v if isinstance(v := getattr(cfg, k, None), (int, float)) and v else None   # else: check_head judges
+    scale, cap = (num("logit_scale") or 1.0) / (num("logits_scaling") or 1.0), num("final_logit_softcapping")
+    return Head(out.weight, getattr(out, "bias", None), float(scale), float(cap) if cap else None)
 
 @torch.no_grad()
 def check_head(model, where: str = ""):

@@ -31,7 +31,7 @@ def add_trace_tokens(tok, model=None) -> int:
 
 @torch.no_grad()
 def resize_embeddings(model, n: int):
-    "Grow `model`'s vocabulary to `n` rows; new input/output rows are the mean of the old ones."
+    "Grow `model`'s vocabulary to `n` rows; new input/output rows (and LM-head bias entries) are the mean of the old ones."
     emb = model.get_input_embeddings()
     old = emb.weight.shape[0]
     if n <= old: return model
@@ -39,9 +39,12 @@ def resize_embeddings(model, n: int):
     tied = out is not None and out.weight is emb.weight
     mean_in = emb.weight.mean(0)
     mean_out = out.weight.mean(0) if out is not None and not tied else None
+    bias = getattr(out, "bias", None)
+    mean_b = bias.mean() if bias is not None else None
     model.resize_token_embeddings(n, mean_resizing=False)
     model.get_input_embeddings().weight[old:] = mean_in
     if mean_out is not None: model.get_output_embeddings().weight[old:] = mean_out
+    if mean_b is not None: model.get_output_embeddings().bias[old:] = mean_b
     return model
 
 def trace_token_ids(tok) -> dict[str, int]:
