@@ -18,19 +18,22 @@ from .rewards import weighted
 from .models import n_params
 from .records import RunRecord
 from .config import ConfigError, TrainConfig
-from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks
-from .loop import PolicyStage, train_loop, finish_run, write_config, load_traced, lora_student, generation_cycle, drain
+from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
+from .loop import (PolicyStage, train_loop, finish_run, write_config, load_traced, lora_student, generation_cycle, drain,
+                            batch_indices)
 
 # %% auto #0
-__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'throughput_summary', 'run_grpo']
+__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'throughput_summary', 'reference_policy', 'run_grpo']
 
 # %% ../nbs/20_grpo.ipynb #c9aec591
 def pad_to(rows: list[list[float]], N: int, fill: float) -> torch.Tensor:
     return torch.tensor([list(r) + [fill] * (N - len(r)) for r in rows], dtype=torch.float32)
 
 def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2, eps_high: float = 0.2,
-                    norm: str = "sequence", token_count: float | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
-    "Loss of a micro-batch of samples `{prompt, completion, latent_at, logp_inf, adv}` (mean over its sequences)."
+                    norm: str = "sequence", token_count: float | None = None, temperature: float = 1.0,
+                    ref: Policy | None = None, kl_beta: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Loss of a micro-batch of samples `{prompt, completion, latent_at, logp_inf, adv}` (mean over its sequences);
+    with `kl_beta > 0` the frozen `ref` policy scores the same tokens for the KL penalty."""
     P, C = [s["prompt"] for s in samples], [s["completion"] for s in samples]
     LA = [s["latent_at"] for s in samples] if policy.kind == "latent" else None
     Z = [s["latents"] for s in samples] if LA is not None and all("latents" in s for s in samples) else None
@@ -40,7 +43,12 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     mask = sampled_mask(C, LA, N, dev)                                                  # [B, N]
     li = pad_to([s["logp_inf"] for s in samples], N, 1.0).to(dev)                       # [B, N]; 1.0 = placeholder (seed)
     A = torch.tensor([s["adv"] for s in samples], device=dev)                           # [B]
-    loss, m = grpo_loss(logp, li, A, mask, eps_low=eps_low, eps_high=eps_high, norm=norm, token_count=token_count)
+    lr_ = None
+    if kl_beta:
+        if ref is None: raise ValueError("kl_beta > 0 needs the reference policy (ref)")
+        with torch.no_grad(): lr_, _ = ref.logprobs(P, C, LA, temperature, latents=Z)   # [B, N]
+    loss, m = grpo_loss(logp, li, A, mask, eps_low=eps_low, eps_high=eps_high, norm=norm, token_count=token_count,
+                        logp_ref=lr_, kl_beta=kl_beta)
     with torch.no_grad():                                                               # the ratio split by advantage sign
         r = torch.exp((logp - li).clamp(-20, 20))
         for name, sel in (("pos", mask & (A > 0)[:, None]), ("neg", mask & (A < 0)[:, None])):
@@ -65,6 +73,8 @@ class GRPOConfig(TrainConfig):
     replay: str = "exact"                # latent policies: exact | truncated (recorded latents, one-hop gradient; research option)
     norm: str = "sequence"               # sequence (seed) | token
     adv_scale: str = "group"             # group | batch | none
+    dynamic_sampling: int = 0            # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
+    kl_beta: float = 0.0                 # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
     use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
     vllm_mode: str = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
     vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL
@@ -92,6 +102,7 @@ class GRPOStep(PolicyStage):
     prompts: list[list[int]]            # their prompt ids
     reward_fn: object                   # `latent_rl.rewards.weighted(cfg.rewards)`
     engine: object = None               # vLLM rollout engine (text policies), else HF / latent decoding
+    ref: Policy | None = None           # the frozen starting policy (kl_beta > 0)
     buffer: dict = field(default_factory=dict)        # step -> this rank's samples of the generation cycle
     token_counts: dict = field(default_factory=dict)  # step -> the global batch's sampled tokens (norm = token)
     calls: dict = field(default_factory=dict)         # step -> micro-batches taken so far
@@ -110,7 +121,8 @@ class GRPOStep(PolicyStage):
         if step not in self.buffer: self.fill(step)    # first micro-batch of a cycle (in the step module: weights gathered)
         smp, c = self.take(step, part), self.cfg
         loss, m = grpo_micro_loss(self.policy, smp, eps_low=c.eps_low, eps_high=c.eps_high, norm=c.norm,
-                                  token_count=self.token_counts[step] if c.norm == "token" else None, temperature=c.temperature)
+                                  token_count=self.token_counts[step] if c.norm == "token" else None,
+                                  temperature=c.temperature, ref=self.ref, kl_beta=c.kl_beta)
         if c.norm == "sequence": loss = loss * len(part) / len(idx)       # mean over the global batch's sequences
         self.stats["train_tokens"] += int(m["mask"].sum())
         lp, mk = m.pop("logp"), m.pop("mask")
@@ -119,78 +131,116 @@ class GRPOStep(PolicyStage):
         return loss, m
 
     def fill(self, step: int) -> None:
-        "The generation cycle holding `step`: rollouts → rewards → advantages, kept per step in the buffer."
+        """The generation cycle holding `step`: rollouts → rewards → advantages of each rank's prompts, then (with
+        `dynamic_sampling`) fresh prompts for the groups that carry no signal; kept per step in the buffer."""
         steps = generation_cycle(step, self.cfg.steps_per_generation, self.cfg.steps)
-        c0, W, G = steps[0], self.acc.num_processes, self.cfg.group_size
+        W = self.acc.num_processes
         mine = {s: self.batch(s)[self.acc.process_index::W] for s in steps}
-        flat = [(s, i, j) for s in steps for i in mine[s] for j in range(G)]          # (step, prompt, sample)
-        ro = self.rollouts(flat)
+        groups, self.cycle_metrics = self.sample_groups([(s, i) for s in steps for i in mine[s]], 0)
+        if self.cfg.dynamic_sampling: groups = self.resample(steps, mine, groups)
+        self.keep(steps, groups)
+        if self.cfg.record_every and steps[0] % self.cfg.record_every == 0 and self.acc.is_main_process:
+            self.record_rollouts(steps[0], groups)
+
+    def sample_groups(self, pairs: list[tuple[int, int]], rnd: int) -> tuple[list[list[dict]], dict]:
+        "`group_size` scored samples of each (step, prompt) of `pairs` (sampling round `rnd`), and the round's figures."
+        G, latent = self.cfg.group_size, self.policy.kind == "latent"
+        flat = [(s, i, rnd * G + j) for s, i in pairs for j in range(G)]          # (step, prompt, sample): its key
+        ro = self.rollouts(flat, sync=rnd == 0)
+        if not flat: return [], {}
         texts = [self.policy.tok.decode(c) for c in ro.completion_ids]
-        R = self.rewards(texts, flat)
-        adv = self.advantages(R)
-        self.keep(steps, flat, ro, R, adv)
-        if self.cfg.record_every and c0 % self.cfg.record_every == 0 and self.acc.is_main_process:
-            self.record_rollouts(c0, flat, texts, R, adv, ro)
+        R, parts = self.rewards(texts, flat)
+        adv, am = self.advantages(R, gather=rnd == 0)
+        samples = [{"prompt": self.prompts[i], "completion": c, "latent_at": la if latent else [], "logp_inf": lp, "adv": a,
+                    "reward": r, "idx": i, "step": s, "text": t, "parts": {k: v[n] for k, v in parts.items()}}
+                   for n, ((s, i, _), c, la, lp, a, r, t) in enumerate(zip(flat, ro.completion_ids, ro.latent_at or [[]] * len(flat),
+                                                                           ro.logprobs, adv, R, texts))]
+        if self.truncated:
+            for x, z in zip(samples, ro.latents): x["latents"] = z
+        metrics = dict(am, **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()})
+        return [samples[k:k + G] for k in range(0, len(samples), G)], metrics
 
 # %% ../nbs/20_grpo.ipynb #5b8b2e39
-def _rollouts(self: GRPOStep, flat: list[tuple]):
-    "Sample every (step, prompt, sample) of the cycle from the current weights, keyed by (seed, step, prompt, sample)."
+def _rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
+    "Sample every (step, prompt, sample) of `flat` from the current weights, keyed by (seed, step, prompt, sample)."
     cfg, policy = self.cfg, self.policy
     keys, P = [row_key(cfg.seed, s, i, j) for s, i, j in flat], [self.prompts[i] for _, i, _ in flat]
-    if self.engine is not None:
+    if self.engine is not None and sync:
         ts = time.time(); self.engine.sync(policy.lm); self.timing["sync_s"] += time.time() - ts
     t0 = time.time()
     if self.engine is not None:
-        ro = self.engine.generate(P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys)
+        ro = self.engine.generate(P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, eos_id=policy.eos_id,
+                                  seeds=keys) if P else None
     else:
         policy.module.eval()
-        with gathered_weights(policy.module):
+        with gathered_weights(policy.module):          # every rank enters (FSDP2 gathers), also one with nothing to sample
             ro = policy.generate(P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, keys=keys,
-                                 return_latents=self.truncated)
+                                 return_latents=self.truncated) if P else None
         policy.module.train()
     self.timing["gen_s"] += time.time() - t0
-    self.stats["gen_tokens"] += sum(map(len, ro.completion_ids))
+    if ro is not None: self.stats["gen_tokens"] += sum(map(len, ro.completion_ids))
     return ro
 
-def _rewards(self: GRPOStep, texts: list[str], flat: list[tuple]) -> list[float]:
-    "The weighted verifiable rewards of the completions (each part's mean goes to the step's metrics)."
+def _rewards(self: GRPOStep, texts: list[str], flat: list[tuple]) -> tuple[list[float], dict]:
+    "The weighted verifiable rewards of the completions, and each part's values (for the metrics and records)."
     R = self.reward_fn(texts, [self.rows[i] for _, i, _ in flat])
-    self.cycle_metrics = {f"reward_{k}": sum(v) / len(v) for k, v in self.reward_fn.parts.items()}
-    return R
+    return R, dict(self.reward_fn.parts)
 
-def _advantages(self: GRPOStep, R: list[float]) -> list[float]:
-    "Group-relative advantages; `adv_scale = batch` divides by the std over every rank's rewards, as on one process."
+def _advantages(self: GRPOStep, R: list[float], gather: bool = True) -> tuple[list[float], dict]:
+    """Group-relative advantages; `adv_scale = batch` divides by the std over every rank's rewards, as on one process
+    (`gather`; a dynamic-sampling round, whose ranks sample different numbers of groups, uses its own rank's)."""
     Rt, G = torch.tensor(R, dtype=torch.float64), self.cfg.group_size
-    if self.cfg.adv_scale == "batch" and self.acc.num_processes > 1:
+    if self.cfg.adv_scale == "batch" and self.acc.num_processes > 1 and gather:
         adv, am = group_advantages(Rt, G, scale="none")
         adv = adv / self.acc.gather(Rt.to(self.acc.device)).double().std(correction=0).clamp_min(1e-4).cpu()
     else: adv, am = group_advantages(Rt, G, scale=self.cfg.adv_scale)
-    self.cycle_metrics = dict(am, **self.cycle_metrics)          # the advantages' figures, then the rewards'
-    return adv.tolist()
+    return adv.tolist(), am
 
-GRPOStep.rollouts, GRPOStep.rewards, GRPOStep.advantages = _rollouts, _rewards, _advantages
+def _has_signal(group: list[dict]) -> bool: return len({x["reward"] for x in group}) > 1
+
+def _resample(self: GRPOStep, steps: list[int], mine: dict, groups: list[list[dict]]) -> list[list[dict]]:
+    """Dynamic sampling (DAPO): a group whose rewards are all equal carries no signal, so up to `dynamic_sampling`
+    rounds draw fresh prompts (another permutation of the data per round) until every step of the cycle has as many
+    groups with signal as it has prompts; a step still short keeps some equal-reward groups (`ds_frac_kept_zero_std`).
+    The step's reward figures stay those of its own prompts (an unfiltered sample of the policy)."""
+    W, rank, c = self.acc.num_processes, self.acc.process_index, self.cfg
+    kept = {s: [g for g in groups if g[0]["step"] == s and _has_signal(g)] for s in steps}
+    spare = {s: [g for g in groups if g[0]["step"] == s and not _has_signal(g)] for s in steps}
+    drawn, rounds = len(groups), 0
+    for rnd in range(1, c.dynamic_sampling + 1):
+        short = {s: len(mine[s]) - len(kept[s]) for s in steps}
+        if sum_over_ranks([sum(max(0, v) for v in short.values())], self.acc)[0] == 0: break   # every rank is full
+        pairs = [(s, i) for s in steps if short[s] > 0
+                 for i in batch_indices(s, c.batch_size, self.n_examples, c.seed + 7919 * rnd)[rank::W]]
+        new, _ = self.sample_groups(pairs, rnd)
+        drawn, rounds = drawn + len(new), rnd
+        for g in new:
+            s = g[0]["step"]
+            if _has_signal(g) and len(kept[s]) < len(mine[s]): kept[s].append(g)
+    out = [g for s in steps for g in kept[s] + spare[s][:len(mine[s]) - len(kept[s])]]
+    n = max(1, len(out))
+    self.cycle_metrics.update(ds_rounds=float(rounds), ds_groups_sampled=drawn / n,
+                              ds_frac_kept_zero_std=sum(not _has_signal(g) for g in out) / n)
+    return out
+
+GRPOStep.rollouts, GRPOStep.rewards, GRPOStep.advantages, GRPOStep.resample = _rollouts, _rewards, _advantages, _resample
 
 # %% ../nbs/20_grpo.ipynb #7dcfd544
-def _keep(self: GRPOStep, steps: list[int], flat: list[tuple], ro, R: list[float], adv: list[float]) -> None:
+def _keep(self: GRPOStep, steps: list[int], groups: list[list[dict]]) -> None:
     "The cycle's samples, per step, and each step's sampled-token count over all ranks (forced tokens excluded)."
-    latent = self.policy.kind == "latent"
-    samples = [{"prompt": self.prompts[i], "completion": c, "latent_at": la if latent else [], "logp_inf": lp,
-                "adv": a, "reward": r, "idx": i, "step": s}
-               for (s, i, j), c, la, lp, a, r in zip(flat, ro.completion_ids, ro.latent_at or [[]] * len(flat), ro.logprobs, adv, R)]
-    if self.truncated:
-        for x, z in zip(samples, ro.latents): x["latents"] = z
     self.buffer.clear(); self.calls.clear()
-    for s in steps: self.buffer[s] = [x for x in samples if x["step"] == s]
+    for s in steps: self.buffer[s] = [x for g in groups if g[0]["step"] == s for x in g]
     counts = sum_over_ranks([sum(len(x["completion"]) - len(x["latent_at"]) for x in self.buffer[s]) for s in steps], self.acc)
     self.token_counts.clear(); self.token_counts.update(zip(steps, counts))
 
 def _take(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
-    "This micro-batch's samples: whole groups of the loop's `part` prompts (the buffer follows the data order)."
+    """This micro-batch's samples: whole groups of the loop's `part` prompts (the buffer follows the data order; with
+    dynamic sampling the buffer's own prompts fill the micro-batch's `len(part)` slots)."""
     G = self.cfg.group_size
     a = self.calls[step] = self.calls.get(step, -1) + 1
     smp = self.buffer[step][a * len(part) * G:(a + 1) * len(part) * G]
-    if [x["idx"] for x in smp[::G]] != list(part):
-        raise RuntimeError(f"GRPO rollout buffer out of step with the training loop at step {step}, micro-batch {a}")
+    ok = len(smp) == len(part) * G if self.cfg.dynamic_sampling else [x["idx"] for x in smp[::G]] == list(part)
+    if not ok: raise RuntimeError(f"GRPO rollout buffer out of step with the training loop at step {step}, micro-batch {a}")
     return smp
 
 def _metrics(self: GRPOStep, step: int) -> dict:
@@ -200,7 +250,6 @@ GRPOStep.keep, GRPOStep.take, GRPOStep.metrics = _keep, _take, _metrics
 GRPOStep.state = lambda self: {"buffer": self.buffer, "token_counts": self.token_counts}
 GRPOStep.load_state = lambda self, st: (self.buffer.clear(), self.buffer.update(st.get("buffer", {})),
                                         self.token_counts.clear(), self.token_counts.update(st.get("token_counts", {})))
-
 
 # %% ../nbs/20_grpo.ipynb #d40d518a
 def _tok_strs(tok, ids):
@@ -214,16 +263,14 @@ def _record_logprobs(self: GRPOStep, step: int, smp: list[dict], lp: torch.Tenso
                         logp_inf=list(x["logp_inf"]), mask=mk[b, :L].int().tolist(), adv=x["adv"], reward=x["reward"],
                         latent_at=x["latent_at"])
 
-def _record_rollouts(self: GRPOStep, c0: int, flat, texts, R, adv, ro) -> None:
+def _record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
     "Two whole groups of the cycle with their rewards and advantages (`rollouts.jsonl`)."
-    G, parts = self.cfg.group_size, self.reward_fn.parts
-    for g in range(min(2, len(flat) // G)):
-        grp = list(zip(flat, texts, R, adv, ro.completion_ids, ro.latent_at or [[]] * len(flat)))[g * G:(g + 1) * G]
-        row = self.rows[grp[0][0][1]]
+    for g, grp in enumerate(groups[:2]):
+        row = self.rows[grp[0]["idx"]]
         self.rec_ro.log(step=c0, group=g, prompt=prompt_text(row["code"], row["input"]), truth=row["output"],
-                        samples=[{"text": t, "tokens": _tok_strs(self.policy.tok, c), "reward": r, "adv": a,
-                                  "correct": bool(parts["correct"][g * G + k]) if "correct" in parts else None,
-                                  "latent_at": la} for k, (_, t, r, a, c, la) in enumerate(grp)])
+                        samples=[{"text": x["text"], "tokens": _tok_strs(self.policy.tok, x["completion"]), "reward": x["reward"],
+                                  "adv": x["adv"], "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
+                                  "latent_at": x["latent_at"]} for x in grp])
 
 GRPOStep.record_logprobs, GRPOStep.record_rollouts = _record_logprobs, _record_rollouts
 
@@ -241,10 +288,19 @@ def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
             "peak_mem_mb": peak_memory_mb(acc.device),
             "reward_first": hist[0].get("reward_mean") if hist else None, "reward_last": hist[-1].get("reward_mean") if hist else None}
 
+def reference_policy(cfg: GRPOConfig, acc) -> Policy:
+    "The starting policy, frozen, for the KL penalty (`kl_beta`): decoder layers sharded under `--strategy fsdp`."
+    ref = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
+    ref.module.eval().requires_grad_(False)
+    shard_frozen(ref.module, cfg, acc)
+    return ref
+
 def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     "GRPO; returns `{out}/final` (a model directory of the policy's kind)."
     if cfg.norm not in ("sequence", "token"): raise ValueError(f"GRPOConfig.norm must be 'sequence' or 'token', got {cfg.norm!r}")
     if cfg.group_size < 2: raise ValueError("GRPOConfig.group_size must be >= 2 (advantages compare samples of a prompt)")
+    if cfg.dynamic_sampling < 0: raise ValueError(f"GRPOConfig.dynamic_sampling must be >= 0 (rounds), got {cfg.dynamic_sampling}")
+    if cfg.kl_beta < 0: raise ValueError(f"GRPOConfig.kl_beta must be >= 0, got {cfg.kl_beta}")
     reward_fn = weighted(cfg.rewards)
     acc = setup(cfg.seed); write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
@@ -255,7 +311,8 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     engine = make_rollout_engine(cfg, policy) if cfg.use_vllm else None
     log0(acc, f"grpo: {policy.kind} policy {cfg.model} ({n_params(policy.module):,} params), {len(rows)} prompts, "
               f"{cfg.steps} steps × {cfg.batch_size} prompts × {cfg.group_size} samples, rewards {reward_fn.weights}")
-    stage, t_start = GRPOStep(cfg, acc, policy, rows, prompts, reward_fn, engine), time.time()
+    ref = reference_policy(cfg, acc) if cfg.kl_beta else None
+    stage, t_start = GRPOStep(cfg, acc, policy, rows, prompts, reward_fn, engine, ref), time.time()
     res = train_loop(stage, progress)
     bench = throughput_summary(res, stage, time.time() - t_start)
     summary = {"train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], "prompts": len(rows),

@@ -66,8 +66,11 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
               token_count: float | None = None,  # 'token': generated tokens of the whole optimizer step (÷ DDP ranks)
               logp_old: torch.Tensor | None = None,  # [B, S] recomputed π_old for truncated IS
               tis_cap: float | None = None,
+              logp_ref: torch.Tensor | None = None,  # [B, S] the frozen reference policy's logprobs (KL penalty)
+              kl_beta: float = 0.0,                  # weight of the per-token k3 KL estimate to the reference
              ) -> tuple[torch.Tensor, dict]:
-    "PPO-clipped GRPO loss against rollout logprobs, with 'sequence' or step-exact 'token' normalisation."
+    """PPO-clipped GRPO loss against rollout logprobs, with 'sequence' or step-exact 'token' normalisation; with
+    `kl_beta > 0`, plus `kl_beta · k3` per token, k3 = exp(ref − logp) − (ref − logp) − 1 ≥ 0 (an unbiased KL(π‖π_ref))."""
     if logp_inf is None:
         raise ValueError("grpo_loss needs the rollout engine's logprobs (logp_inf) for the importance ratio; "
                          "got None. Make the generator return per-token logprobs of the sampled tokens "
@@ -101,6 +104,12 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     per_tok = -torch.minimum(ratio * A, clipped * A)                 # [B, S]
     if w is not None: per_tok = per_tok * w
+    if kl_beta:
+        if logp_ref is None: raise ValueError("kl_beta > 0 needs logp_ref, the reference policy's logprobs of the same tokens")
+        d_ref = torch.where(v, logp_ref.detach().to(logp.device, logp.dtype), zero) - lp       # [B, S] log(π_ref / π)
+        k3 = torch.exp(d_ref.clamp(-20, 20)) - d_ref - 1                                      # [B, S] ≥ 0
+        per_tok = per_tok + kl_beta * k3
+        extra["kl_ref"] = _masked_mean(k3.detach(), v)
     per_tok = torch.where(v, per_tok, zero)
     n_tok = m.sum()
     if norm == "sequence":

@@ -67,3 +67,90 @@ def test_truncated_replay_aligns_and_trains(tmp_path, latent_student):
     s = steps_of(tmp_path)
     assert len(s) == 2 and s[0]["align_abs_max"] <= 1e-4
     assert all(r["grad_norm"] > 0 for r in s if r["frac_reward_zero_std"] < 1)         # a gradient wherever there is signal
+
+
+# --- RL that learns: the stage raises a reward the tiny policies can reach, and only with the right signal ---------------
+def _answer_starts_with(c):
+    "Reward 1 when the completion's first return value starts with `c` (`<|arg_sep|>\"c...`): reachable by changing answers."
+    import re
+    def fn(texts, rows):
+        fn.parts = {"target": [float((m := re.search(r'<\|arg_sep\|>"(.)', t)) is not None and m.group(1) == c) for t in texts]}
+        return fn.parts["target"]
+    return fn
+
+def _to_last_line(r):
+    "A prompt that ends before the trace's last LINE frame: the next tokens are a latent block, the line, the return value."
+    tr = r["trace"]
+    return tr[:tr.rfind("<|line_sep|>", 0, tr.index("<|return_sep|>"))]
+
+def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None):
+    "GRPO through the real stage and loop on `answer starts with '0'`; the per-step mean rewards."
+    from latent_rl.grpo import GRPOConfig, GRPOStep
+    from latent_rl.policy import Policy
+    from latent_rl.engine import setup
+    from latent_rl.loop import train_loop
+    from latent_rl.trace import prompt_text
+    from latent_rl.tokens import encode
+    rows = rows_of(ROWS)[:256]
+    if kind == "text": path, prompt, N = ROOT / "data" / "notrace", (lambda r: prompt_text(r["code"], r["input"])), 16
+    else: path, prompt, N = latent_student, (lambda r: prompt_text(r["code"], r["input"]) + _to_last_line(r)), 24
+    if flip:                                   # the counterfactuals: the advantage's sign flipped, or its groups misaligned
+        orig, G = GRPOStep.advantages, 8
+        wrong = {"sign": lambda a: [-x for x in a], "shift": lambda a: a[G:] + a[:G]}[flip]
+        monkeypatch.setattr(GRPOStep, "advantages", lambda self, R, gather=True: (lambda a, m: (wrong(a), m))(*orig(self, R, gather)))
+    cfg = GRPOConfig(model=str(path), steps=steps, batch_size=8, group_size=8, max_new_tokens=N, lr=1e-3, warmup=0,
+                     temperature=1.0, save_every=0, record_every=0, log_every=1, out=str(tmp_path / "run"))
+    import torch
+    torch.set_num_threads(1)
+    acc, pol = setup(cfg.seed), Policy.load(cfg.model)
+    assert pol.kind == kind
+    train_loop(GRPOStep(cfg, acc, pol, rows, [encode(pol.tok, prompt(r)) for r in rows], _answer_starts_with("0")), progress=False)
+    return [r["reward_mean"] for r in steps_of(tmp_path / "run")]
+
+@pytest.mark.parametrize("kind,steps", [("text", 20), ("latent", 12)])
+def test_grpo_raises_a_reachable_reward(tmp_path, kind, steps, latent_student):
+    """From <= 0.3 (the first step's samples: the policy before any update) to >= 0.8 (the mean of the last three steps)
+    within `steps` CPU steps (text: the shipped no-trace model; latent: the teacher with a fresh projector)."""
+    R = _learn(tmp_path, kind, latent_student, steps)
+    assert R[0] <= 0.3 and sum(R[-3:]) / 3 >= 0.8, R
+
+@pytest.mark.parametrize("kind,flip,steps", [("text", "sign", 20), ("text", "shift", 20), ("latent", "sign", 12)])
+def test_grpo_with_a_wrong_signal_does_not_learn(tmp_path, kind, flip, steps, latent_student, monkeypatch):
+    "The same runs with the advantages' sign flipped (or shifted by a group, so they belong to other prompts) fail."
+    R = _learn(tmp_path, kind, latent_student, steps, flip, monkeypatch)
+    assert sum(R[-3:]) / 3 < 0.5, R
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_that_carry_signal(tmp_path):
+    "Groups whose rewards are all equal are replaced by fresh prompts' groups; the step's reward stays its own prompts'."
+    from latent_rl.grpo import GRPOConfig, GRPOStep
+    from latent_rl.policy import Policy
+    from latent_rl.engine import setup
+    from latent_rl.trace import prompt_text
+    from latent_rl.tokens import encode
+    rows = rows_of(ROWS)[:256]
+    pol = Policy.load(ROOT / "data" / "notrace")
+    P = [encode(pol.tok, prompt_text(r["code"], r["input"])) for r in rows]
+    def stage(rounds):
+        cfg = GRPOConfig(model="-", batch_size=8, group_size=8, max_new_tokens=16, record_every=0, steps=1,
+                         dynamic_sampling=rounds, out=str(tmp_path / f"r{rounds}"))
+        st = GRPOStep(cfg, setup(0), pol, rows, P, _answer_starts_with("0"))
+        st.fill(0)
+        return st, [st.buffer[0][k:k + 8] for k in range(0, 64, 8)]
+    plain, g0 = stage(0)
+    dyn, g3 = stage(4)
+    signal = lambda gs: sum(len({x["reward"] for x in g}) > 1 for g in gs)
+    assert signal(g0) < 8 and plain.cycle_metrics["frac_reward_zero_std"] > 0        # the loop's own prompts: some dead
+    assert signal(g3) == 8 and dyn.cycle_metrics["ds_frac_kept_zero_std"] == 0       # all replaced
+    assert dyn.cycle_metrics["ds_rounds"] >= 1 and dyn.cycle_metrics["ds_groups_sampled"] > 1
+    assert dyn.cycle_metrics["reward_mean"] == plain.cycle_metrics["reward_mean"]       # unfiltered: the policy's own figure
+    idx = plain.batch(0)
+    loss, m = dyn.micro_loss(0, idx, idx)                  # the loop's slots hold the buffer's own prompts
+    assert torch.isfinite(loss) and m["align_abs_max"] <= 1e-4 and loss.item() != 0
+
+def test_kl_penalty_to_the_starting_policy(tmp_path):
+    "kl_beta: the reference is the starting weights (KL 0 at the first step), and grows once the policy moves."
+    grpo(tmp_path, "--model", ROOT / "data" / "notrace", "--steps", 3, "--kl_beta", 0.1, "--lr", 3e-3, "--warmup", 0,
+         "--rewards", "correct:1", "--batch_size", 4, "--group_size", 8, "--max_new_tokens", 24)
+    s = steps_of(tmp_path)
+    assert s[0]["kl_ref"] < 1e-6 and s[-1]["kl_ref"] > 1e-4, [r["kl_ref"] for r in s]

@@ -168,15 +168,19 @@ def test_sft_equals_cross_entropy():
 
 
 # ----------------------------------------------------------------------------------------------- GRPO
-def ref_grpo(logp, logp_inf, adv, mask, eps_low, eps_high, norm, grad_accum=1, token_count=None):
-    "Token by token."
+def ref_grpo(logp, logp_inf, adv, mask, eps_low, eps_high, norm, grad_accum=1, token_count=None, logp_ref=None, kl_beta=0.0):
+    "Token by token (with `kl_beta`: + β·(π_ref/π − log(π_ref/π) − 1), Schulman's k3)."
     seq_means, total, n_all = [], 0.0, 0
     for b in range(logp.shape[0]):
         terms = []
         for t in range(logp.shape[1]):
             if not mask[b, t]: continue
             r = torch.exp(logp[b, t] - logp_inf[b, t])
-            terms.append(-torch.min(r * adv[b], torch.clamp(r, 1 - eps_low, 1 + eps_high) * adv[b]))
+            term = -torch.min(r * adv[b], torch.clamp(r, 1 - eps_low, 1 + eps_high) * adv[b])
+            if kl_beta:
+                q = torch.exp(logp_ref[b, t] - logp[b, t])
+                term = term + kl_beta * (q - torch.log(q) - 1)
+            terms.append(term)
         s = torch.stack(terms).sum() if terms else logp.sum() * 0
         seq_means.append(s / max(len(terms), 1))
         total, n_all = total + s, n_all + len(terms)
@@ -220,6 +224,24 @@ def test_grpo_equals_naive(norm):
     # explicit token_count: sum / count
     tc_loss, _ = grpo_loss(logp, logp_inf, adv, mask, norm="token", token_count=40.0, **kw)
     assert close(tc_loss, ref_grpo(logp, logp_inf, adv, mask, 0.2, 0.28, "token", token_count=40.0), VAL)
+
+
+@pytest.mark.parametrize("norm", ["sequence", "token"])
+def test_grpo_kl_penalty_equals_naive(norm):
+    "kl_beta · k3 to a reference policy: value and gradient token by token; k3 >= 0 and exactly 0 where π = π_ref."
+    logp, logp_inf, adv, mask = grpo_batch()
+    g = torch.Generator().manual_seed(1)
+    logp_ref = logp.detach() + 0.5 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)
+    ref = ref_grpo(logp, logp_inf, adv, mask, 0.2, 0.2, norm, logp_ref=logp_ref, kl_beta=0.05)
+    (ref_g,) = torch.autograd.grad(ref, logp)
+    loss, met = grpo_loss(logp, logp_inf, adv, mask, norm=norm, logp_ref=logp_ref, kl_beta=0.05)
+    (gr,) = torch.autograd.grad(loss, logp)
+    assert close(loss, ref, VAL) and close(gr, ref_g, GRAD)
+    d = (logp_ref - logp.detach())[mask]
+    assert abs(met["kl_ref"] - (torch.exp(d) - d - 1).mean().item()) < VAL and met["kl_ref"] > 0
+    same, m0 = grpo_loss(logp, logp_inf, adv, mask, norm=norm, logp_ref=logp.detach(), kl_beta=0.05)
+    assert m0["kl_ref"] == 0 and close(same, grpo_loss(logp, logp_inf, adv, mask, norm=norm)[0], VAL)
+    with pytest.raises(ValueError, match="logp_ref"): grpo_loss(logp, logp_inf, adv, mask, kl_beta=0.1)
 
 
 def test_grpo_ratio_one_is_policy_gradient():
