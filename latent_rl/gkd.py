@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from .trace import prompt_text, LINE_SEP, ACTION_SEP
+from .trace import prompt_text, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP
 from .tokens import encode, trace_token_ids, find_spans, IGNORE_INDEX
 from .losses import generalized_jsd_from_hidden, sft_loss
 from .logprobs import token_logprobs
@@ -24,7 +24,8 @@ from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
 from .loop import PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student, generation_cycle, drain
 
 # %% auto #0
-__all__ = ['gkd_coin', 'dataset_completion', 'resample_overlong', 'gkd_loss', 'GKDConfig', 'make_teacher', 'GKDStep', 'run_gkd']
+__all__ = ['gkd_coin', 'dataset_completion', 'resample_overlong', 'value_mask', 'gkd_loss', 'GKDConfig', 'make_teacher',
+           'GKDStep', 'run_gkd']
 
 # %% ../nbs/19_gkd.ipynb #1d5e8d0d
 def gkd_coin(seed: int, step: int, lmbda: float) -> bool:
@@ -61,19 +62,48 @@ def resample_overlong(idx: list[int], fits, n: int, seed: int, step: int, max_ro
     return out
 
 # %% ../nbs/19_gkd.ipynb #05897d65
+def value_mask(completions: list[list[int]], arg_id: int, frame_id: int, N: int | None = None, device=None) -> torch.Tensor:
+    "`[B, N]` True at the tokens of each return value: after an `<|arg_sep|>`, up to and including the next `<|frame_sep|>`."
+    N = N or max(1, max(map(len, completions)))
+    c = torch.full((len(completions), N), -1, dtype=torch.long)
+    for b, x in enumerate(completions): c[b, :len(x)] = torch.tensor(x[:N], dtype=torch.long)
+    pos = torch.arange(N).expand_as(c)                                                  # [B, N]
+    last = lambda tok: torch.where(c == tok, pos, -1).cummax(1).values                  # [B, N] latest index of `tok`
+    before = lambda t: torch.nn.functional.pad(t[:, :-1], (1, 0), value=-1)             # strictly before each position
+    return (before(last(arg_id)) > before(last(frame_id))).to(device)
+
+def _value_ids(tok) -> tuple[int, int] | None:
+    "The ids of `<|arg_sep|>` and `<|frame_sep|>` (None for a tokenizer without the trace tokens)."
+    try: ids = trace_token_ids(tok)
+    except (AttributeError, ValueError): return None
+    return ids[ARG_SEP], ids[FRAME_SEP]
+
 def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float = 0.5, temperature: float = 1.0,
              sft_alpha: float = 0.0, on_policy: bool = False, tail: bool = False, teacher_out=None,
-             return_hidden: bool = False) -> tuple[torch.Tensor, dict]:
+             return_hidden: bool = False, value_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
     """GKD loss of a micro-batch of `{prompt, completion, latent_at, row}` items: JSD_β (+ sft_alpha·CE on dataset
-    completions). `return_hidden` adds the student's detached `hidden [B, N, H]` to the metrics (for records)."""
+    completions). The return value's tokens count `value_weight` times (`(Σ_rest + w·Σ_value) / n`); their JSD and the
+    rest's are logged apart (`jsd_value`, `jsd_rest`). `return_hidden` adds the student's detached `hidden [B, N, H]`."""
     P, C, LA = [it["prompt"] for it in items], [it["completion"] for it in items], [it["latent_at"] for it in items]
     N = max(1, max(map(len, C)))
     mask = sampled_mask(C, LA if policy.kind == "latent" else None, N, policy.device)   # [B, N]
     if teacher_out is None:
         teacher_out = teacher.score(ScoreBatch(P, C, mask, LA, [it.get("row") for it in items]))
     h, _ = policy.hidden(P, C, LA)                                                      # [B, N, H]
-    jsd, jm = generalized_jsd_from_hidden(h, policy.head, teacher_out, mask, beta=beta, temperature=temperature, tail=tail)
-    loss, metrics = jsd, {"jsd_loss": jm["loss"], "n_tokens": jm["n_tokens"]}
+    vid = _value_ids(policy.tok)
+    if vid is None and value_weight != 1.0:
+        raise ValueError("value_weight needs a tokenizer with the trace tokens <|arg_sep|> and <|frame_sep|>")
+    vm = (value_mask(C, *vid, N, policy.device) if vid else torch.zeros_like(mask)) & mask   # [B, N]
+    parts = {}
+    for name, m in (("rest", mask & ~vm), ("value", vm)):                               # disjoint rows: one head pass
+        if m.any(): parts[name] = generalized_jsd_from_hidden(h, policy.head, teacher_out, m, beta=beta,
+                                                              temperature=temperature, tail=tail)
+    n = sum(jm["n_tokens"] for _, jm in parts.values())
+    w = {"rest": 1.0, "value": value_weight}
+    jsd = sum(w[k] * l * jm["n_tokens"] for k, (l, jm) in parts.items()) / max(1.0, n) if parts else h.sum() * 0
+    loss, metrics = jsd, {"jsd_loss": float(jsd), "n_tokens": n,
+                          **{f"jsd_{k}": parts[k][1]["loss"] if k in parts else 0.0 for k in w},
+                          "value_tokens": parts["value"][1]["n_tokens"] if "value" in parts else 0.0}
     if sft_alpha > 0 and not on_policy:                                                 # never on the student's own samples
         ce, _ = sft_loss(h, policy.head, torch.where(mask, completion_labels(C, N, policy.device), IGNORE_INDEX))
         loss = loss + sft_alpha * ce
@@ -93,6 +123,7 @@ class GKDConfig(TrainConfig):
     beta: float = 0.5                    # JSD interpolation (0 = forward KL, 1 = reverse KL)
     temperature: float = 1.0             # sampling and loss temperature
     sft_alpha: float = 0.0               # CE weight on dataset completions
+    value_weight: float = 1.0            # weight of the return value's tokens in the JSD (1 = a plain token mean)
     topk: int = 0                        # teacher top-k (0 = full distribution)
     tail: bool = False                   # top-k with a tail bucket
     steps_per_generation: int = 1
@@ -195,7 +226,7 @@ class GKDStep(PolicyStage):
         tout = self.score(items)
         c = self.cfg
         loss, m = gkd_loss(self.policy, self.teacher, items, beta=c.beta, temperature=c.temperature, sft_alpha=c.sft_alpha,
-                           on_policy=on, tail=c.tail, teacher_out=tout, return_hidden=True)
+                           on_policy=on, tail=c.tail, teacher_out=tout, return_hidden=True, value_weight=c.value_weight)
         h = m.pop("hidden")
         if c.record_every and step % c.record_every == 0 and self.calls[step] == 0 and self.acc.is_main_process:
             _record_logprobs(self.rec, step, self.policy, items, tout, c.temperature, h)

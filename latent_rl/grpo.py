@@ -23,7 +23,8 @@ from .loop import (PolicyStage, train_loop, finish_run, write_config, load_trace
                             batch_indices)
 
 # %% auto #0
-__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'throughput_summary', 'reference_policy', 'run_grpo']
+__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'reward_rise', 'throughput_summary', 'reference_policy',
+           'run_grpo']
 
 # %% ../nbs/20_grpo.ipynb #c9aec591
 def pad_to(rows: list[list[float]], N: int, fill: float) -> torch.Tensor:
@@ -275,6 +276,18 @@ def _record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
 GRPOStep.record_logprobs, GRPOStep.record_rollouts = _record_logprobs, _record_rollouts
 
 # %% ../nbs/20_grpo.ipynb #847da692
+def reward_rise(rows: list[dict], key: str = "reward_mean", frac: float = 0.1) -> dict:
+    """Does the training reward rise? The mean of `key` over the last `frac` of the steps minus the first, with a 95%
+    interval from the step means (each step samples its own prompts: independent observations; Welch, normal quantile)."""
+    v = [r[key] for r in rows if key in r]
+    k = max(2, round(len(v) * frac))
+    if len(v) < 2 * k: return {}
+    a, b = v[:k], v[-k:]
+    mean = lambda x: sum(x) / len(x)
+    var = lambda x: sum((y - mean(x)) ** 2 for y in x) / (len(x) - 1)
+    d, se = mean(b) - mean(a), (var(a) / k + var(b) / k) ** 0.5
+    return {"first": mean(a), "last": mean(b), "delta": d, "lo": d - 1.96 * se, "hi": d + 1.96 * se, "steps_each": k}
+
 def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
     "The run's throughput figures (this process's tokens) and its first and last mean reward."
     cfg, acc = stage.cfg, stage.acc
@@ -286,7 +299,8 @@ def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
             "rollout_tokens_per_s": stage.stats["gen_tokens"] / max(1e-9, gen) if gen else 0.0,
             "train_tokens_per_s": stage.stats["train_tokens"] / max(1e-9, tot.get("train_s", 0.0)),  # forward + backward
             "peak_mem_mb": peak_memory_mb(acc.device),
-            "reward_first": hist[0].get("reward_mean") if hist else None, "reward_last": hist[-1].get("reward_mean") if hist else None}
+            "reward_first": hist[0].get("reward_mean") if hist else None, "reward_last": hist[-1].get("reward_mean") if hist else None,
+            **{f"reward_rise_{k}": v for k, v in reward_rise(hist).items()}}
 
 def reference_policy(cfg: GRPOConfig, acc) -> Policy:
     "The starting policy, frozen, for the KL penalty (`kl_beta`): decoder layers sharded under `--strategy fsdp`."

@@ -1,5 +1,5 @@
 "GKD stage: the coin, buffering, the SFT term, a fresh self-teacher, vocabulary and length checks, the HTTP teacher."
-import json, os, signal, socket, subprocess, sys, time
+import json, math, os, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 from conftest import run_cli, ROOT, TEACHER, ROWS, ONE, rows_of, steps_of
@@ -182,3 +182,36 @@ def test_privileged_teacher_reads_another_prompt_and_checks_counts():
     bad = ScoreBatch(P, C, mask, rows=rows)
     with pytest.raises(ValueError, match="tokens per row"):
         PrivilegedTeacher(m, tok, hint).score(bad)
+
+
+def test_value_weighted_jsd_equals_a_per_token_reference():
+    "value_weight w: (Σ_rest JSD + w·Σ_value JSD) / n against full logits token by token; w = 1 is the plain token mean."
+    from latent_rl.gkd import gkd_loss, dataset_completion, value_mask
+    from latent_rl.policy import Policy
+    from latent_rl.teachers import ModelTeacher, ScoreBatch
+    from latent_rl.policy import sampled_mask
+    from latent_rl.tokens import trace_token_ids
+    from latent_rl.trace import ARG_SEP, FRAME_SEP
+    stu, teacher = Policy.load(ROOT / "data" / "notrace"), ModelTeacher.load(TEACHER)
+    items = [dataset_completion(stu.tok, r, "text") for r in rows_of(ROWS)[:3]]
+    C = [x["completion"] for x in items]
+    ids = trace_token_ids(stu.tok)
+    vm = value_mask(C, ids[ARG_SEP], ids[FRAME_SEP])
+    for x, v in zip(C, vm):                                   # the value: between <|arg_sep|> and its <|frame_sep|>
+        txt = stu.tok.decode([t for t, keep in zip(x, v.tolist()) if keep])
+        assert txt and ARG_SEP not in txt and txt.count(FRAME_SEP) == stu.tok.decode(x).count(ARG_SEP), txt
+    N, P = vm.shape[1], [x["prompt"] for x in items]
+    mask = sampled_mask(C, None, N)
+    tout = teacher.score(ScoreBatch(P, C, mask, [[]] * 3, [x["row"] for x in items]))
+    with torch.no_grad():
+        h, _ = stu.hidden(P, C)
+        s = torch.log_softmax(stu.head.logits(h).double(), -1)                           # [B, N, V]
+        t = torch.log_softmax(tout.logits.double(), -1)
+        mix = torch.logsumexp(torch.stack([t + math.log(0.5), s + math.log(0.5)]), 0)
+        per = 0.5 * (t.exp() * (t - mix)).sum(-1) + 0.5 * (s.exp() * (s - mix)).sum(-1)  # [B, N] JSD_0.5
+    for w in (1.0, 7.0):
+        loss, m = gkd_loss(stu, teacher, items, beta=0.5, teacher_out=tout, value_weight=w)
+        ref = (per[mask & ~vm].sum() + w * per[vm & mask].sum()) / mask.sum()
+        assert abs(loss.item() - ref.item()) < 1e-5, (w, loss.item(), ref.item())
+        assert abs(m["jsd_value"] - per[vm & mask].mean().item()) < 1e-5 and m["value_tokens"] == (vm & mask).sum().item()
+        assert abs(m["jsd_rest"] - per[mask & ~vm].mean().item()) < 1e-5
