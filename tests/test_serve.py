@@ -172,7 +172,7 @@ def test_serve_rollouts_command_and_engine_choice():
     "The vLLM server command (printed, no vLLM needed here) and the stage's engine choice, on CPU."
     from conftest import run_cli
     out = run_cli("serve-rollouts", "--model", TEACHER, "--max-logprobs", 64, "--print").stdout
-    for part in ("VLLM_SERVER_DEV_MODE=1 vllm serve", "--max-logprobs 64", "--logprobs-mode processed_logprobs",
+    for part in ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model", "--generation-config vllm", "--max-logprobs 64", "--logprobs-mode processed_logprobs",
                  "--weight-transfer-config", "--max-model-len 2048", "--served-model-name teacher", "--host 127.0.0.1"):
         assert part in out, (part, out)
     p = run_cli("serve-rollouts", "--model", TEACHER, "--host", "0.0.0.0", "--print", check=False, env={"LATENT_RL_API_KEY": ""})
