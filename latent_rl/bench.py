@@ -4,7 +4,7 @@
 
 # %% ../nbs/27_bench.ipynb #e142b294
 from __future__ import annotations
-import argparse, gc, json, math, os, platform, resource, socket, statistics, subprocess, sys, time
+import argparse, copy, gc, json, math, os, platform, resource, socket, statistics, subprocess, sys, time
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -386,6 +386,11 @@ def _grpo_row(kind, replay, ro, t_gen, t_train, m, st) -> dict:
             "replay_pad_ratio": st["positions_run"] / st["positions_real"] if st else None}
 
 # %% ../nbs/27_bench.ipynb #b214d963
+def _frozen_copy(pol: Policy) -> Policy:
+    "A frozen copy of a policy: the reference that `kl_beta` scores against."
+    ref = copy.deepcopy(pol); ref.module.requires_grad_(False)
+    return ref
+
 def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teacher", group_size: int = 8) -> dict:
     """Rollout and training tokens/s of GRPO for a text and a latent policy built from the same weights, timed
     interleaved (text, latent, text, …) so that a change in the machine's load falls on both: medians of 3."""
@@ -403,14 +408,18 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         for k in pols: ro[k], dt = timed(lambda: gen(k)); t_gen[k].append(dt)
     smp = {k: _grpo_samples(pols[k], P, ro[k], rows, group_size) for k in pols}
     variants = {("text", "exact"): smp["text"], ("latent", "exact"): smp["latent"], ("latent", "exact, one pass"): smp["latent"],
-                ("latent", "truncated"): [dict(x, latents=z) for x, z in zip(smp["latent"], ro["latent"].latents)]}
+                ("latent", "truncated"): [dict(x, latents=z) for x, z in zip(smp["latent"], ro["latent"].latents)],
+                ("text", "exact + KL to ref"): smp["text"], ("latent", "exact + KL to ref"): smp["latent"]}
+    refs = {k: _frozen_copy(p) for k, p in pols.items()}                             # for kl_beta > 0
     t_train, stats, metrics = {v: [] for v in variants}, {}, {}
     for pol in pols.values(): pol.module.train()
     for it in range(1 + reps):                                                       # the first round is a warm-up
         for (k, replay), s_ in variants.items():
             pols[k].call_cost = math.inf if replay == "exact, one pass" else CALL_COST   # one lockstep pass, or groups
+            kl = "KL" in replay
             def step():
-                loss, m = grpo_micro_loss(pols[k], s_); loss.backward(); pols[k].module.zero_grad(); return m
+                loss, m = grpo_micro_loss(pols[k], s_, ref=refs[k] if kl else None, kl_beta=0.04 if kl else 0.0)
+                loss.backward(); pols[k].module.zero_grad(); return m
             metrics[k, replay], dt = timed(step)
             stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}
             if it: t_train[k, replay].append(dt)
@@ -421,7 +430,8 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
                      f"training steps timed interleaved, the median of {reps}; training = one replay forward + GRPO loss + "
                      "backward over all sequences (latent: exact replay in phase_groups or in one lockstep pass, or truncated "
                      "= the recorded latents in two parallel forwards); gen_share = generation / (generation + training); "
-                     "replay_calls / replay_pad_ratio: the exact replay's model calls and positions run per real position."}
+                     "replay_calls / replay_pad_ratio: the exact replay's model calls and positions run per real position; "
+                     "'+ KL to ref': kl_beta 0.04, a frozen copy of the policy scores the same tokens (no gradient)."}
 
 # %% ../nbs/27_bench.ipynb #ef81f744
 ARCHS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan); 'tiny' = the demo model

@@ -29,19 +29,19 @@ class CodiConfig(TrainConfig):
     "CODI multi-span latent self-distillation from an SFT checkpoint."
     model: str = "data/teacher"         # SFT checkpoint (name or path)
     teacher: str = ""                   # frozen teacher path; "" = shared weights (teacher CE trains them too)
-    val: str = "data/corpus/val.jsonl"
+    val: str = "data/corpus/val.jsonl"   # validation rows for the held-out losses ("" = none)
     out: str = "runs/codi"
-    latent_steps: int = 1
+    latent_steps: int = 1                # latent vectors per block (each the projected last hidden state)
     a: float = 1.0                      # teacher CE
     b: float = 1.0                      # student CE
     g: float = 1.0                      # KD
     kd_target: str = "hidden"           # hidden | logit
     kd_layers: str = ""                 # comma-separated hidden_states indices; "" = default
-    kd_temp: float = 2.0
-    kd_norm_std: bool = False
-    single_anchor: bool = False
-    ss_prob: float = 0.0
-    ss_ramp_frac: float = 0.5
+    kd_temp: float = 2.0                 # temperature of logit KD (kd_target = logit; the loss is ×T²)
+    kd_norm_std: bool = False            # divide the hidden-state KD by the teacher states' std (large models)
+    single_anchor: bool = False          # distil at the last span's anchor only
+    ss_prob: float = 0.0                 # scheduled sampling: final probability of feeding the student's own argmax after a block
+    ss_ramp_frac: float = 0.5            # scheduled sampling: share of the steps over which ss_prob ramps up from 0
     grad_ckpt: bool = False             # gradient checkpointing of the teacher forward
     value_kd: float = 0.0               # distil each block's latent states to the teacher's at the value it replaced
     value_kd_at: str = "predict"        # predict | tokens | embed (latent_rl.latent.CodiOptions)
@@ -49,7 +49,7 @@ class CodiConfig(TrainConfig):
     answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
     recon: float = 0.0                  # block-local reconstruction of each block's replaced state
     latent_tf: float = 0.0              # latent teacher forcing probability per block (decays linearly to 0 with latent_tf_decay)
-    latent_tf_decay: bool = False
+    latent_tf_decay: bool = False        # latent_tf decays linearly to 0 over the run
     curriculum: float = 0.0             # fraction of the steps over which the latent share of spans grows to all (0: off)
     curriculum_from: str = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
     prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
@@ -58,7 +58,7 @@ class CodiConfig(TrainConfig):
     lr: float = 1e-3
     warmup: int = 20
     weight_decay: float = 0.01
-    max_len: int = 384
+    max_len: int = 384                   # prompt + trace tokens (longer rows are dropped)
     max_spans: int = 0                  # 0 = no limit
     anchor_every: int = 10              # steps between kd_anchors.jsonl records (0 = never)
 

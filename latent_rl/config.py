@@ -4,8 +4,8 @@
 
 # %% ../nbs/14_config.ipynb #661920b8
 from __future__ import annotations
-import argparse, json, math, re, sys
-from dataclasses import dataclass, fields
+import argparse, inspect, io, json, math, re, sys, tokenize
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -14,7 +14,8 @@ from .recipes import RECIPES, recipe_fields
 
 # %% auto #0
 __all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', 'ConfigError', 'check_field', 'config_from_dict',
-           'load_config_file', 'parse_config', 'TrainConfig', 'VLLMConfig', 'check_precision', 'teacher_dtype']
+           'load_config_file', 'field_comments', 'parse_config', 'TrainConfig', 'VLLMConfig', 'check_precision',
+           'teacher_dtype']
 
 # %% ../nbs/14_config.ipynb #3e8955f4
 class ConfigError(ValueError):
@@ -107,14 +108,28 @@ def load_config_file(path) -> dict:
     return d
 
 # %% ../nbs/14_config.ipynb #6602f254
+def field_comments(cls) -> dict[str, str]:
+    """`{field: the comment on its line}` of a config dataclass and its bases (a subclass's comment wins; a field it
+    only re-defaults keeps its base's): each flag's help text comes from the one place a field is explained."""
+    out = {}
+    for k in reversed([k for k in cls.__mro__ if is_dataclass(k)]):
+        try: src = inspect.getsource(k)
+        except (OSError, TypeError): continue
+        toks, names = list(tokenize.generate_tokens(io.StringIO(src).readline)), {}
+        for t, nxt in zip(toks, toks[1:]):
+            if t.type == tokenize.NAME and nxt.string == ":" and t.start[1] == 4: names[t.start[0]] = t.string   # `    name: ...`
+            elif t.type == tokenize.COMMENT and t.start[0] in names: out[names[t.start[0]]] = t.string.lstrip("#").strip()
+    return out
+
 def parse_config(cls, argv: list[str] | None = None, prog: str = ""):
     "A `cls` from `--field value` flags over an optional `--config FILE` over an optional `--recipe NAME`."
     ap = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     ap.add_argument("--config", default=None, help="TOML, YAML or JSON file of fields (command-line flags override it)")
     ap.add_argument("--recipe", default=None, help="named recipe of the whole pipeline, e.g. cpu-tiny (latent_rl.recipes; "
                     "the --config file and flags override it)")
+    helps = field_comments(cls)
     for f in fields(cls):
-        h = f.metadata.get("help", "")
+        h = f.metadata.get("help", "") or helps.get(f.name, "")
         if str(f.type) == "bool":
             ap.add_argument(f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} (default: {f.default})")
         else: ap.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{h} (default: {f.default!r})")
@@ -140,16 +155,16 @@ class TrainConfig:
     "The fields every training stage shares; each stage's config adds its own and may change these defaults."
     train: str = "data/corpus/train.jsonl"   # CRUXEval-format JSONL (traced in the sandbox when rows lack a trace)
     out: str = "runs/train"             # run directory: config, records, checkpoints, final/
-    steps: int = 100
+    steps: int = 100                     # optimizer steps
     batch_size: int = 16                # global batch per optimizer step (over all processes and micro-batches)
-    grad_accum: int = 1
-    lr: float = 1e-4
+    grad_accum: int = 1                  # micro-batches per optimizer step (per process)
+    lr: float = 1e-4                     # peak learning rate (AdamW)
     min_lr_frac: float = 0.1            # cosine decay to this fraction of lr after warmup (1.0 = constant)
-    warmup: int = 10
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    warmup: int = 10                     # linear warmup steps
+    weight_decay: float = 0.0            # AdamW weight decay
+    max_grad_norm: float = 1.0           # gradient-norm clip
     max_train: int = 0                  # 0 = all training rows
-    seed: int = 0
+    seed: int = 0                        # seeds the data order, sampling keys and initialisation
     dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
     precision: str = "fp32"             # fp32 | bf16: bf16 compute over fp32 weights, gradients and AdamW states
     pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
@@ -159,9 +174,9 @@ class TrainConfig:
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"   # comma-separated module names
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (text passes; not latent ones)
     save_every: int = 100               # steps between checkpoints (0 = none)
-    log_every: int = 10
+    log_every: int = 10                  # steps between metrics.jsonl rows (and progress-bar updates)
     wandb: str = "disabled"             # disabled / offline / online (WANDB_* environment variables win)
-    resume: bool = False
+    resume: bool = False                 # continue from the newest good checkpoint in `out`
     overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
     allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 

@@ -126,14 +126,14 @@ class GKDConfig(VLLMConfig):
     value_weight: float = 1.0            # weight of the return value's tokens in the JSD (1 = a plain token mean)
     topk: int = 0                        # teacher top-k (0 = full distribution)
     tail: bool = False                   # top-k with a tail bucket
-    steps_per_generation: int = 1
-    max_new_tokens: int = 256
+    steps_per_generation: int = 1        # optimizer steps that share one generation (on-policy samples are buffered)
+    max_new_tokens: int = 256            # longest on-policy completion
     max_len: int = 384                   # prompt + completion
     truncation_strategy: str = "delete"  # delete | keep
-    max_resample_rounds: int = 10
+    max_resample_rounds: int = 10        # truncation_strategy delete: draws per over-long slot before an error
     max_locals: int = 48                 # explicit-trace teacher: longest locals it writes per block
-    http_timeout: float = 60.0
-    http_retries: int = 3
+    http_timeout: float = 60.0           # HTTP teacher: seconds per request
+    http_retries: int = 3                # HTTP teacher: retries after a 5xx, 408, 429 or a dropped connection
     http_backoff: float = 1.0            # seconds before the first retry (doubling)
     lr: float = 2e-4
     save_every: int = 50

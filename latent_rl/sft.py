@@ -28,12 +28,12 @@ __all__ = ['SFTConfig', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'SFTStep
 class SFTConfig(TrainConfig):
     "Supervised fine-tuning on explicit traces (or answers only)."
     model: str = ""                     # hub name or path; "" = build a tiny model over `tokenizer`
-    tokenizer: str = "data/tokenizer"
+    tokenizer: str = "data/tokenizer"    # tokenizer directory (a tiny model is built over it when `model` is "")
     size: str = "tiny"                  # tiny-model size (latent_rl.models.TINY_SIZES) when `model` is ""
-    arch: str = "qwen2"
-    val: str = "data/corpus/val.jsonl"
+    arch: str = "qwen2"                  # tiny-model architecture (qwen2 | llama)
+    val: str = "data/corpus/val.jsonl"   # validation rows for the held-out loss ("" = none)
     mode: str = "trace"                 # 'trace' (explicit) or 'answer' (no-trace baseline)
-    max_len: int = 384
+    max_len: int = 384                   # prompt + target tokens (longer rows are dropped)
     out: str = "runs/sft"
     steps: int = 600
     batch_size: int = 32

@@ -243,3 +243,20 @@ def test_plan_prints_parts_and_a_fix():
     assert out["fits"] and out["config"]["gpu_mem"] == 141 and out["parts_gb"]["activations"] > 0
     p = run_cli("plan", "--stage", "ppo", check=False)
     assert p.returncode == 2 and "--stage must be one of" in p.stderr
+
+
+@pytest.mark.parametrize("stage", ["sft", "codi", "gkd", "grpo"])
+def test_every_flag_explains_itself(stage):
+    "`latent-rl STAGE --help`: every field's flag carries its field's comment (one source: the dataclass), not only a default."
+    from dataclasses import fields
+    from latent_rl.config import field_comments
+    from latent_rl.sft import SFTConfig
+    from latent_rl.codi import CodiConfig
+    from latent_rl.gkd import GKDConfig
+    from latent_rl.grpo import GRPOConfig
+    cls = {"sft": SFTConfig, "codi": CodiConfig, "gkd": GKDConfig, "grpo": GRPOConfig}[stage]
+    out = " ".join(run_cli(stage, "--help").stdout.split())          # argparse wraps lines: compare word by word
+    helps = field_comments(cls)
+    assert not [f.name for f in fields(cls) if not helps.get(f.name)], "fields without a comment"
+    for f in fields(cls):
+        assert f"--{f.name} " in out and " ".join(helps[f.name].split())[:40] in out, (f.name, helps[f.name])

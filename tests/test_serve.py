@@ -189,3 +189,21 @@ def test_serve_rollouts_command_and_engine_choice():
     if importlib.util.find_spec("vllm") is None:      # the colocated engine needs the extra: the error says how to get it
         with pytest.raises(ImportError, match=r"pip install 'latent_rl\[vllm\]'"):
             make_rollout_engine(GRPOConfig(use_vllm=True, model=str(TEACHER)), text)
+
+
+def test_server_mode_weight_sync_address_is_a_config_field():
+    "vllm_sync_host: the address of rank 0's machine that a server on another machine reaches for the NCCL weight sync "
+    "(was: always $MASTER_ADDR, 127.0.0.1 under torchrun --standalone, so a remote server hung at rendezvous)."
+    from types import SimpleNamespace
+    from latent_rl.policy import make_rollout_engine
+    from latent_rl.grpo import GRPOConfig
+    from latent_rl.gkd import GKDConfig
+    url, proc = start()                                      # any server that answers /v1/models will do (no sync here)
+    try:
+        text = SimpleNamespace(kind="text")
+        for cls in (GRPOConfig, GKDConfig):
+            eng = make_rollout_engine(cls(use_vllm=True, vllm_mode="server", vllm_server=url, vllm_sync_host="trainer-0.cluster"), text)
+            assert eng.sync_host == "trainer-0.cluster" and eng.model_id
+        eng = make_rollout_engine(GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server=url), text)
+        assert eng.sync_host == os.environ.get("MASTER_ADDR", "127.0.0.1")
+    finally: stop(proc)
