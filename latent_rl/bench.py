@@ -678,4 +678,4 @@ BENCHES = {"trace": trace_bench, "losses": losses_bench, "codi": codi_bench, "gr
            "stages": stages_bench, "plan": plan_bench, "ckpt": ckpt_bench}
 
 # %% ../nbs/27_bench.ipynb #a62161a5
-if __name__ == "__main__": main()
+if __name__ == "__main__" and "ipykernel" not in sys.modules: main()   # run as a script, never in a notebook kernel

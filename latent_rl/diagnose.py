@@ -840,4 +840,4 @@ def main(argv: list[str] | None = None):
     return rep
 
 # %% ../nbs/22_diagnose.ipynb #d81070ce
-if __name__ == "__main__": main()
+if __name__ == "__main__" and "ipykernel" not in sys.modules: main()   # run as a script, never in a notebook kernel

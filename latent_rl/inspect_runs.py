@@ -4,7 +4,7 @@
 
 # %% ../nbs/23_inspect.ipynb #70ccd752
 from __future__ import annotations
-import argparse, io, json, math
+import argparse, io, json, math, sys
 from pathlib import Path
 
 import numpy as np
@@ -746,4 +746,4 @@ def main(argv: list[str] | None = None) -> list[Path]:
     return paths
 
 # %% ../nbs/23_inspect.ipynb #407e45c0
-if __name__ == "__main__": main()
+if __name__ == "__main__" and "ipykernel" not in sys.modules: main()   # run as a script, never in a notebook kernel

@@ -175,4 +175,4 @@ def main(argv: list[str] | None = None):
     return rows
 
 # %% ../nbs/24_sweep.ipynb #9306d621
-if __name__ == "__main__": main()
+if __name__ == "__main__" and "ipykernel" not in sys.modules: main()   # run as a script, never in a notebook kernel

@@ -27,10 +27,10 @@ from .policy import serve_rollouts
 from .loop import CheckpointError, RunDirBusy
 
 # %% auto #0
-__all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'COMMANDS', 'sandbox_flag', 'cmd_doctor', 'cmd_data', 'cmd_trace', 'cmd_sft',
-           'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot', 'cmd_diagnose',
-           'cmd_sweep', 'cmd_plan', 'cmd_recipes', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'user_errors',
-           'run_command', 'main']
+__all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'COMMANDS', 'PIPELINE', 'sandbox_flag', 'cmd_doctor', 'cmd_data', 'cmd_trace',
+           'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot',
+           'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_recipes', 'cmd_serve_teacher', 'cmd_serve_rollouts',
+           'user_errors', 'run_command', 'main']
 
 # %% ../nbs/29_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -185,10 +185,21 @@ def run_command(cmd: str, rest: list[str], debug: bool = False) -> int:
     return 0
 
 # %% ../nbs/29_train.ipynb #6293437c
+PIPELINE = """latent_rl: train a model that reasons in latent blocks (CODI), then refine it (GKD, GRPO).
+
+  programs ─trace→ explicit traces ─sft→ teacher ─codi→ latent student ─gkd→ distilled ─grpo→ RL-refined
+                                   (eval · diagnose · plot at every stage)
+
+  start here:  latent-rl demo              the whole pipeline on a tiny CPU model; tables in runs/demo/, figures in figures/
+               latent-rl recipes           the named configurations (pass --recipe NAME to any stage)
+               latent-rl STAGE --help      every flag of a stage, with what it does
+"""
+
 def main(argv: list[str] | None = None):
     argv = sandbox_flag(list(sys.argv[1:] if argv is None else argv))
     debug = "--debug" in argv; argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
+        print(PIPELINE)
         print("usage: latent-rl {" + ",".join(list(COMMANDS) + list(PENDING)) + "} ...\n\n"
               "  data   build the traced corpus and tokenizer\n  trace  trace a CRUXEval-format JSONL file\n"
               "  sft    supervised fine-tuning\n  codi   CODI latent student from an SFT checkpoint\n"
@@ -212,4 +223,4 @@ def main(argv: list[str] | None = None):
     return run_command(cmd, rest, debug)
 
 # %% ../nbs/29_train.ipynb #05a98a0c
-if __name__ == "__main__": raise SystemExit(main())
+if __name__ == "__main__" and "ipykernel" not in sys.modules: raise SystemExit(main())   # a script, not a kernel
