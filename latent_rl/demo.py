@@ -147,6 +147,10 @@ def demo_grpo(d: DemoRun):
     print("== 5/7 GRPO: reward = correct return value (+ well-formedness)")
     d.models["grpo"] = run_grpo(d.cfg(GRPOConfig, model=str(d.models["gkd"]), out=str(d.out / "grpo"), train=d.train), progress=d.progress)
     d.lap("grpo")
+    b = json.loads((Path(d.models["grpo"]) / "training_summary.json").read_text())["benchmark"]
+    if "reward_rise_delta" in b:        # does the stage raise its own objective? last vs first tenth of the steps
+        print(f"   GRPO training reward: first tenth {b['reward_rise_first']:.3f}, last tenth {b['reward_rise_last']:.3f} "
+              f"(Δ {b['reward_rise_delta']:+.3f}, 95% CI {b['reward_rise_lo']:+.3f} to {b['reward_rise_hi']:+.3f})")
     evaluate_stage(d, "grpo", "CODI → GKD → GRPO", "latent", d.models["grpo"])
     d.lap("eval grpo")
 
