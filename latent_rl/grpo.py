@@ -47,7 +47,8 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     lr_ = None
     if kl_beta:
         if ref is None: raise ValueError("kl_beta > 0 needs the reference policy (ref)")
-        with torch.no_grad(): lr_, _ = ref.logprobs(P, C, LA, temperature, latents=Z)   # [B, N]
+        with torch.no_grad(), gathered_weights(ref.module):   # sharded: gathered once (a latent replay's call count differs by rank)
+            lr_, _ = ref.logprobs(P, C, LA, temperature, latents=Z)                     # [B, N]
     loss, m = grpo_loss(logp, li, A, mask, eps_low=eps_low, eps_high=eps_high, norm=norm, token_count=token_count,
                         logp_ref=lr_, kl_beta=kl_beta)
     with torch.no_grad():                                                               # the ratio split by advantage sign
