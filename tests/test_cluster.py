@@ -213,3 +213,12 @@ def test_frozen_teacher_stays_sharded_after_its_forward(tmp_path):
     r = json.loads(out.read_text())
     assert r["after_shard"] == 0 and r["after_forward"] == 0, r          # was: the whole teacher gathered after a forward
     assert r["inside_gathered_weights"] == r["whole_bytes"] and r["after_gathered_weights"] == 0, r
+
+
+def test_two_process_fsdp_latent_grpo_with_a_kl_reference(latent_dir, tmp_path):
+    "kl_beta under 2-process FSDP2: the sharded frozen reference replays latent rollouts whose call counts differ by rank."
+    launch(2, "grpo", "--model", latent_dir, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
+           "--group_size", 4, "--max_new_tokens", 64, "--lr", 1e-4, "--warmup", 0, "--save_every", 0, "--record_every", 0,
+           "--strategy", "fsdp", "--kl_beta", 0.1, "--out", tmp_path, timeout=300)
+    s = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
+    assert len(s) == 2 and all("kl_ref" in r and r["align_abs_max"] <= 1e-4 for r in s)
