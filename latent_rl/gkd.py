@@ -65,8 +65,7 @@ def resample_overlong(idx: list[int], fits, n: int, seed: int, step: int, max_ro
 def value_mask(completions: list[list[int]], arg_id: int, frame_id: int, N: int | None = None, device=None) -> torch.Tensor:
     "`[B, N]` True at the tokens of each return value: after an `<|arg_sep|>`, up to and including the next `<|frame_sep|>`."
     N = N or max(1, max(map(len, completions)))
-    c = torch.full((len(completions), N), -1, dtype=torch.long)
-    for b, x in enumerate(completions): c[b, :len(x)] = torch.tensor(x[:N], dtype=torch.long)
+    c = completion_labels(completions, N)                                               # [B, N], -100 past each end
     pos = torch.arange(N).expand_as(c)                                                  # [B, N]
     last = lambda tok: torch.where(c == tok, pos, -1).cummax(1).values                  # [B, N] latest index of `tok`
     before = lambda t: torch.nn.functional.pad(t[:, :-1], (1, 0), value=-1)             # strictly before each position
@@ -95,7 +94,7 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
         raise ValueError("value_weight needs a tokenizer with the trace tokens <|arg_sep|> and <|frame_sep|>")
     vm = (value_mask(C, *vid, N, policy.device) if vid else torch.zeros_like(mask)) & mask   # [B, N]
     parts = {}
-    for name, m in (("rest", mask & ~vm), ("value", vm)):                               # disjoint rows: one head pass
+    for name, m in (("rest", mask & ~vm), ("value", vm)):                               # disjoint rows: the work of one pass
         if m.any(): parts[name] = generalized_jsd_from_hidden(h, policy.head, teacher_out, m, beta=beta,
                                                               temperature=temperature, tail=tail)
     n = sum(jm["n_tokens"] for _, jm in parts.values())

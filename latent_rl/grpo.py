@@ -44,13 +44,13 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     mask = sampled_mask(C, LA, N, dev)                                                  # [B, N]
     li = pad_to([s["logp_inf"] for s in samples], N, 1.0).to(dev)                       # [B, N]; 1.0 = placeholder (seed)
     A = torch.tensor([s["adv"] for s in samples], device=dev)                           # [B]
-    lr_ = None
+    ref_lp = None
     if kl_beta:
         if ref is None: raise ValueError("kl_beta > 0 needs the reference policy (ref)")
         with torch.no_grad(), gathered_weights(ref.module):   # sharded: gathered once (a latent replay's call count differs by rank)
-            lr_, _ = ref.logprobs(P, C, LA, temperature, latents=Z)                     # [B, N]
+            ref_lp, _ = ref.logprobs(P, C, LA, temperature, latents=Z)                  # [B, N]
     loss, m = grpo_loss(logp, li, A, mask, eps_low=eps_low, eps_high=eps_high, norm=norm, token_count=token_count,
-                        logp_ref=lr_, kl_beta=kl_beta)
+                        logp_ref=ref_lp, kl_beta=kl_beta)
     with torch.no_grad():                                                               # the ratio split by advantage sign
         r = torch.exp((logp - li).clamp(-20, 20))
         for name, sel in (("pos", mask & (A > 0)[:, None]), ("neg", mask & (A < 0)[:, None])):
