@@ -4,7 +4,7 @@
 
 # %% ../nbs/27_bench.ipynb #e142b294
 from __future__ import annotations
-import argparse, copy, gc, json, math, os, platform, resource, socket, statistics, subprocess, sys, time
+import argparse, copy, gc, json, math, os, platform, re, resource, socket, statistics, subprocess, sys, time
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,8 +33,8 @@ from .plan import MODEL_CONFIGS, STAGES, PlanConfig, ModelShape, model_shape, pl
 
 # %% auto #0
 __all__ = ['BENCH_CHUNK', 'ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'BENCHES', 'markdown_table', 'run_bench',
-           'trace_bench', 'losses_bench', 'ref_forward', 'codi_bench', 'grpo_bench', 'stages_bench', 'engine_rows',
-           'main', 'ckpt_bench', 'measure_step_peak', 'plan_bench']
+           'trace_hostile_rows', 'trace_memory_rows', 'trace_bench', 'losses_bench', 'ref_forward', 'codi_bench',
+           'grpo_bench', 'stages_bench', 'engine_rows', 'main', 'ckpt_bench', 'measure_step_peak', 'plan_bench']
 
 # %% ../nbs/27_bench.ipynb #029202da
 def markdown_table(rows: list[dict]) -> str:
@@ -52,6 +52,68 @@ def run_bench(name: str, **kw) -> dict:
     res.setdefault("name", name); res["wall_s"] = time.time() - t0
     res["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
     return res
+
+# %% ../nbs/27_bench.ipynb #2ca04802
+def _untraced(src: str) -> str:
+    "A program whose `f` runs `src` outside the tracer (compiled under another file name): loops at full speed."
+    return f"def f():\n    exec(compile({src!r}, 'u', 'exec'), {{}})\n    return 1"
+
+_HOSTILE = {     # programs that try to hold a worker past their deadline or fill the parent (`def f()`, no input)
+    "ignores its alarm": "import signal\ndef f():\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n    while True: pass",
+    "3,000 threads": "import threading, time\ndef f():\n    threading.stack_size(32768)\n    try:\n"
+                     "        for _ in range(3000): threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
+                     "    except RuntimeError: return 'refused'",
+    "deep directory tree": _untraced("import os, time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.9:\n"
+                                     "    os.mkdir('a'); os.chdir('a')"),
+    "inode flood": _untraced("import os, time\nt, n = time.monotonic(), 0\nwhile time.monotonic() - t < 0.9:\n"
+                             "    open(f'i{n}', 'w').close(); n += 1"),
+    "SIGIO at the server": "import fcntl, os\ndef f():\n    r, w = os.pipe()\n    try: fcntl.fcntl(r, fcntl.F_SETOWN, 2)\n"
+                           "    except OSError: return 'refused'",
+    "5 MB value": "def f():\n    return 'a' * 5_200_000",
+    "forged 14 MB reason": "import os\ndef f():\n    p = b'{\"ok\": false, \"reason\": \"' + b'\\\\u00e9' * 2_400_000 + "
+                           "b'\", \"value\": null, \"frames\": []}'\n    for fd in range(3, 64):\n"
+                           "        try: os.write(fd, p); break\n        except OSError: pass\n    os._exit(0)",
+    "10 GB allocation": "def f():\n    x = bytearray(10 ** 10)",
+}
+
+def trace_hostile_rows(timeout: float = 1.0, grace: float = 1.0) -> list[dict]:
+    "Each `_HOSTILE` program's whole cost in a 1-worker pool against its deadline, and the plain row after it."
+    plain = {"code": "def f(x):\n    return [x, x * 2]", "input": "3"}
+    rows = [plain] + [r for code in _HOSTILE.values() for r in ({"code": code, "input": ""}, plain)]
+    times, res = [], {}
+    with TracePool(1, timeout=timeout, grace=grace) as pool:
+        t0 = time.perf_counter()
+        for i, r in pool.imap(rows, progress=False):
+            times.append(time.perf_counter() - t0); res[i] = r
+    cost = [b - a for a, b in zip(times, times[1:])]
+    out = []
+    for k, name in enumerate(_HOSTILE):
+        h, p = 1 + 2 * k, 2 + 2 * k
+        out.append({"attack": name, "cost_s": round(cost[h - 1], 3), "deadline_s": timeout + grace,
+                    "multiple_of_deadline": round(cost[h - 1] / (timeout + grace), 2),
+                    "row": "ok" if res[h].ok else (res[h].reason or "")[:60],
+                    "next_plain_row_s": round(cost[p - 1], 3), "next_plain_row_ok": res[p].ok and res[p].value == "[3, 6]"})
+    return out
+
+# %% ../nbs/27_bench.ipynb #40a6a049
+def trace_memory_rows(n: int = 300, mb: int = 5) -> list[dict]:
+    "The parent's peak memory (`latent-rl trace`, 2 workers) on `n` rows returning `mb` MB each, beside `n` small rows."
+    import subprocess, tempfile
+    out = []
+    with tempfile.TemporaryDirectory(prefix="latent_rl_bench_") as d:
+        for label, code, arg in ((f"{n} rows x {mb} MB value", "def f(n):\n    return 'a' * n", mb << 20),
+                                 (f"{n} small rows", "def f(n):\n    return n + 1", 1)):
+            src = Path(d) / "rows.jsonl"
+            src.write_text("".join(json.dumps({"id": f"r{k}", "code": code, "input": str(arg + k), "output": "0"}) + "\n"
+                                   for k in range(n)))
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-m", "latent_rl.train", "trace", str(src), "-o", str(Path(d) / "o.jsonl"),
+                                "--workers", "2"], capture_output=True, text=True)
+            peak = re.search(r"parent peak memory (\d+) MB", p.stdout)
+            out.append({"rows": label, "seconds": round(time.perf_counter() - t0, 1),
+                        "parent_peak_mb": int(peak.group(1)) if peak else None,
+                        "output_mb": round((Path(d) / "o.jsonl").stat().st_size / 2 ** 20) if peak else None})
+    return out
 
 # %% ../nbs/27_bench.ipynb #cc2200a6
 def trace_bench(quick: bool = False) -> dict:
@@ -86,7 +148,10 @@ def trace_bench(quick: bool = False) -> dict:
                       f"sandboxed: one fresh confined process per program, time includes starting the jails; cpu_ms_per_program "
                       f"counts this process and the jails (all their processes); "
                       f"{os.cpu_count()} CPUs, load average {load:.2f} at the start"
-                      + ("" if len(out) == 2 else f"; no sandboxed row: {sandbox_status()['reason']}") + ".")}
+                      + ("" if len(out) == 2 else f"; no sandboxed row: {sandbox_status()['reason']}") + "."),
+            "tables": {} if not sandbox_status()["available"] else
+                      {"hostile rows (1 worker, every layer)": trace_hostile_rows(),
+                       **({} if quick else {"parent memory": trace_memory_rows()})}}
 
 # %% ../nbs/27_bench.ipynb #473bc88e
 BENCH_CHUNK = DEFAULT_CHUNK    # rows per chunk, the library default (tuned on CPU at V = 32768)
@@ -557,6 +622,7 @@ def main(argv: list[str] | None = None):
         r = run_bench(n, **kw); out.append(r)
         print(f"\n## {r['name']}\n\n{markdown_table(r['rows'])}\n")
         if r.get("notes"): print(r["notes"])
+        for title, rows in r.get("tables", {}).items(): print(f"\n### {title}\n\n{markdown_table(rows)}\n")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out[0] if len(out) == 1 else out, indent=1, default=str))

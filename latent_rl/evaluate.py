@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .trace import prompt_text, parse_trace, same_value
-from .tokens import encode
+from .tokens import encode, foreign_special
 from .generate import generate_text, generate_latent
 from .corpus import load_rows, trace_and_fill
 from .latent import LatentModel
@@ -131,6 +131,11 @@ def load_records(path) -> list[dict]:
 def load_eval_rows(path, limit: int = 0, progress: bool = True) -> list[dict]:
     "Every row of a CRUXEval-format file, its own `output` the truth; untraced rows get `trace`/`n_line_frames` when the sandbox can."
     rows = load_rows(path, limit or None)
+    bad = [r["id"] for r in rows if foreign_special(r)]
+    if bad:                                  # their own text would reach the model as control tokens
+        print(f"warning: {path}: {len(bad)} rows hold a special token in their code, input or trace (e.g. {bad[:3]}); "
+              "left out")
+        rows = [r for r in rows if r["id"] not in set(bad)]
     need = [r for r in rows if "trace" not in r]
     if need:
         done, _ = trace_and_fill(need, progress=progress, desc=f"trace {Path(path).name}")

@@ -10,13 +10,14 @@ from typing import Iterable, Sequence
 
 import torch
 from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, prompt_text, parse_trace
+from .trace import special_token_in, special_in_frames
 from .corpus import build_corpus, build_heldout, save_rows
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'DATA_DEFAULTS', 'add_trace_tokens', 'resize_embeddings', 'trace_token_ids',
-           'train_tokenizer', 'max_token_bytes', 'surely_too_long', 'encode', 'answer_text', 'sft_example',
-           'find_spans', 'codi_example', 'resolved_locals', 'trace_targets', 'latent_subset', 'pad_collate', 'left_pad',
-           'build_data']
+           'train_tokenizer', 'max_token_bytes', 'surely_too_long', 'encode', 'foreign_special', 'answer_text',
+           'sft_example', 'find_spans', 'codi_example', 'resolved_locals', 'trace_targets', 'latent_subset',
+           'pad_collate', 'left_pad', 'build_data']
 
 # %% ../nbs/03_tokens.ipynb #dfebc108
 IGNORE_INDEX = -100
@@ -94,6 +95,14 @@ def surely_too_long(tok, texts, max_len: int | None) -> bool:
 # %% ../nbs/03_tokens.ipynb #10af8b69
 def encode(tok, text: str) -> list[int]: return tok.encode(text, add_special_tokens=False)
 
+def foreign_special(row: dict) -> str | None:
+    "Where a row's own text (code, input, a trace frame's fields) holds a special token, which `encode` would read as a"
+    "control token (the tracer refuses such rows; a file traced elsewhere may still have one); None when it holds none."
+    if tok := special_token_in(row["code"], row["input"]): return f"special token {tok!r} in the code or input"
+    if not row.get("trace"): return None
+    pt = parse_trace(row["trace"])
+    return special_in_frames(pt.frames) if pt.well_formed else "the trace is malformed"
+
 def answer_text(trace: str) -> str:
     "The no-trace target: the trace's last frame (main's RETURN frame) and `<|end_of_text|>`."
     frames = trace.split("<|frame_sep|>")
@@ -101,8 +110,9 @@ def answer_text(trace: str) -> str:
     return frames[-2] + "<|frame_sep|>" + END_OF_TEXT
 
 def sft_example(tok, row: dict, mode: str = "trace", max_len: int | None = None) -> dict | None:
-    "`{input_ids, labels}` for a traced row; `mode` 'trace' (explicit trace) or 'answer' (no-trace). None if too long."
-    if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len): return None
+    "`{input_ids, labels}` for a traced row; `mode` 'trace' (explicit trace) or 'answer' (no-trace). None if too long"
+    "or if its own text holds a special token (`foreign_special`)."
+    if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len) or foreign_special(row): return None
     p = encode(tok, prompt_text(row["code"], row["input"]))
     t = encode(tok, row["trace"] if mode == "trace" else answer_text(row["trace"]))
     if max_len and len(p) + len(t) > max_len: return None
@@ -123,8 +133,8 @@ def find_spans(trace_ids: Sequence[int], line_sep_id: int, action_sep_id: int) -
 # %% ../nbs/03_tokens.ipynb #cc15f5f8
 def codi_example(tok, row: dict, max_len: int | None = None, max_spans: int | None = None, targets: bool = True) -> dict | None:
     """`{prompt_ids, trace_ids, spans}` for a traced row (+ `value_tok`, `answer_tok`, `recon_ids` with `targets`,
-    see `trace_targets`); None if too long or without any LINE frame."""
-    if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len): return None
+    see `trace_targets`); None if too long, without any LINE frame, or holding a special token of its own."""
+    if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len) or foreign_special(row): return None
     ids = trace_token_ids(tok)
     p = encode(tok, prompt_text(row["code"], row["input"]))
     tt = trace_targets(tok, row["trace"]) if targets and getattr(tok, "is_fast", False) else {"trace_ids": encode(tok, row["trace"])}

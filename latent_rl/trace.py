@@ -4,17 +4,19 @@
 
 # %% ../nbs/00_trace.ipynb #00eb3e26
 from __future__ import annotations
-import ast, builtins, collections, dis, errno, io, itertools, json, linecache, os, platform, select, shutil, signal, struct, sys, time
+import ast, builtins, collections, dis, errno, io, itertools, json, linecache, os, platform, re, select, shutil, signal
+import struct, sys, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # %% auto #0
 __all__ = ['TRACE_CONTEXT_START', 'CALL_SEP', 'LINE_SEP', 'RETURN_SEP', 'EXCEPTION_SEP', 'ACTION_SEP', 'ARG_SEP', 'FRAME_SEP',
-           'END_OF_TEXT', 'LATENT_START', 'LATENT_END', 'TRACE_TOKENS', 'THREAT_MODEL', 'UNSAFE_ENV', 'make_context',
-           'prompt_text', 'Frame', 'render_frame', 'render_trace', 'TraceTimeout', 'TraceResult', 'trace_inprocess',
-           'ParsedTrace', 'parse_trace', 'predicted_value', 'same_value', 'seccomp_program', 'SandboxUnavailable',
-           'unsafe_allowed', 'sandbox_status', 'sandbox_notice', 'TracePool', 'trace_rows', 'trace_one',
-           'sandbox_report', 'find_cruxeval']
+           'END_OF_TEXT', 'LATENT_START', 'LATENT_END', 'TRACE_TOKENS', 'SPECIAL_TOKEN_RE', 'THREAT_MODEL',
+           'UNSAFE_ENV', 'special_token_in', 'make_context', 'prompt_text', 'Frame', 'render_frame', 'render_trace',
+           'TraceTimeout', 'TraceResult', 'trace_inprocess', 'ParsedTrace', 'parse_trace', 'predicted_value',
+           'same_value', 'seccomp_program', 'SandboxUnavailable', 'unsafe_allowed', 'root_launcher_problem',
+           'sandbox_status', 'sandbox_notice', 'special_in_frames', 'TracePool', 'trace_rows', 'trace_one',
+           'trace_file', 'sandbox_report', 'find_cruxeval']
 
 # %% ../nbs/00_trace.ipynb #058e45e0
 TRACE_CONTEXT_START = "<|trace_context_start|>"
@@ -30,6 +32,15 @@ LATENT_START = "<|latent_start|>"
 LATENT_END = "<|latent_end|>"
 TRACE_TOKENS = [TRACE_CONTEXT_START, CALL_SEP, LINE_SEP, RETURN_SEP, EXCEPTION_SEP, ACTION_SEP, ARG_SEP,
                 FRAME_SEP, END_OF_TEXT, LATENT_START, LATENT_END]
+
+# %% ../nbs/00_trace.ipynb #516efb36
+SPECIAL_TOKEN_RE = re.compile(r"<\|[A-Za-z0-9_.:-]{1,64}\|>")
+
+def special_token_in(*texts: str) -> str | None:
+    "The first string in `texts` shaped like a special token (`<|name|>`), or None."
+    for t in texts:
+        if "<|" in t and (m := SPECIAL_TOKEN_RE.search(t)): return m.group()
+    return None
 
 # %% ../nbs/00_trace.ipynb #8a275aca
 def make_context(code: str, input: str) -> str:
@@ -303,9 +314,11 @@ THREAT_MODEL = (
     "Each traced program is untrusted: it runs in a fresh, confined process in a bubblewrap jail (own user, PID, mount, "
     "network and IPC namespaces; uid 65534; read-only system view; no home, project files or environment; rlimits; seccomp).\n"
     "It cannot read your files, environment or processes, write outside its scratch tmpfs, reach the network, outlive "
-    "its row or change another row's result; it decides only its own.\n"
-    "Not covered: kernel exploits (use a VM too for adversarial data at scale). Where the jail cannot start, nothing "
-    "is traced unless you pass --unsafe-no-sandbox.")
+    "its row, starve the host of processes, change another row's result or put a special token into training data; a "
+    "row that misbehaves fails alone, and a killed run resumes (--resume).\n"
+    "Run as root, latent-rl starts each jail as a fresh unprivileged uid (util-linux unshare and setpriv; a pids cgroup "
+    "where one can be made), so all of this holds; without those tools `latent-rl doctor` fails: run it as an ordinary "
+    "user. Not covered: kernel exploits (use a VM too for adversarial data at scale).")
 
 # %% ../nbs/00_trace.ipynb #04c9f7ca
 class _Sandbox:
@@ -395,9 +408,14 @@ _X86_64_DENY = {
     "fchownat": 260, "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280,
     "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
     "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "removexattrat": 466,
+    "sync": 162, "syncfs": 306, "membarrier": 324,
 }
 
 _NR_CLONE, _NR_CLONE3, _NR_PRLIMIT64, _NR_PRCTL, _CLONE_THREAD, _PR_SET_DUMPABLE = 56, 435, 302, 157, 0x00010000, 4
+_NR_FCNTL, _NR_IOCTL, _F_SETFL, _O_ASYNC = 72, 16, 4, 0o20000
+# fcntl commands that make the kernel signal a process or watch a file: F_SETOWN, F_SETSIG, F_SETOWN_EX, F_SETLEASE,
+# F_NOTIFY (a SIGIO storm at the server once held a worker 15 s); ioctls that do the same: FIOASYNC, FIOSETOWN, SIOCSPGRP
+_FCNTL_DENY, _IOCTL_DENY = (8, 10, 15, 1024, 1026), (0x5452, 0x8901, 0x8902)
 
 # %% ../nbs/00_trace.ipynb #4d210cda
 def seccomp_program(machine: str | None = None) -> bytes | None:
@@ -408,13 +426,17 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
     prog = [(LD, 0, 0, 4), (JEQ, 1, 0, 0xC000003E), (RET, 0, 0, KILL),        # another ABI (i386): kill the process
             (LD, 0, 0, 0), (JGE, "deny", 0, 0x40000000),                       # the x32 ABI: refused
             (JEQ, "clone", 0, _NR_CLONE), (JEQ, "enosys", 0, _NR_CLONE3), (JEQ, "self", 0, _NR_PRLIMIT64),
-            (JEQ, "prctl", 0, _NR_PRCTL)]
+            (JEQ, "prctl", 0, _NR_PRCTL), (JEQ, "fcntl", 0, _NR_FCNTL), (JEQ, "ioctl", 0, _NR_IOCTL)]
     prog += [(JEQ, "deny", 0, nr) for nr in sorted(set(_X86_64_DENY.values()))]
     prog.append((RET, 0, 0, ALLOW))
     labels = {}
     labels["clone"] = len(prog); prog += [(LD, 0, 0, 16), (JSET, "allow", "deny", _CLONE_THREAD)]  # threads only
     labels["self"] = len(prog); prog += [(LD, 0, 0, 16), (JEQ, "allow", "deny", 0)]    # prlimit64 of pid 0 only
     labels["prctl"] = len(prog); prog += [(LD, 0, 0, 16), (JEQ, "deny", "allow", _PR_SET_DUMPABLE)]  # stays undumpable
+    labels["fcntl"] = len(prog); prog += [(LD, 0, 0, 24), *[(JEQ, "deny", 0, c) for c in _FCNTL_DENY],
+                                          (JEQ, "setfl", "allow", _F_SETFL)]        # its command: args[1]
+    labels["setfl"] = len(prog); prog += [(LD, 0, 0, 32), (JSET, "deny", "allow", _O_ASYNC)]      # F_SETFL without O_ASYNC
+    labels["ioctl"] = len(prog); prog += [(LD, 0, 0, 24), *[(JEQ, "deny", 0, c) for c in _IOCTL_DENY], (RET, 0, 0, ALLOW)]
     labels["allow"] = len(prog); prog.append((RET, 0, 0, ALLOW))
     labels["deny"] = len(prog); prog.append((RET, 0, 0, ERRNO | errno.EPERM))
     labels["enosys"] = len(prog); prog.append((RET, 0, 0, ERRNO | errno.ENOSYS))  # clone3: libc falls back to clone
@@ -560,18 +582,21 @@ def _child_main(cfg: dict, rfd: int, wfd: int, seccomp) -> None:
     os._exit(0)
 
 # %% ../nbs/00_trace.ipynb #6c1e67a8
-def _empty_dir(top: str) -> bool:
-    "Remove everything under `top` (kept); True when it is empty. Iterative, one directory at a time by relative"
-    "`chdir`: a child may leave read-only or unlistable directories, or a tree thousands of levels deep that neither"
-    "a path (PATH_MAX), a descriptor per level (64 open files) nor recursion could reach."
+def _empty_dir(top: str, seconds: float | None = None) -> bool:
+    "Remove everything under `top` (kept); True when it is empty, False when it is not by `seconds` from now (then"
+    "the server asks for a fresh jail: its tmpfs goes with the old one). Iterative, one directory at a time by"
+    "relative `chdir`: a child may leave read-only or unlistable directories, or a tree thousands of levels deep that"
+    "neither a path (PATH_MAX), a descriptor per level (64 open files) nor recursion could reach."
     import stat as S
     depth, budget = 0, 1 << 20
+    end = None if seconds is None else time.monotonic() + seconds
     try: back = os.open(".", os.O_RDONLY | os.O_DIRECTORY)   # the caller's working directory, restored at the end
     except OSError: back = None
     try:
         os.chmod(top, 0o700); os.chdir(top)              # ours (as is all in it): we may list and delete in it
         while budget > 0:
             budget -= 1
+            if end is not None and not budget % 64 and time.monotonic() > end: return False
             sub = None
             for name in os.listdir("."):
                 try:
@@ -698,7 +723,7 @@ def _serve_one(cfg: dict, req: dict, zygote) -> tuple[dict, bytes]:
     root, workdir, t0 = cfg["scratch"], cfg["workdir"], time.monotonic()
     try: os.mkdir(workdir, 0o700)
     except OSError:                                          # the last child left something behind: start clean
-        try: _empty_dir(root); os.mkdir(workdir, 0o700)
+        try: _empty_dir(root, cfg["cleanup_s"]); os.mkdir(workdir, 0o700)
         except OSError as e: return {"seq": req.get("seq"), "status": "error", "why": f"scratch: {e}"[:200], "n": 0}, b""
     rr, rw = os.pipe()
     sr, sw = os.pipe()
@@ -716,11 +741,11 @@ def _serve_one(cfg: dict, req: dict, zygote) -> tuple[dict, bytes]:
         _end_child(pid, cfg["jailed"])
         os.close(sr)
         st = _zygote_recv(zygote, "<qq", 10.0)[1]
-        try:
+        try:                                                 # within the row's time: `cleanup_s` at most
             try: os.rmdir(workdir)                           # the usual case: an empty work directory, nothing else
-            except OSError: _empty_dir(root)
-            if os.listdir(root): _empty_dir(root)
-        except OSError: pass                                 # retried before the next child
+            except OSError: _empty_dir(root, cfg["cleanup_s"])
+            if os.listdir(root): _empty_dir(root, cfg["cleanup_s"])
+        except OSError: pass                                 # retried before the next child (then a fresh jail)
     keep = status == "exited"
     return ({"seq": req.get("seq"), "status": status, "exit": os.waitstatus_to_exitcode(st),
              "seconds": round(time.monotonic() - t0, 4), "n": len(buf) if keep else 0}, bytes(buf) if keep else b"")
@@ -777,7 +802,7 @@ def _server_main(cfg: dict):
         req = json.loads(_read_exact(rfd, struct.unpack("<I", n)[0]))
         why = _scratch_problem(cfg["scratch"], scratch)
         if why is not None:
-            _empty_dir(cfg["scratch"])
+            _empty_dir(cfg["scratch"], cfg["cleanup_s"])
             why = _scratch_problem(cfg["scratch"], scratch)
         if why is not None:                                          # a fresh jail gets a fresh scratch
             send({"seq": req.get("seq"), "status": "retry", "why": why, "n": 0})
@@ -873,17 +898,142 @@ def _ro_binds() -> list[str]:
 # remount would also make them unopenable, and the server needs /dev/null): seccomp keeps their mode and times
 _RO_DEVS = ("full", "random", "urandom", "tty")
 
+# facts of the host a program has no use for, each hidden under an empty file: its kernel command line, its load and
+# task count, its boot id
+_HIDDEN = ("/proc/cmdline", "/proc/loadavg", "/proc/sys/kernel/random/boot_id")
+
+def _empty_file() -> str:
+    "An empty file anyone may read, bound over the `_HIDDEN` files (in this process's stage directory)."
+    p = os.path.join(_stage_dir(), "empty")
+    if not os.path.exists(p):
+        open(p, "w").close()
+        os.chmod(p, 0o644)
+    return p
+
 def _jail_argv(bwrap: str, scratch_mb: int, trace_fd: int | None = None) -> list[str]:
     "The bwrap command line of a jail, up to the command: namespaces, uid 65534, the read-only view (`/proc/sys` and"
     "device nodes included), tmpfs scratch; `trace_fd`: a descriptor whose content becomes /opt/latent_rl/trace.py."
     data = ["--ro-bind-data", str(trace_fd), _JAIL_TRACE_PY] if trace_fd is not None else []
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1", "--clearenv", "--uid", "65534", "--gid", "65534", "--hostname", "jail", "--cap-drop", "ALL",
-            *_ro_binds(), *data, "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
+            *_ro_binds(), *data, "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+            *[a for p in _HIDDEN if os.path.exists(p) for a in ("--ro-bind", _empty_file(), p)], "--dev", "/dev",
             "--remount-ro", "/dev", *[a for d in _RO_DEVS for a in ("--remount-ro", f"/dev/{d}")],
             "--size", str(scratch_mb << 20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp"]
     for k, v in _JAIL_ENV.items(): argv += ["--setenv", k, v]
     return argv + ["--"]
+
+# %% ../nbs/00_trace.ipynb #5adb7100
+_JAIL_UID0 = 2_100_000_000      # root's jails run as host uids from here (+ 24 random bits): no account has one
+_JAIL_PIDS = 128                # processes and threads of one jail when root can give it a pids cgroup
+_STAGE: list = []               # this process's directory of mount points (see `_as_unprivileged`)
+_ROOT_DROPS = True              # False: root starts bwrap itself, as before (tests show what the drop defends)
+
+def _others_can_read(p: str) -> bool:
+    "Can a uid that owns nothing read `p` (each directory above it searchable by others, `p` itself readable)?"
+    p = Path(os.path.realpath(p))
+    try: return all(os.stat(d).st_mode & 0o001 for d in p.parents) and bool(os.stat(p).st_mode & 0o004)
+    except OSError: return False
+
+def root_launcher_problem() -> str | None:
+    "Why root could not start jails as an unprivileged uid here (None: it can, or this process is not root)."
+    if os.geteuid() != 0: return None
+    missing = [t for t in ("unshare", "setpriv", "mount") if shutil.which(t) is None]
+    return f"{', '.join(missing)} not found (util-linux)" if missing else None
+
+# %% ../nbs/00_trace.ipynb #02eeb08f
+def _stage_dir() -> str:
+    "An empty directory others may search, for mount points (one per process, removed at exit)."
+    if not _STAGE:
+        import atexit, tempfile
+        _STAGE.append(tempfile.mkdtemp(prefix=f"latent_rl_stage_{os.getpid()}_"))
+        _remove_stale(os.path.dirname(_STAGE[0]), "latent_rl_stage_", lambda p: shutil.rmtree(p, True))
+        os.chmod(_STAGE[0], 0o755)
+        atexit.register(shutil.rmtree, _STAGE[0], True)
+    return _STAGE[0]
+
+def _mount_point(src: str) -> str:
+    "The mount point in the stage directory for `src` (named by its path: the same for every jail of this process)."
+    import hashlib
+    mp = os.path.join(_stage_dir(), hashlib.sha1(src.encode()).hexdigest()[:16])
+    if os.path.isdir(src): os.makedirs(mp, exist_ok=True)
+    elif not os.path.exists(mp): open(mp, "a").close()
+    return mp
+
+# run by /bin/sh as root: $1 bind pairs, the pairs, a cgroup ('' for none), the uid, then bwrap's command line
+_LAUNCH = ('set -e; n=$1; shift; while [ "$n" -gt 0 ]; do mount --bind "$1" "$2"; shift 2; n=$((n - 1)); done; '
+           'c=$1; u=$2; shift 2; [ -z "$c" ] || echo $$ > "$c/cgroup.procs"; '
+           'exec setpriv --reuid="$u" --regid="$u" --clear-groups -- "$@"')
+
+# %% ../nbs/00_trace.ipynb #993e0654
+def _as_unprivileged(argv: list[str], uid: int, cgroup: str | None = None) -> list[str]:
+    "The command with which root starts the bwrap command `argv` as host `uid`, in `cgroup` (a directory or None)."
+    binds, out, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--ro-bind" and not _others_can_read(argv[i + 1]):
+            src = os.path.realpath(argv[i + 1])
+            binds += [src, _mount_point(src)]
+            out += ["--ro-bind", binds[-1], argv[i + 2]]
+            i += 3
+        else:
+            out.append(argv[i])
+            i += 1
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _LAUNCH, "sh",
+            str(len(binds) // 2), *binds, cgroup or "", str(uid), *out]
+
+# %% ../nbs/00_trace.ipynb #d50b876d
+def _pids_cgroup_base() -> str | None:
+    "A directory where this process may make pids cgroups: its own cgroup in the v1 `pids` hierarchy, or in v2 when"
+    "its `cgroup.subtree_control` enables `pids` (delegated). None where it may not (an ordinary user, mostly)."
+    try: lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError: return None
+    for l in lines:
+        _, ctrl, path = l.split(":", 2)
+        if "pids" in ctrl.split(","): base = f"/sys/fs/cgroup/pids{path}"
+        elif ctrl == "":
+            base = f"/sys/fs/cgroup{path}"
+            try:
+                if "pids" not in open(os.path.join(base, "cgroup.subtree_control")).read().split(): continue
+            except OSError: continue
+        else: continue
+        if os.path.isdir(base) and os.access(base, os.W_OK): return base
+    return None
+
+def _remove_stale(top: str, prefix: str, remove):
+    "Remove what a killed run left under `top`: entries `{prefix}{pid}_...` whose process is gone."
+    try: names = os.listdir(top)
+    except OSError: return
+    for n in names:
+        pid = n[len(prefix):].split("_", 1)[0] if n.startswith(prefix) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            try: remove(os.path.join(top, n))
+            except OSError: pass
+
+def _new_pids_cgroup(limit: int) -> str | None:
+    "A fresh pids cgroup capped at `limit` processes (a directory), or None where none can be made."
+    base = _pids_cgroup_base()
+    if base is None: return None
+    if not _STAGE: _remove_stale(base, "latent_rl_", _remove_cgroup)        # once per process
+    d = os.path.join(base, f"latent_rl_{os.getpid()}_{next(_counter)}")
+    try:
+        os.mkdir(d)
+        with open(os.path.join(d, "pids.max"), "w") as fh: fh.write(str(limit))
+        return d
+    except OSError:
+        _remove_cgroup(d)
+        return None
+
+def _remove_cgroup(d: str | None, tries: int = 100):
+    "Kill what is left in cgroup `d` and remove it (retried briefly while the kernel lets its processes go)."
+    for _ in range(tries if d else 0):
+        try: pids = open(os.path.join(d, "cgroup.procs")).read().split()
+        except OSError: return
+        for p in pids:
+            try: os.kill(int(p), signal.SIGKILL)
+            except OSError: pass
+        try: return os.rmdir(d)
+        except FileNotFoundError: return
+        except OSError: time.sleep(0.01)
 
 # %% ../nbs/00_trace.ipynb #5feff74a
 def _pkg_dir() -> Path | None:
@@ -909,7 +1059,8 @@ def _trace_py() -> str:
 _STATUS: dict = {}
 
 def sandbox_status(refresh: bool = False) -> dict:
-    "Can the jail start here? `{'available': bool, 'reason': str, 'bwrap': path or None}` (probed once, ~50 ms)."
+    "Can the jail start here? `{'available': bool, 'reason': str, 'bwrap': path or None, 'drop_uid': bool}` (probed"
+    "once, ~50 ms; `drop_uid`: root starts jails as an unprivileged uid, else `root_problem` says why not)."
     if _STATUS and not refresh: return dict(_STATUS)
     import subprocess
     b, st = _bwrap(), {"available": False, "bwrap": None}
@@ -918,12 +1069,20 @@ def sandbox_status(refresh: bool = False) -> dict:
     else:
         st["bwrap"] = b
         cmd = _jail_argv(b, 1) + [_python(), "-S", "-c", "import os; print(os.getuid(), os.getpid())"]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={}, cwd="/")
-            err = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
-            if p.returncode == 0 and p.stdout.split() == ["65534", "1"]: st.update(available=True, reason="ok")
-            else: st["reason"] = f"bwrap cannot build the jail here: {err}"
-        except (OSError, subprocess.SubprocessError) as e: st["reason"] = f"bwrap cannot run: {e}"
+        root = os.geteuid() == 0
+        st["drop_uid"], why = False, root_launcher_problem()
+        for drop in ([True, False] if root and why is None and _ROOT_DROPS else [False]):
+            try:
+                p = subprocess.run(_as_unprivileged(cmd, _JAIL_UID0) if drop else cmd, capture_output=True, text=True,
+                                   timeout=30, env={}, cwd="/")
+                err = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
+                if p.returncode == 0 and p.stdout.split() == ["65534", "1"]:
+                    st.update(available=True, reason="ok", drop_uid=drop)
+                    break
+                st["reason"] = f"bwrap cannot build the jail here: {err}"
+            except (OSError, subprocess.SubprocessError) as e: st["reason"] = f"bwrap cannot run: {e}"
+            if drop: why = f"the unprivileged start failed ({st['reason']})"
+        if root and not st["drop_uid"]: st["root_problem"] = why
     _STATUS.clear(); _STATUS.update(st)
     return dict(st)
 
@@ -955,7 +1114,7 @@ class _Jail:
     "Parent side of one fork server: a bwrap jail, or (`jailed=False`, unsafe) a bare process in a temporary directory."
     def __init__(self, cfg: dict, jailed: bool):
         import subprocess, tempfile
-        self.scratch = None if jailed else tempfile.mkdtemp(prefix="latent_rl_trace_")
+        self.scratch, self.cgroup = (None if jailed else tempfile.mkdtemp(prefix="latent_rl_trace_")), None
         cfg = {**cfg, "jailed": jailed, "scratch": "/tmp" if jailed else self.scratch}
         py = [_python(), "-S", "-s", "-B", "-c", _BOOT, _JAIL_TRACE_PY if jailed else _trace_py(), json.dumps(cfg)]
         self.err = tempfile.TemporaryFile()
@@ -965,7 +1124,12 @@ class _Jail:
         if jailed:                       # a copy of trace.py, not a bind: the jail's mount table names no path of yours
             with open(_trace_py(), "rb") as src, tempfile.TemporaryFile() as code:
                 code.write(src.read()); code.flush(); code.seek(0)
-                self.p = popen(_jail_argv(_bwrap(), cfg["scratch_mb"], code.fileno()) + py, [code.fileno()])
+                argv = _jail_argv(_bwrap(), cfg["scratch_mb"], code.fileno()) + py
+                if sandbox_status().get("drop_uid"):            # started by root: as a fresh uid, in a pids cgroup
+                    import secrets                              # (not at the top: the jail never imports `random`)
+                    self.cgroup = _new_pids_cgroup(cfg.get("pids_max", _JAIL_PIDS))
+                    argv = _as_unprivileged(argv, _JAIL_UID0 + secrets.randbelow(1 << 24), self.cgroup)
+                self.p = popen(argv, [code.fileno()])
         else: self.p = popen(py, [])
         self.fd, self.buf, self.head = self.p.stdout.fileno(), bytearray(), None
         self.ready, self.info, self.jobs, self.deadline, self.seq = False, {}, collections.deque(), None, 0
@@ -994,6 +1158,7 @@ class _Jail:
         for f in (self.p.stdin, self.p.stdout, self.err):
             try: f.close()
             except Exception: pass
+        _remove_cgroup(self.cgroup)
         if self.scratch:
             try: shutil.rmtree(self.scratch, ignore_errors=True)
             except RecursionError:                       # a tree too deep for rmtree: rm copes
@@ -1031,8 +1196,9 @@ _Jail.read = _jail_read
 _KINDS = frozenset(("call", "line", "return", "exception"))
 
 def _clean_reason(s: str, n: int = 300) -> str:
-    "A reason written by untrusted code: one printable line, bounded."
-    s = "".join(c if c.isprintable() else " " for c in s)
+    "A reason written by untrusted code: one printable line, bounded (cut before it is cleaned: a 15 MB forged reason"
+    "costs no more than a short one)."
+    s = "".join(c if c.isprintable() else " " for c in s[:4 * n])
     return " ".join(s.split())[:n]
 
 _MAX_LOCALS = 4096      # names in one frame's locals (a function with more is no program of ours)
@@ -1040,6 +1206,14 @@ _MAX_LOCALS = 4096      # names in one frame's locals (a function with more is n
 _MAX_NAME = 1000        # characters of one local's name
 
 _CHECK_EVERY = 256      # frames between two looks at the clock
+
+def special_in_frames(frames) -> str | None:
+    "Where a special token sits in a trace's frames (their lines, locals' names and values, values), or None."
+    for f in frames:
+        loc = f.locals or {}
+        if tok := special_token_in(f.line, f.value or "", *loc.keys(), *loc.values()):
+            return f"special token {tok!r} in a {f.kind} frame's text: refused (it would reach training data as a control token)"
+    return None
 
 # %% ../nbs/00_trace.ipynb #86be9fac
 def _check_result(payload: bytes, lines: frozenset, max_frames: int, deadline: float | None = None) -> tuple | str:
@@ -1097,6 +1271,7 @@ def _relayed(id: str, head: dict, payload: bytes, row: dict, pool, deadline: flo
         chk = _check_result(payload, _context_lines(row["code"], row["input"]), pool.max_frames, deadline)
         if isinstance(chk, str): return _result(id, False, f"bad result from the traced program: {chk}", [], None)
         ok, reason, value, frames = chk
+        if why := special_in_frames(frames): return _result(id, False, why, [], None)
         return _result(id, ok, reason, frames, value)
     except Exception as e:                                   # MemoryError and RecursionError included
         return _result(id, False, f"bad result from the traced program: checking it failed ({type(e).__name__})", [], None)
@@ -1104,7 +1279,13 @@ def _relayed(id: str, head: dict, payload: bytes, row: dict, pool, deadline: flo
 # %% ../nbs/00_trace.ipynb #7c0e3ea2
 _BOOT_TIMEOUT = 60.0    # a fork server must be ready this long after it was started
 
+_START_TRIES = 3        # jail starts that may fail in a row before the next row is answered with the reason
+
+_BACKOFF = 0.05         # seconds before the first retry of a failed start; doubled each time, at most 2 s
+
 _SERVER_SLACK = 10.0    # ... and relay a row this long after the row's own deadline (else it is killed)
+
+_LOST_TO_START = 20     # rows lost to start failures with no jail up in between: then every queued row is
 
 _DEPTH = 2              # requests queued per server: the next one is ready when a child ends
 
@@ -1123,6 +1304,7 @@ class TracePool:
                  scratch_mb: int = 64,                # size of each jail's tmpfs /tmp
                  file_mb: int = 16,                   # RLIMIT_FSIZE of a program
                  result_grace: float = 2.0,           # extra seconds to deliver a result once it starts flowing
+                 cleanup_s: float = 1.0,              # seconds to empty a row's scratch; past them, a fresh jail
                  _jail: bool | None = None, _audit: bool = True, _seccomp: bool = True):  # tests: switch layers off
         self.workers = max(1, int(workers or os.cpu_count() or 1))
         self.timeout, self.mem_mb, self.max_frames, self.grace = timeout, mem_mb, max_frames, grace
@@ -1134,13 +1316,19 @@ class TracePool:
                                      f"({sandbox_status()['reason']}). `latent-rl doctor` says why; pass "
                                      f"--unsafe-no-sandbox (or set {UNSAFE_ENV}=1) to trace data you trust without it.")
         self.jailed = _jail
+        if _jail and sandbox_status().get("root_problem") and not _UNJAILED_WARNED:
+            import warnings
+            _UNJAILED_WARNED.append(1)
+            warnings.warn(f"latent_rl.trace: run as root, and jails cannot drop to an unprivileged uid "
+                          f"({sandbox_status()['root_problem']}): RLIMIT_NPROC does not bind the rows; run as an ordinary "
+                          "user or install util-linux", RuntimeWarning, stacklevel=2)
         if not _jail and sys.platform.startswith("linux") and not _UNJAILED_WARNED:
             import warnings
             _UNJAILED_WARNED.append(1)
             warnings.warn(f"latent_rl.trace: running programs WITHOUT the sandbox ({sandbox_status()['reason']}): "
                           "they can reach your files, network and processes", RuntimeWarning, stacklevel=2)
         self.cfg = {"mem_mb": mem_mb, "grace": grace, "result_grace": result_grace, "max_result_bytes": self.max_result_bytes,
-                    "scratch_mb": scratch_mb, "file_mb": file_mb, "seccomp": _seccomp, "audit": _audit}
+                    "scratch_mb": scratch_mb, "file_mb": file_mb, "cleanup_s": cleanup_s, "seccomp": _seccomp, "audit": _audit}
         self._ws: list[_Jail] = []
 
     def __enter__(self): return self
@@ -1165,6 +1353,7 @@ class TracePool:
         if not isinstance(row, dict): return f"bad row: expected a dict, got {type(row).__name__}"
         for k in ("code", "input"):
             if not isinstance(row.get(k), str): return f"bad row: '{k}' must be a string"
+            if tok := special_token_in(row[k]): return f"bad row: '{k}' holds the special token {tok!r}"
         return {"code": row["code"], "input": row["input"], "timeout": self.timeout, "max_frames": self.max_frames}
 
     def _deadline(self, now):
@@ -1173,23 +1362,38 @@ class TracePool:
 # %% ../nbs/00_trace.ipynb #6c9a7172
 # Long on purpose: one event loop owns every worker's state (dispatch, timeouts, respawn, results), and splitting it
 # would pass that state around between functions that only make sense together.
-def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trace") -> list[TraceResult]:
-    "Trace every row (`code`, `input`, optional `id`) in the sandbox; results in input order, one per row, always."
+def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "trace"):
+    "Trace every row (`code`, `input`, optional `id`) in the sandbox; yields `(index, TraceResult)` as rows finish, one"
+    "per row, always: a row that cannot run (bad fields, a jail that will not start) is answered with its reason."
     from tqdm.auto import tqdm
     rows = list(rows)
-    n, results = len(rows), [None] * len(rows)
+    n, out = len(rows), collections.deque()
     ids = [str(r.get("id", "")) if isinstance(r, dict) else "" for r in rows]
     queue = collections.deque()
     for i, row in enumerate(rows):
         req = self._request(row)
-        if isinstance(req, str): results[i] = _result(ids[i], False, req, [], None)
+        if isinstance(req, str): out.append((i, _result(ids[i], False, req, [], None)))
         else: queue.append((i, req))
-    want, boot_fails, done, retried = min(self.workers, len(queue)), 0, n - len(queue), set()
+    want, done, retried = min(self.workers, len(queue)), n - len(queue), set()
+    boot_fails, lost, retry_at = 0, 0, 0.0          # start failures in a row; rows they cost in a row; next start
     bar = tqdm(total=n, desc=desc, disable=not progress, initial=done)
 
     def finish(i, res):
         nonlocal done
-        results[i] = res; done += 1; bar.update(1)
+        out.append((i, res)); done += 1; bar.update(1)
+
+    def start_failed(why):
+        "A jail did not start: back off; after `_START_TRIES` in a row the next row is answered with the reason, and"
+        "after `_LOST_TO_START` rows lost so with no jail up in between, every queued row is (the machine cannot now)."
+        nonlocal boot_fails, lost, retry_at
+        boot_fails += 1
+        retry_at = time.monotonic() + min(_BACKOFF * 2 ** boot_fails, 2.0)
+        if boot_fails < _START_TRIES or not queue: return
+        boot_fails, lost = 0, lost + 1
+        reason = f"sandbox: the jail could not start ({_clean_reason(why or 'no output', 200)})"
+        for _ in range(len(queue) if lost >= _LOST_TO_START else 1):
+            i = queue.popleft()[0]
+            finish(i, _result(ids[i], False, reason, [], None))
 
     def drop(w, reason):
         "Remove a dead, wedged or lying server: its running row (only) is answered with `reason`, queued ones go back."
@@ -1202,7 +1406,10 @@ def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trac
 
     try:
         while done < n:
-            while len(self._ws) < want and queue: self._ws.append(_Jail(self.cfg, self.jailed))
+            while out: yield out.popleft()
+            while len(self._ws) < want and queue and time.monotonic() >= retry_at:
+                try: self._ws.append(_Jail(self.cfg, self.jailed))
+                except OSError as e: start_failed(f"{type(e).__name__}: {e}")   # e.g. EAGAIN: no process to spare
             now = time.monotonic()
             for w in list(self._ws):
                 while w.ready and len(w.jobs) < _DEPTH and queue:   # the next request waits in the pipe, not in memory
@@ -1213,7 +1420,9 @@ def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trac
                         break
                     if not w.jobs: w.deadline = self._deadline(now)
                     w.jobs.append((i, seq, req))
-            if not self._ws: continue
+            if not self._ws:
+                time.sleep(max(0.0, min(retry_at - now, 0.5)))
+                continue
             waits = [(w.deadline if w.jobs else w.started + _BOOT_TIMEOUT) - now for w in self._ws if w.jobs or not w.ready]
             fds, poller = {w.fd: w for w in self._ws}, select.poll()
             for fd in fds: poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
@@ -1223,15 +1432,12 @@ def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trac
                 except (OSError, _ProtocolError) as e:
                     drop(w, f"sandbox protocol error ({e})"); continue
                 if msgs is None:                                   # the server is gone
-                    if not w.ready:
-                        boot_fails += 1
-                        if boot_fails >= 3:
-                            raise RuntimeError(f"the trace sandbox fails to start:\n{w.stderr_tail() or '(no output)'}")
+                    if not w.ready: start_failed(w.stderr_tail())
                     drop(w, f"sandbox server died (exit code {w.p.poll()})"); continue
                 for head, payload in msgs:
                     if not w.ready:
                         if head.get("ready") is not True: drop(w, None); break
-                        w.ready, w.info, boot_fails = True, head, 0
+                        w.ready, w.info, boot_fails, lost = True, head, 0, 0
                     elif not w.jobs or head.get("seq") != w.jobs[0][1]:
                         drop(w, "sandbox protocol error (an answer to no request)"); break
                     elif head.get("status") == "retry":             # its scratch was broken: a new server, once
@@ -1251,18 +1457,24 @@ def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trac
                 if w.jobs and now > w.deadline and not select.select([w.fd], [], [], 0)[0]:  # not while an answer waits
                     drop(w, "sandbox server did not answer in time")
                 elif not w.ready and now > w.started + _BOOT_TIMEOUT:
-                    boot_fails += 1
                     drop(w, None)
-                    if boot_fails >= 3: raise RuntimeError("the trace sandbox fails to start (boot timeout)")
-    except BaseException:
+                    start_failed(f"not ready after {_BOOT_TIMEOUT:g} s")
+        while out: yield out.popleft()
+    except BaseException:                          # GeneratorExit included: a consumer that stops ends the servers
         self.close()
         raise
     finally:
         bar.close()
-    return results
 
 # %% ../nbs/00_trace.ipynb #4fbe536e
-TracePool.map = _pool_map
+def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trace") -> list[TraceResult]:
+    "Trace every row (`code`, `input`, optional `id`) in the sandbox; results in input order, one per row, always."
+    rows = list(rows)
+    results = [None] * len(rows)
+    for i, res in self.imap(rows, progress=progress, desc=desc): results[i] = res
+    return results
+
+TracePool.imap, TracePool.map = _pool_imap, _pool_map
 
 # %% ../nbs/00_trace.ipynb #b163d9d4
 def trace_rows(rows,                                # dicts with `code`, `input` (strings) and optionally `id`
@@ -1282,6 +1494,76 @@ def trace_one(code: str, input: str, **kw) -> TraceResult:
     "Trace one program in the sandbox."
     kw.setdefault("workers", 1); kw.setdefault("progress", False)
     return trace_rows([{"code": code, "input": input}], **kw)[0]
+
+# %% ../nbs/00_trace.ipynb #21a9fd1b
+def _rows_digest(rows, opts: dict) -> str:
+    "What a partial file must have been started with: the rows (their JSON) and the options."
+    import hashlib
+    h = hashlib.sha256(json.dumps(opts, sort_keys=True).encode())
+    for r in rows: h.update(json.dumps(r, sort_keys=True).encode() + b"\n")
+    return h.hexdigest()
+
+def _read_partial(path: Path, digest: str) -> dict[int, int]:
+    "Byte offset of each finished row's line in a partial file of the same run (a torn last line is cut off)."
+    offsets, good = {}, 0
+    with open(path, "r+b") as fh:
+        head = fh.readline()
+        try: ok = json.loads(head).get("digest") == digest
+        except (ValueError, AttributeError): ok = False
+        if not ok: raise ValueError(f"{path}: made by another run (other rows or options); delete it to start afresh")
+        good = fh.tell()
+        while (line := fh.readline()).endswith(b"\n"):
+            i, _, rest = line.partition(b"\t")
+            if not (i.isdigit() and rest.startswith(b"{")): break
+            offsets[int(i)] = good
+            good = fh.tell()
+        fh.truncate(good)
+    return offsets
+
+# %% ../nbs/00_trace.ipynb #b87ea24c
+def _write_ordered(partial: Path, offsets: dict[int, int], n: int, out: Path):
+    "Copy a complete partial file's rows into `out` in row order, one line in memory at a time; then remove it."
+    tmp = out.with_name(out.name + ".tmp")
+    with open(partial, "rb") as src, open(tmp, "wb") as dst:
+        for i in range(n):
+            src.seek(offsets[i])
+            dst.write(src.readline().partition(b"\t")[2])
+    os.replace(tmp, out)
+    partial.unlink()
+
+def trace_file(rows: list[dict],               # rows (`code`, `input`, optional `id` and `output`)
+               out,                             # the JSONL file to write, one result per row in row order
+               *, resume: bool = False,         # continue a killed run from `out`.partial
+               progress: bool = True, **kw,     # `TracePool` options (workers, timeout, mem_mb, max_frames...)
+              ) -> dict:                        # counts: rows, ok, matches (value == `output`), resumed
+    "Trace `rows` into `out`, streaming each result to disk as its row finishes (see above)."
+    out = Path(out)
+    partial = out.with_name(out.name + ".partial")
+    digest = _rows_digest(rows, {k: v for k, v in kw.items() if k not in ("workers",)})
+    if partial.exists() and not resume:
+        raise FileExistsError(f"{partial}: an interrupted run of this output; pass --resume to continue it, or delete it")
+    pool = TracePool(**kw)                             # refuses here (no partial file yet) where no jail can start
+    offsets = _read_partial(partial, digest) if resume and partial.exists() else {}
+    if not partial.exists() or not offsets and not resume:
+        partial.write_text(json.dumps({"latent_rl_partial": 1, "rows": len(rows), "digest": digest}) + "\n")
+    counts = {"rows": len(rows), "ok": 0, "matches": 0, "resumed": len(offsets)}
+    with open(partial, "rb") as fh:                    # what the resumed rows were
+        for i, off in offsets.items():
+            fh.seek(off)
+            r = json.loads(fh.readline().partition(b"\t")[2])
+            counts["ok"] += r["ok"]
+            counts["matches"] += r["ok"] and r["value"] == rows[i].get("output")
+    todo = [i for i in range(len(rows)) if i not in offsets]
+    with pool, open(partial, "ab") as fh:
+        for j, res in pool.imap([rows[i] for i in todo], progress=progress, desc="trace"):
+            i = todo[j]
+            offsets[i] = fh.tell()
+            fh.write(f"{i}\t".encode() + json.dumps(res.to_json()).encode() + b"\n")
+            fh.flush()
+            counts["ok"] += res.ok
+            counts["matches"] += res.ok and res.value == rows[i].get("output")
+    _write_ordered(partial, offsets, len(rows), out)
+    return counts
 
 # %% ../nbs/00_trace.ipynb #930c1e15
 def _probe(pool: TracePool, paths: list[str], outside: list[str]) -> dict:
@@ -1340,11 +1622,18 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
     leaked = sorted(set(f.get("env", [])) - set(_JAIL_ENV) - {"HOME", "TMPDIR", "LC_CTYPE", "PWD"})
     seen = [p for p, v in f.get("visible", {}).items() if v]
     lim = f.get("limits", {})
-    root = os.geteuid() == 0 and pool.jailed       # bwrap maps the jail's uid to the caller's: root outside
+    root, drop = os.geteuid() == 0, bool(st.get("drop_uid"))
+    cg = _pids_cgroup_base() if root and drop else None
+    nproc = lim.get("NPROC", [None])[0]
     rows += [("runs as", pool.jailed, f"uid {f.get('uid')} gid {f.get('gid')}, pid {f.get('pid')} (zygote pid {f.get('ppid')})"),
-             ("uid outside the jail", None if root else pool.jailed,
-              "root, as you run latent-rl as root (bwrap maps uid 65534 to yours): no capabilities, but RLIMIT_NPROC does "
-              "not bind root; run latent-rl as an ordinary user" if root else f"{os.geteuid()} (yours, unprivileged)"),
+             ("uid outside the jail", pool.jailed and (drop or not root),
+              (f"a fresh unprivileged uid per jail ({_JAIL_UID0} + 24 random bits): root starts no jail as root" if drop
+               else f"ROOT: {st.get('root_problem')}; RLIMIT_NPROC does not bind root and the server's /proc files are "
+                    "the rows' own: install util-linux (unshare, setpriv) or run latent-rl as an ordinary user")
+              if root else f"{os.geteuid()} (yours, unprivileged)"),
+             ("processes per jail", pool.jailed and nproc not in (None, -1) and (drop or not root),
+              f"RLIMIT_NPROC {nproc} for the jail's uid" + (f"; a pids cgroup of {_JAIL_PIDS} under {cg}" if cg else
+              "; no pids cgroup (none delegated to this process here)")),
              ("own namespaces", set(own) >= {"user", "pid", "net", "mnt", "ipc"}, ", ".join(own) or "none"),
              ("processes visible", len(f.get("pids", [])) <= 3, str(f.get("pids"))),
              ("network", f.get("ifaces") in (["lo"], []) or f.get("socket", "").startswith("refused"),

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import argparse, json, os, sys, time
 from pathlib import Path
-from .trace import UNSAFE_ENV, THREAT_MODEL, sandbox_report, trace_rows, SandboxUnavailable, sandbox_notice
+from .trace import UNSAFE_ENV, THREAT_MODEL, sandbox_report, trace_file, SandboxUnavailable, sandbox_notice
 from .tokens import build_data, DATA_DEFAULTS
 from .corpus import load_rows
 from .sft import SFTConfig, run_sft
@@ -75,19 +75,19 @@ def cmd_trace(argv):
     ap.add_argument("rows"); ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--timeout", type=float, default=2.0); ap.add_argument("--mem_mb", type=int, default=1024)
     ap.add_argument("--max_frames", type=int, default=10_000); ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--resume", action="store_true", help="continue a killed run from OUT.partial (same rows and options)")
     a = ap.parse_args(argv)
     rows = load_rows(a.rows)
     out = Path(a.out)                      # refuse an unwritable output before tracing, not after
     if out.is_dir(): raise ValueError(f"-o {out}: is a directory; give the path of a .jsonl file to write")
     out.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(out.parent, os.W_OK): raise PermissionError(f"-o {out}: cannot write in {out.parent}")
-    res = trace_rows(rows, workers=a.workers, timeout=a.timeout, mem_mb=a.mem_mb, max_frames=a.max_frames)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out, "w") as fh:
-        for r in res: fh.write(json.dumps(r.to_json()) + "\n")
-    ok = sum(r.ok for r in res)
-    match = sum(r.ok and "output" in row and r.value == row["output"] for r, row in zip(res, rows))
-    print(f"traced {len(rows)} rows: {ok} ok, {len(rows) - ok} skipped, {match} return values equal `output`; wrote {a.out}")
+    c = trace_file(rows, out, resume=a.resume, workers=a.workers, timeout=a.timeout, mem_mb=a.mem_mb, max_frames=a.max_frames)
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"traced {c['rows']} rows: {c['ok']} ok, {c['rows'] - c['ok']} skipped, {c['matches']} return values equal "
+          f"`output`; wrote {a.out}" + (f" ({c['resumed']} rows resumed)" if c["resumed"] else "") +
+          f"; parent peak memory {peak:.0f} MB")
 
 def cmd_sft(argv):
     return run_sft(parse_config(SFTConfig, argv, "latent-rl sft"))

@@ -194,7 +194,9 @@ libc = ctypes.CDLL(None, use_errno=True)
 out = {}
 for name, nr, args in [('fork', 57, ()), ('unshare_user', 272, (0x10000000,)), ('socket', 41, (2, 1, 0)),
                        ('kill_-1', 62, (-1, 9)), ('io_uring_setup', 425, (8, 0)), ('bpf', 321, (0, 0, 0)),
-                       ('memfd_create', 319, (b'x', 0)), ('shmget', 29, (0, 1 << 20, 0o1600)), ('setns', 308, (0, 0))]:
+                       ('memfd_create', 319, (b'x', 0)), ('shmget', 29, (0, 1 << 20, 0o1600)), ('setns', 308, (0, 0)),
+                       ('sync', 162, ()), ('syncfs', 306, (0,)), ('membarrier', 324, (0, 0, 0)),
+                       ('fcntl_setown', 72, (0, 8, 2)), ('ioctl_fioasync', 16, (0, 0x5452, 0))]:
     out[name] = (libc.syscall(nr, *args), ctypes.get_errno())
 return out""",
     # -- network
@@ -298,6 +300,77 @@ return s.name""",
 print('x' * 10 ** 6); sys.stderr.write('y' * 10 ** 6)
 os.write(1, b'{"ok": true}\\n'); os.write(2, b'{"ok": true}\\n')
 return input()""",
+    # -- issue 28, the third round: an attacker who read trace.py, and latent-rl run as root
+    "thread_storm": """import threading, time
+threading.stack_size(32768)
+ts = []
+try:
+    for i in range(3000):
+        t = threading.Thread(target=time.sleep, args=(3,), daemon=True); t.start(); ts.append(t)
+except Exception as e: return (len(ts), type(e).__name__)
+return (len(ts), None)""",
+    "zygote_proc": """import os
+out = {}
+for pid in (1, 2):
+    for name, v in (('autogroup', '19'), ('oom_score_adj', '1000')):
+        try:
+            with open(f'/proc/{pid}/{name}', 'w') as fh: fh.write(v)
+            out[f'{pid}/{name}'] = 'written'
+        except OSError as e: out[f'{pid}/{name}'] = type(e).__name__
+return out""",
+    "sigio_storm": """import fcntl, os, signal
+r, w = os.pipe()
+out = {}
+for name, fn in (('F_SETOWN', lambda: fcntl.fcntl(r, fcntl.F_SETOWN, 2)), ('F_SETSIG', lambda: fcntl.fcntl(r, 10, signal.SIGUSR1)),
+                 ('O_ASYNC', lambda: fcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC)), ('F_SETLEASE', lambda: fcntl.fcntl(r, 1024, 1))):
+    try: fn(); out[name] = 'allowed'
+    except OSError as e: out[name] = type(e).__name__
+for _ in range(2000): os.write(w, b'x'); os.read(r, 1)
+return out""",
+    "sync_storm": """import os
+for _ in range(2000): os.sync()
+return True""",
+    "special_value": """t = lambda name: '<' + '|' + name + '|' + '>'      # never written out: the row's text has none
+return t('end_of_text') + '"' + t('frame_sep') + t('end_of_text')""",
+    "special_local": """import sys
+t = lambda name: '<' + '|' + name + '|' + '>'
+sys._getframe().f_locals[t('frame_sep')] = t('line_sep')
+x = t('end_of_text')
+return len(x)""",
+    "special_exception": """t = lambda name: '<' + '|' + name + '|' + '>'
+class E(Exception): pass
+E.__name__ = E.__qualname__ = t('end_of_text')
+try: raise E(t('frame_sep'))
+except E: pass
+return 1""",
+    "special_repr": """t = lambda name: '<' + '|' + name + '|' + '>'
+class R:
+    def __repr__(self): return t('latent_start') * 16025
+r = R()
+return 1""",
+    "special_in_code": """return '<|frame_sep|>'""",
+    "forged_huge_reason": """import os
+p = b'{"ok": false, "reason": "' + b'\\\\u00e9' * 2_400_000 + b'", "value": null, "frames": []}'
+for fd in range(3, 64):
+    try: os.write(fd, p); break
+    except OSError: pass
+os._exit(0)""",
+    "huge_value": """return '\\U0001F600' + 'a' * 5_200_000""",
+    "inode_flood": """import os, time
+n, t = 0, time.monotonic()
+try:
+    while time.monotonic() - t < 0.4: open(f'i{n}', 'w').close(); n += 1
+except OSError as e: return (n > 0, type(e).__name__)
+return (n > 0, None)""",
+    "deep_tree_fast": """import os, time
+n, t = 0, time.monotonic()
+while time.monotonic() - t < 0.4: os.mkdir('a'); os.chdir('a'); n += 1
+return n > 0""",
+    "host_facts": """out = {}
+for p in ('/proc/cmdline', '/proc/loadavg', '/proc/sys/kernel/random/boot_id'):
+    try: out[p] = open(p).read()
+    except OSError as e: out[p] = type(e).__name__
+return out""",
 }
 
 # the namespaces alone must protect the host against these (the rest may also disturb later rows of their own jail)
@@ -369,6 +442,10 @@ def check(rows, results):
         assert r["id"] == row["id"] and isinstance(r["ok"], bool), r
         assert r["ok"] or r.get("reason"), r
         assert SECRET not in json.dumps(r), f"{row['id']} leaked the secret"
+        if r["ok"]:                              # no special token outside the trace's own structure
+            pt = T.parse_trace(r["trace"])
+            assert pt.well_formed and T.render_trace(pt.frames) == r["trace"], row["id"]
+            assert T.special_in_frames(pt.frames) is None, (row["id"], T.special_in_frames(pt.frames))
         if row["id"].startswith("plain"):
             want = trace_inprocess(row["code"], row["input"])
             assert r["ok"] and r["value"] == want.value and r["trace"] == want.trace, (row["id"], r.get("reason"), r["value"])
@@ -396,6 +473,25 @@ def test_hostile_programs_cli(host, tmp_path):
     assert got["forge_own_result"]["reason"].startswith("bad result")
     assert got["huge_result"]["reason"].startswith(("result larger", "timeout"))
     assert got["loop_alarm_ignored"]["reason"].startswith("timeout") and "killed" in got["loop_alarm_ignored"]["reason"]
+    third_round(got)
+
+
+def third_round(got):
+    "What the issue-28 attacks got, through any run (dicts or `TraceResult`s by id)."
+    got = {k: (v if isinstance(v, dict) else v.to_json()) for k, v in got.items()}
+    for k in ("special_value", "special_exception", "special_repr"):
+        assert got[k]["reason"].startswith("special token"), (k, got[k]["reason"])
+    assert got["special_in_code"]["reason"] == "bad row: 'code' holds the special token '<|frame_sep|>'"
+    assert not got["special_local"]["ok"] or got["special_local"]["value"] == "15"
+    n, err = eval(got["thread_storm"]["value"])
+    assert n < 128 and err == "RuntimeError", (n, err)      # RLIMIT_NPROC binds the jail's uid (root's jails too)
+    zp = got["zygote_proc"]
+    assert not zp["ok"] or "written" not in zp["value"], zp["value"]
+    assert set(eval(got["sigio_storm"]["value"]).values()) == {"PermissionError"}, got["sigio_storm"]["value"]
+    assert len(got["forged_huge_reason"]["reason"]) <= 300
+    assert got["huge_value"]["ok"] and len(got["huge_value"]["value"]) > 5_000_000
+    assert eval(got["host_facts"]["value"]) == {"/proc/cmdline": "", "/proc/loadavg": "",
+                                                "/proc/sys/kernel/random/boot_id": ""}, got["host_facts"]["value"]
 
 
 @needs_jail
@@ -418,6 +514,8 @@ def test_hostile_programs_os_layers_only(host):
     # (PID 1 is the zygote, which holds no descriptor of the parent's at all: FileNotFoundError)
     assert {k: v for k, v in eval(got["read_server_memory"].value).items()
             if v not in ("PermissionError", "FileNotFoundError") and k != "fds"} == {}
+    third_round(got)
+    assert "written" not in got["zygote_proc"].value, got["zygote_proc"].value       # the OS alone refuses it
 
 
 @needs_jail
@@ -571,7 +669,12 @@ def test_doctor_fails_when_sysctl_or_devices_are_writable(monkeypatch):
         i = argv.index("/proc/sys")
         return argv[:i - 1] + argv[i + 2:]
     monkeypatch.setattr(T, "_jail_argv", weak)
+    dropped = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
+    assert dropped["kernel settings and devices"][0] is True, dropped   # the uid drop alone defends both
+    monkeypatch.setattr(T, "_ROOT_DROPS", False)                       # root starts bwrap itself: root outside
     bad = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
+    monkeypatch.undo()
+    T.sandbox_status(refresh=True)
     assert bad["kernel settings and devices"][0] is False, bad["kernel settings and devices"]
 
 
