@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 FROM_SCRATCH ?= 0
 DEMO_ARGS ?=
 
-.PHONY: venv lab demo test export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
+.PHONY: venv lab demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,7 +52,12 @@ nbtest: venv
 	$(BIN)/nbdev-test --n-workers 2 --timing
 
 pytest: venv
-	$(BIN)/python -m pytest tests -q -ra
+	$(BIN)/python -m pytest tests -q -ra --durations=10
+
+# The unit tests (no CLI runs, no trained models): with the lessons, the quick check while editing a notebook.
+FAST_TESTS ?= tests/test_losses.py tests/test_trace.py tests/test_layout.py tests/test_heads.py tests/test_latent.py tests/test_rollouts.py
+pytest-fast: venv
+	$(BIN)/python -m pytest $(FAST_TESTS) -q -ra --durations=5
 
 readme: venv
 	$(BIN)/python .ci/readme.py
@@ -70,6 +75,9 @@ check-deps: venv
 	$(BIN)/python -c "import json; r = {p['metadata']['name'].lower(): p['metadata']['version'] for p in json.load(open('/tmp/latent_rl-vllm-resolve.json'))['install']}; print('check-deps: .[vllm] resolves:', ', '.join(f'{k} {r[k]}' for k in ('vllm', 'torch', 'transformers', 'tokenizers', 'accelerate')))"
 
 test: check-export check-clean check-readme check-deps nbtest pytest
+
+# The quick lane (a few minutes): the package in step with the notebooks, every lesson, the unit tests.
+test-fast: check-export check-clean nbtest pytest-fast
 
 # The CPU suite on the lowest transformers the core accepts (pyproject: transformers>=5.16.1), in its own venv.
 LOWEST_TRANSFORMERS ?= 5.16.1

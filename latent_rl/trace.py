@@ -928,6 +928,7 @@ _JAIL_UID0 = 2_100_000_000      # root's jails run as host uids from here (+ 24 
 _JAIL_PIDS = 128                # processes and threads of one jail when root can give it a pids cgroup
 _STAGE: list = []               # this process's directory of mount points (see `_as_unprivileged`)
 _ROOT_DROPS = True              # False: root starts bwrap itself, as before (tests show what the drop defends)
+_SWEPT: list = []               # cgroup directories this process has cleared of a killed run's leftovers
 
 def _others_can_read(p: str) -> bool:
     "Can a uid that owns nothing read `p` (each directory above it searchable by others, `p` itself readable)?"
@@ -1013,7 +1014,9 @@ def _new_pids_cgroup(limit: int) -> str | None:
     "A fresh pids cgroup capped at `limit` processes (a directory), or None where none can be made."
     base = _pids_cgroup_base()
     if base is None: return None
-    if not _STAGE: _remove_stale(base, "latent_rl_", _remove_cgroup)        # once per process
+    if base not in _SWEPT:                                                   # once per process
+        _SWEPT.append(base)
+        _remove_stale(base, "latent_rl_", _remove_cgroup)
     d = os.path.join(base, f"latent_rl_{os.getpid()}_{next(_counter)}")
     try:
         os.mkdir(d)
