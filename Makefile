@@ -57,7 +57,7 @@ pytest: venv
 # The unit tests (no CLI runs, no trained models): with the lessons, the quick check while editing a notebook.
 FAST_TESTS ?= tests/test_losses.py tests/test_trace.py tests/test_layout.py tests/test_heads.py tests/test_latent.py tests/test_rollouts.py
 pytest-fast: venv
-	$(BIN)/python -m pytest $(FAST_TESTS) -q -ra --durations=5
+	$(BIN)/python -m pytest $(FAST_TESTS) -q -ra --durations=5 -k "not bench_quick"
 
 readme: venv
 	$(BIN)/python .ci/readme.py

