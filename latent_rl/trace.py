@@ -317,8 +317,9 @@ THREAT_MODEL = (
     "its row, starve the host of processes, change another row's result or put a special token into training data; a "
     "row that misbehaves fails alone, and a killed run resumes (--resume).\n"
     "Run as root, latent-rl starts each jail as a fresh unprivileged uid (util-linux unshare and setpriv; a pids cgroup "
-    "where one can be made), so all of this holds; without those tools `latent-rl doctor` fails: run it as an ordinary "
-    "user. Not covered: kernel exploits (use a VM too for adversarial data at scale).")
+    "where one can be made), so all of this holds; without those tools it traces nothing (unless LATENT_RL_ROOT_JAILS=1, "
+    "and then the rows share root's process limit): run it as an ordinary user. Not covered: kernel exploits (use a VM "
+    "too for adversarial data at scale).")
 
 # %% ../nbs/00_trace.ipynb #04c9f7ca
 class _Sandbox:
