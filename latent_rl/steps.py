@@ -6,10 +6,12 @@
 from __future__ import annotations
 import json, os, random, re
 from pathlib import Path
+from .trace import ACTION_SEP, CALL_SEP, FRAME_SEP, TRACE_CONTEXT_START, Frame, render_trace
 
 # %% auto #0
 __all__ = ['StepError', 'parse_step_line', 'multiplication_line', 'find_data', 'gsm8k_row', 'load_step_rows',
-           'generate_multiplication', 'steps_text', 'answer_only_text', 'same_answer']
+           'generate_multiplication', 'steps_text', 'answer_only_text', 'same_answer', 'step_prompt', 'step_trace',
+           'to_trace_row']
 
 # %% ../nbs/01_steps.ipynb #67e384c1
 class StepError(ValueError):
@@ -138,3 +140,19 @@ def same_answer(pred: str | None, truth: str) -> bool:
     if pred is None: return False
     norm = lambda s: re.sub(r"\.0+$", "", " ".join(s.replace(",", "").split()))
     return norm(pred) == norm(truth)
+
+# %% ../nbs/01_steps.ipynb #2965b6e8
+def step_prompt(row: dict) -> str:
+    "A step row's prompt: the question as the context, then `main`'s CALL frame, as `prompt_text` ends a program's."
+    return f"{TRACE_CONTEXT_START}\n{row['question']}\n{FRAME_SEP}{CALL_SEP}{{}}{ACTION_SEP}def main():\n{FRAME_SEP}"
+
+def step_trace(row: dict) -> str:
+    "A step row's target as a trace: a LINE frame per step (the compressible part as its state, the visible part as"
+    "its line), then the answer as the RETURN frame."
+    frames = [Frame("line", (s["visible"] or "step") + "\n", {"step": s["latent"]}) for s in row["steps"]]
+    return render_trace(frames + [Frame("return", "return\n", None, row["answer"])])
+
+def to_trace_row(row: dict) -> dict:
+    "A step row with the fields a traced row has (`prompt`, `trace`, `output`, `n_line_frames`) besides its own."
+    return {**row, "prompt": step_prompt(row), "trace": step_trace(row), "output": row["answer"],
+            "n_line_frames": len(row["steps"])}
