@@ -887,6 +887,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                  'latent_rl.trace.render_trace': ('trace.html#render_trace', 'latent_rl/trace.py'),
                                  'latent_rl.trace.root_jails_allowed': ('trace.html#root_jails_allowed', 'latent_rl/trace.py'),
                                  'latent_rl.trace.root_launcher_problem': ('trace.html#root_launcher_problem', 'latent_rl/trace.py'),
+                                 'latent_rl.trace.row_prompt': ('trace.html#row_prompt', 'latent_rl/trace.py'),
                                  'latent_rl.trace.same_value': ('trace.html#same_value', 'latent_rl/trace.py'),
                                  'latent_rl.trace.sandbox_notice': ('trace.html#sandbox_notice', 'latent_rl/trace.py'),
                                  'latent_rl.trace.sandbox_report': ('trace.html#sandbox_report', 'latent_rl/trace.py'),

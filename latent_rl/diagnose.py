@@ -28,7 +28,7 @@ __all__ = ['BUCKETS', 'OUTCOMES', 'LAMBDAS', 'USAGE_VARIANTS', 'MODE_COLORS', 'M
            'find_records', 'diagnose', 'main']
 
 # %% ../nbs/22_diagnose.ipynb #6568a70b
-from .trace import parse_trace, prompt_text, same_value, LINE_SEP
+from .trace import parse_trace, prompt_text, same_value, LINE_SEP, row_prompt
 from .tokens import encode
 from .evaluate import (frames_json, true_line_frames, load_records, save_records, bootstrap_mean, paired_delta,
                                 within_noise, evaluate, load_policy)
@@ -330,7 +330,7 @@ def _decode_rows(generate, tok, rows, prefixes, fn_for, batch_size, desc, progre
     correct, lat = [False] * len(rows), [None] * len(rows)
     for s in tqdm(range(0, len(rows), batch_size), desc=desc, disable=not progress, leave=False):
         idx = order[s:s + batch_size]
-        prompts = [encode(tok, prompt_text(rows[i]["code"], rows[i]["input"]) + prefixes[i]) for i in idx]
+        prompts = [encode(tok, row_prompt(rows[i]) + prefixes[i]) for i in idx]
         ro = generate(prompts, latent_fn=fn_for(idx) if fn_for else None, return_latents=return_latents)
         for k, i in enumerate(idx):
             v = parse_trace(prefixes[i] + tok.decode(ro.completion_ids[k])).value

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .trace import prompt_text, parse_trace, same_value
+from .trace import prompt_text, parse_trace, same_value, row_prompt
 from .tokens import encode, foreign_special
 from .generate import generate_text, generate_latent
 from .corpus import load_rows, trace_and_fill
@@ -80,7 +80,7 @@ def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_toke
     recs, lat, t0 = [None] * len(rows), [None] * len(rows), time.time()
     for s in tqdm(range(0, len(rows), batch_size), desc=desc, disable=not progress):
         idx = order[s:s + batch_size]
-        ro = gen([encode(tok, prompt_text(rows[i]["code"], rows[i]["input"])) for i in idx])
+        ro = gen([encode(tok, row_prompt(rows[i])) for i in idx])
         for k, i in enumerate(idx):
             text = tok.decode(ro.completion_ids[k])
             r, p = rows[i], parse_trace(text)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from .trace import prompt_text, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP
+from .trace import prompt_text, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, row_prompt
 from .tokens import encode, trace_token_ids, find_spans, IGNORE_INDEX
 from .losses import generalized_jsd_from_hidden, sft_loss
 from .logprobs import token_logprobs
@@ -35,7 +35,7 @@ def gkd_coin(seed: int, step: int, lmbda: float) -> bool:
 # %% ../nbs/19_gkd.ipynb #b7e0c50a
 def dataset_completion(tok, row: dict, kind: str) -> dict:
     "`{prompt, completion, latent_at, row}` of a traced row for a 'text' or 'latent' student."
-    p, t = encode(tok, prompt_text(row["code"], row["input"])), encode(tok, row["trace"])
+    p, t = encode(tok, row_prompt(row)), encode(tok, row["trace"])
     if kind == "text": return {"prompt": p, "completion": t, "latent_at": [], "row": row}
     ids = trace_token_ids(tok)
     comp, lat, prev = [], [], 0

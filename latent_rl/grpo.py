@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from .trace import prompt_text
+from .trace import prompt_text, row_prompt
 from .tokens import encode
 from .losses import grpo_loss, group_advantages
 from .policy import Policy, sampled_mask, make_rollout_engine
@@ -261,7 +261,7 @@ def _record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
     "Two whole groups of the cycle with their rewards and advantages (`rollouts.jsonl`)."
     for g, grp in enumerate(groups[:2]):
         row = self.rows[grp[0]["idx"]]
-        self.rec_ro.log(step=c0, group=g, prompt=prompt_text(row["code"], row["input"]), truth=row["output"],
+        self.rec_ro.log(step=c0, group=g, prompt=row_prompt(row), truth=row["output"],
                         samples=[{"text": x["text"], "tokens": _tok_strs(self.policy.tok, x["completion"]), "reward": x["reward"],
                                   "adv": x["adv"], "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
                                   "latent_at": x["latent_at"]} for x in grp])
@@ -314,7 +314,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     lora_student(cfg, policy.lm, policy.module)
     if cfg.lora_r and cfg.use_vllm: raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)
-    prompts = [encode(policy.tok, prompt_text(r["code"], r["input"])) for r in rows]
+    prompts = [encode(policy.tok, row_prompt(r)) for r in rows]
     engine = make_rollout_engine(cfg, policy) if cfg.use_vllm else None
     log0(acc, f"grpo: {policy.kind} policy {cfg.model} ({n_params(policy.module):,} params), {len(rows)} prompts, "
               f"{cfg.steps} steps × {cfg.batch_size} prompts × {cfg.group_size} samples, rewards {reward_fn.weights}")

@@ -153,6 +153,7 @@ def step_trace(row: dict) -> str:
     return render_trace(frames + [Frame("return", "return\n", None, row["answer"])])
 
 def to_trace_row(row: dict) -> dict:
-    "A step row with the fields a traced row has (`prompt`, `trace`, `output`, `n_line_frames`) besides its own."
-    return {**row, "prompt": step_prompt(row), "trace": step_trace(row), "output": row["answer"],
-            "n_line_frames": len(row["steps"])}
+    "A step row with the fields a traced row has besides its own: `prompt` (which the stages read through `row_prompt`),"
+    "`trace`, `output`, `n_line_frames`, an empty `code` and the question as `input`."
+    return {**row, "code": "", "input": row["question"], "prompt": step_prompt(row), "trace": step_trace(row),
+            "output": row["answer"], "n_line_frames": len(row["steps"])}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
-from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, prompt_text, parse_trace
+from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, prompt_text, parse_trace, row_prompt
 from .trace import special_token_in, special_in_frames
 from .corpus import build_corpus, build_heldout, save_rows
 
@@ -113,7 +113,7 @@ def sft_example(tok, row: dict, mode: str = "trace", max_len: int | None = None)
     "`{input_ids, labels}` for a traced row; `mode` 'trace' (explicit trace) or 'answer' (no-trace). None if too long"
     "or if its own text holds a special token (`foreign_special`)."
     if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len) or foreign_special(row): return None
-    p = encode(tok, prompt_text(row["code"], row["input"]))
+    p = encode(tok, row_prompt(row))
     t = encode(tok, row["trace"] if mode == "trace" else answer_text(row["trace"]))
     if max_len and len(p) + len(t) > max_len: return None
     return {"input_ids": p + t, "labels": [IGNORE_INDEX] * len(p) + t, "id": row.get("id")}
@@ -136,7 +136,7 @@ def codi_example(tok, row: dict, max_len: int | None = None, max_spans: int | No
     see `trace_targets`); None if too long, without any LINE frame, or holding a special token of its own."""
     if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len) or foreign_special(row): return None
     ids = trace_token_ids(tok)
-    p = encode(tok, prompt_text(row["code"], row["input"]))
+    p = encode(tok, row_prompt(row))
     tt = trace_targets(tok, row["trace"]) if targets and getattr(tok, "is_fast", False) else {"trace_ids": encode(tok, row["trace"])}
     t = tt["trace_ids"]
     if max_len and len(p) + len(t) > max_len: return None
@@ -225,5 +225,5 @@ def build_data(out, n: int = 12000, level: str = "easy", seed: int = 0, vocab: i
         meta = json.loads((out / "corpus" / "meta.json").read_text())
         meta["sizes"]["heldout"] = heldout; meta["heldout_seed"] = seed + 1000
         (out / "corpus" / "meta.json").write_text(json.dumps(meta, indent=1))
-    train_tokenizer([prompt_text(r["code"], r["input"]) + r["trace"] for r in splits["train"]], vocab, out / "tokenizer")
+    train_tokenizer([row_prompt(r) + r["trace"] for r in splits["train"]], vocab, out / "tokenizer")
     return splits

@@ -12,9 +12,9 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['TRACE_CONTEXT_START', 'CALL_SEP', 'LINE_SEP', 'RETURN_SEP', 'EXCEPTION_SEP', 'ACTION_SEP', 'ARG_SEP', 'FRAME_SEP',
            'END_OF_TEXT', 'LATENT_START', 'LATENT_END', 'TRACE_TOKENS', 'SPECIAL_TOKEN_RE', 'THREAT_MODEL',
-           'UNSAFE_ENV', 'ROOT_ENV', 'special_token_in', 'make_context', 'prompt_text', 'Frame', 'render_frame',
-           'render_trace', 'TraceTimeout', 'TraceResult', 'trace_inprocess', 'ParsedTrace', 'parse_trace',
-           'predicted_value', 'same_value', 'seccomp_program', 'SandboxUnavailable', 'unsafe_allowed',
+           'UNSAFE_ENV', 'ROOT_ENV', 'special_token_in', 'make_context', 'prompt_text', 'row_prompt', 'Frame',
+           'render_frame', 'render_trace', 'TraceTimeout', 'TraceResult', 'trace_inprocess', 'ParsedTrace',
+           'parse_trace', 'predicted_value', 'same_value', 'seccomp_program', 'SandboxUnavailable', 'unsafe_allowed',
            'root_jails_allowed', 'root_launcher_problem', 'sandbox_status', 'sandbox_notice', 'special_in_frames',
            'TracePool', 'trace_rows', 'trace_one', 'trace_file', 'sandbox_report', 'find_cruxeval']
 
@@ -51,6 +51,10 @@ def prompt_text(code: str, input: str) -> str:
     "The model's prompt: the context, then `main`'s CALL frame; the trace continues from there."
     return (f"{TRACE_CONTEXT_START}{make_context(code, input)}{FRAME_SEP}"
             f"{CALL_SEP}{{}}{ACTION_SEP}def main():\n{FRAME_SEP}")
+
+def row_prompt(row: dict) -> str:
+    "A row's prompt: its own `prompt` where it has one (a step row, `latent_rl.steps`), else its program's `prompt_text`."
+    return row["prompt"] if "prompt" in row else prompt_text(row["code"], row["input"])
 
 # %% ../nbs/00_trace.ipynb #e172a699
 @dataclass
