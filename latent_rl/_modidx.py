@@ -190,6 +190,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'latent_rl.evaluate.evaluate_path': ('evaluate.html#evaluate_path', 'latent_rl/evaluate.py'),
                                     'latent_rl.evaluate.frame_json': ('evaluate.html#frame_json', 'latent_rl/evaluate.py'),
                                     'latent_rl.evaluate.frames_json': ('evaluate.html#frames_json', 'latent_rl/evaluate.py'),
+                                    'latent_rl.evaluate.is_step_file': ('evaluate.html#is_step_file', 'latent_rl/evaluate.py'),
                                     'latent_rl.evaluate.load_eval_rows': ('evaluate.html#load_eval_rows', 'latent_rl/evaluate.py'),
                                     'latent_rl.evaluate.load_policy': ('evaluate.html#load_policy', 'latent_rl/evaluate.py'),
                                     'latent_rl.evaluate.load_records': ('evaluate.html#load_records', 'latent_rl/evaluate.py'),

@@ -95,8 +95,9 @@ def cmd_sft(argv):
 # %% ../nbs/29_train.ipynb #04d26517
 def cmd_eval(argv):
     ap = argparse.ArgumentParser(prog="latent-rl eval", description="Output prediction (pass@1, greedy) on any CRUXEval-format "
-                                 "file, e.g. CRUXEval-O itself: text models decode traces or answers, latent students decode "
-                                 "with latent blocks; the predicted value is read from the RETURN frame and compared as a value.")
+                                 "file, e.g. CRUXEval-O itself, or a step-data file (implicit-CoT `INPUT||STEPS #### ANSWER` "
+                                 "lines in a .txt, GSM8K's .jsonl): text models decode traces or answers, latent students "
+                                 "decode with latent blocks; the predicted value is read from the RETURN frame and compared.")
     ap.add_argument("--model", action="append", required=True, help="model dir (repeatable); NAME=PATH to label it")
     ap.add_argument("--rows", default="data/corpus/test.jsonl"); ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--batch_size", type=int, default=32); ap.add_argument("--max_new_tokens", type=int, default=384)

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 import pytest
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 def test_data_builds_corpus_and_tokenizer(tiny_data):
     for s in ("train", "val", "test"):
@@ -260,3 +260,16 @@ def test_every_flag_explains_itself(stage):
     assert not [f.name for f in fields(cls) if not helps.get(f.name)], "fields without a comment"
     for f in fields(cls):
         assert f"--{f.name} " in out and " ".join(helps[f.name].split())[:40] in out, (f.name, helps[f.name])
+
+
+def test_eval_reads_step_files(tmp_path):
+    "`latent-rl eval --rows` takes the implicit-CoT line format (.txt) and GSM8K's jsonl as they are published."
+    from latent_rl.steps import find_data
+    icot, gsm = find_data("icot"), find_data("gsm8k")
+    if icot is None or gsm is None: pytest.skip("shared/data/icot or shared/data/gsm8k not found")
+    for rows in (icot / "4_by_4_mult" / "valid.txt", gsm / "test.jsonl"):
+        p = run_cli("eval", "--model", ROOT / "data" / "teacher", "--rows", rows, "--limit", 4, "--max_new_tokens", 24,
+                    "--out", tmp_path / rows.stem)
+        assert f"({4} programs)" in p.stdout and "| 4 |" in p.stdout, p.stdout
+        recs = [json.loads(l) for l in (tmp_path / rows.stem / "teacher.records.jsonl").read_text().splitlines()]
+        assert len(recs) == 4 and all(r["truth"] for r in recs)
