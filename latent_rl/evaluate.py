@@ -15,14 +15,13 @@ from .trace import prompt_text, parse_trace, same_value, row_prompt
 from .tokens import encode, foreign_special
 from .generate import generate_text, generate_latent
 from .corpus import load_rows, trace_and_fill
-from .steps import load_step_rows, to_trace_row
+from .steps import is_step_file, load_step_rows, to_trace_row
 from .latent import LatentModel
 from .models import load_model
 
 # %% auto #0
 __all__ = ['score', 'bootstrap_mean', 'paired_delta', 'within_noise', 'frame_json', 'frames_json', 'true_line_frames', 'evaluate',
-           'results_table', 'save_records', 'load_records', 'is_step_file', 'load_eval_rows', 'load_policy',
-           'evaluate_path']
+           'results_table', 'save_records', 'load_records', 'load_eval_rows', 'load_policy', 'evaluate_path']
 
 # %% ../nbs/21_evaluate.ipynb #a1ba1f48
 def _score_parsed(p, truth: str) -> dict:
@@ -130,15 +129,6 @@ def load_records(path) -> list[dict]:
     return out
 
 # %% ../nbs/21_evaluate.ipynb #9032edad
-def is_step_file(path) -> bool:
-    "A step-data file (`latent_rl.steps`): implicit-CoT lines (`.txt`), or a jsonl whose rows have a `question` and an `answer`."
-    path = Path(path)
-    if path.suffix == ".txt": return True
-    with open(path, encoding="utf-8") as fh: first = next((l for l in fh if l.strip()), "")
-    try: row = json.loads(first)
-    except ValueError: return False
-    return isinstance(row, dict) and {"question", "answer"} <= set(row) and "code" not in row
-
 def load_eval_rows(path, limit: int = 0, progress: bool = True) -> list[dict]:
     "Every row of a CRUXEval-format file, its own `output` the truth; untraced rows get `trace`/`n_line_frames` when the"
     "sandbox can. A step-data file (multiplication, GSM8k-Aug, GSM8K) gives its rows as traces (`to_trace_row`)."

@@ -14,6 +14,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 
 from .corpus import load_rows, trace_and_fill
+from .steps import is_step_file, load_step_rows, to_trace_row
 from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale
 from .records import RunRecord, RECORD_FILES, trim_records
 from .config import ConfigError, check_precision
@@ -429,9 +430,11 @@ def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
 
 # %% ../nbs/16_loop.ipynb #4b1596f2
 def load_traced(path, limit: int = 0, progress: bool = True) -> list[dict]:
-    "CRUXEval-format rows with traces: rows without a `trace` field are traced in the sandbox (failures dropped; "
+    "CRUXEval-format rows with traces (a step-data file's rows come as traces, `latent_rl.steps`): rows without a `trace`"
+    "field are traced in the sandbox (failures dropped; "
     "`SandboxUnavailable` where it cannot start, unless `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."
-    rows = load_rows(path, limit or None)
+    if is_step_file(path): rows = [to_trace_row(r) for r in load_step_rows(path, limit or None)]   # steps: traces already
+    else: rows = load_rows(path, limit or None)
     if not rows: raise ValueError(f"{path}: no rows (the file is empty)")
     need = [r for r in rows if "trace" not in r]
     if need:

@@ -9,9 +9,9 @@ from pathlib import Path
 from .trace import ACTION_SEP, CALL_SEP, FRAME_SEP, TRACE_CONTEXT_START, Frame, render_trace
 
 # %% auto #0
-__all__ = ['StepError', 'parse_step_line', 'multiplication_line', 'find_data', 'gsm8k_row', 'load_step_rows',
-           'generate_multiplication', 'steps_text', 'answer_only_text', 'same_answer', 'step_prompt', 'step_trace',
-           'to_trace_row']
+__all__ = ['StepError', 'parse_step_line', 'multiplication_line', 'find_data', 'gsm8k_row', 'is_step_file', 'load_step_rows',
+           'generate_multiplication', 'steps_text', 'step_line', 'save_step_lines', 'answer_only_text', 'same_answer',
+           'step_prompt', 'step_trace', 'to_trace_row']
 
 # %% ../nbs/01_steps.ipynb #67e384c1
 class StepError(ValueError):
@@ -93,6 +93,16 @@ def gsm8k_row(obj, where: str = "<row>", id: str = "") -> dict:
     return {"id": str(obj.get("id", id)), "task": "gsm8k", "question": obj["question"].strip(),
             "steps": [{"visible": "", "latent": e.strip()} for e in _EQ.findall(work)], "answer": final}
 
+def is_step_file(path) -> bool:
+    "A step-data file: implicit-CoT lines (`.txt`), or a jsonl whose first row has a `question` and an `answer`."
+    path = Path(path)
+    if path.suffix == ".txt": return True
+    if not path.is_file(): return False
+    with open(path, encoding="utf-8") as fh: first = next((l for l in fh if l.strip()), "")
+    try: row = json.loads(first)
+    except ValueError: return False
+    return isinstance(row, dict) and {"question", "answer"} <= set(row) and "code" not in row
+
 def load_step_rows(path, limit: int | None = None) -> list[dict]:
     "Step rows from an implicit-CoT `.txt` or a GSM8K `.jsonl`; a malformed line raises `StepError` naming file and line."
     path = Path(path)
@@ -130,6 +140,18 @@ def steps_text(row: dict) -> str:
     body = " ".join(f"{s['visible']} {s['latent']}".strip() if s["visible"] else s["latent"] for s in row["steps"])
     if row["task"] == "gsm8k": body = " ".join(f"<<{s['latent']}>>" for s in row["steps"])
     return f"{body} #### {row['answer']}".strip()
+
+def step_line(row: dict) -> str:
+    "A step row as an implicit-CoT line (`load_step_rows` reads it back): the question, '||', the explicit target."
+    return f"{row['question']}||{steps_text(row)}"
+
+def save_step_lines(rows, path) -> Path:
+    "Write step rows as implicit-CoT lines (atomically), e.g. generated multiplication training data."
+    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(step_line(r) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)
+    return path
 
 def answer_only_text(row: dict) -> str:
     "The answer-only target (the no-CoT baseline)."
