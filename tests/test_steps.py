@@ -12,10 +12,11 @@ needs_icot = pytest.mark.skipif(ICOT is None, reason="shared/data/icot not found
 
 
 @needs_icot
-def test_sft_codi_and_eval_run_on_multiplication_steps(tmp_path):
+def test_every_stage_runs_on_multiplication_steps(tmp_path):
     "Generated 4x4 training lines (disjoint from the published validation file) train the explicit-steps and the"
-    "answer-only SFT baselines and a CODI student (a latent block per partial product) with the stages' own CLI; `eval`"
-    "scores all three on the published validation lines. A smoke run (a few steps): the code path, not a result."
+    "answer-only SFT baselines, a CODI student (a latent block per partial product), GKD from the explicit model and GRPO"
+    "on 'the answer equals', all with the stages' own CLI; `eval` scores the five on the published validation lines. A"
+    "smoke run (a few steps each): the code path, not a result."
     valid = ICOT / "4_by_4_mult" / "valid.txt"
     rows = generate_multiplication(64, seed=0, exclude=load_step_rows(valid))
     train, val = save_step_lines(rows[8:], tmp_path / "train.txt"), save_step_lines(rows[:8], tmp_path / "val.txt")
@@ -25,9 +26,14 @@ def test_sft_codi_and_eval_run_on_multiplication_steps(tmp_path):
     run_cli("sft", *common, "--mode", "answer", "--out", tmp_path / "answer")
     run_cli("codi", "--model", tmp_path / "explicit" / "final", "--train", train, "--val", "", "--steps", 2,
             "--batch_size", 4, "--save_every", 0, "--log_every", 1, "--out", tmp_path / "latent")
-    p = run_cli("eval", *[a for n in ("explicit", "answer", "latent") for a in ("--model", f"{n}={tmp_path / n / 'final'}")],
+    run_cli("gkd", "--model", tmp_path / "latent" / "final", "--teacher", tmp_path / "explicit" / "final", "--train", train,
+            "--steps", 2, "--batch_size", 4, "--max_new_tokens", 48, "--save_every", 0, "--log_every", 1, "--out", tmp_path / "gkd")
+    run_cli("grpo", "--model", tmp_path / "gkd" / "final", "--train", train, "--steps", 2, "--batch_size", 2, "--group_size", 4,
+            "--max_new_tokens", 48, "--save_every", 0, "--log_every", 1, "--out", tmp_path / "grpo")   # reward: the answer equals
+    names = ("explicit", "answer", "latent", "gkd", "grpo")
+    p = run_cli("eval", *[a for n in names for a in ("--model", f"{n}={tmp_path / n / 'final'}")],
                 "--rows", valid, "--limit", 4, "--max_new_tokens", 48, "--out", tmp_path / "eval")
-    for n in ("explicit", "answer", "latent"):
+    for n in names:
         assert f"| {n} |" in p.stdout, p.stdout
         recs = [json.loads(l) for l in (tmp_path / "eval" / f"{n}.records.jsonl").read_text().splitlines()]
         assert [r["truth"] for r in recs] == [r["answer"] for r in load_step_rows(valid, 4)]
