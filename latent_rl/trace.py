@@ -1481,6 +1481,8 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
                         check_by = min(w.deadline, t + self.timeout + self.grace)   # checking counts against the row
                         w.deadline, lost = self._deadline(t), 0
                         finish(i, _relayed(ids[i], head, payload, rows[i], self, check_by))
+                        del payload
+                        while out: yield out.popleft()          # at once: the parent holds one big result at a time
             now = time.monotonic()
             for w in list(self._ws):
                 if w.jobs and now > w.deadline and not select.select([w.fd], [], [], 0)[0]:  # not while an answer waits
