@@ -79,6 +79,16 @@ def _return_large_blocks(threshold: int = 1 << 20):
         ctypes.CDLL(None).mallopt(-3, threshold)          # M_MMAP_THRESHOLD
     except (OSError, AttributeError): pass
 
+def _peak_rss_mb() -> float:
+    "This process's peak resident memory since it started (VmHWM: `ru_maxrss` would also count the memory of the process"
+    "that spawned it, which a child keeps as its maxrss across exec)."
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"): return int(line.split()[1]) / 1024
+    except OSError: pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
 def cmd_trace(argv):
     ap = argparse.ArgumentParser(prog="latent-rl trace", description="Trace a CRUXEval-format JSONL file in the sandbox.")
     ap.add_argument("rows"); ap.add_argument("-o", "--out", required=True)
@@ -93,8 +103,7 @@ def cmd_trace(argv):
     if not os.access(out.parent, os.W_OK): raise PermissionError(f"-o {out}: cannot write in {out.parent}")
     _return_large_blocks()
     c = trace_file(rows, out, resume=a.resume, workers=a.workers, timeout=a.timeout, mem_mb=a.mem_mb, max_frames=a.max_frames)
-    import resource
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _peak_rss_mb()
     print(f"traced {c['rows']} rows: {c['ok']} ok, {c['rows'] - c['ok']} skipped, {c['matches']} return values equal "
           f"`output`; wrote {a.out}" + (f" ({c['resumed']} rows resumed)" if c["resumed"] else "") +
           f"; parent peak memory {peak:.0f} MB")

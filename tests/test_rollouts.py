@@ -32,6 +32,8 @@ for name, t in named_weights(m):
 assert names == list(full) and peak[0] == 1, (peak, names[:3])
 assert sum(len(c) for c in layer_chunks(named_weights(m))) == len(full)
 print("OK", dist.get_rank(), len(names))
+dist.barrier()
+dist.destroy_process_group()                         # a clean exit: gloo's threads joined before the interpreter ends
 '''
 
 def test_named_weights_gathers_fsdp2_shards_one_at_a_time(tmp_path):
