@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import latent_rl.trace as T
 from latent_rl.trace import TracePool, sandbox_status, trace_inprocess
 from conftest import ROOT, run_cli
-from test_sandbox import ATTACKS, SECRET, check, hostile_rows, needs_jail, third_round, host  # noqa: F401 (fixture)
+from test_sandbox import ATTACKS, SECRET, _untraced, check, hostile_rows, needs_jail, third_round, host  # noqa: F401 (fixture)
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to make a cgroup, or to become an ordinary user)")
 USER = 1_900_000_001            # the ordinary user: an uid no account has
@@ -244,10 +244,6 @@ def test_an_injected_special_token_cannot_reach_a_target(tmp_path):
 
 
 # ---------------------------------------------------------------- a row cannot change its jail for the rows after it
-
-def _untraced(body):
-    return "def f(src):\n    g = {}\n    exec(compile(src, 'u', 'exec'), g)\n    return g.get('RESULT')\n"
-
 
 PROC_WRITES = """import os
 RESULT = {}
