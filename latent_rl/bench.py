@@ -17,10 +17,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen2Co
 from .trace import find_cruxeval, _load_jsonl, sandbox_status, unsafe_allowed, TracePool, trace_inprocess, prompt_text
 from .corpus import load_rows
 from .tokens import encode, sft_example, codi_example
-from .models import load_tokenizer, build_tiny, n_params, cache_kw, out_cache
+from .models import load_tokenizer, build_tiny, n_params, cache_kw, out_cache, backbone
 from .logprobs import DEFAULT_CHUNK, token_logprobs, token_logprobs_checkpointed, logprobs_from_logits
 from .losses import TeacherOutput, grpo_loss, generalized_jsd_from_hidden
-from .latent import LatentModel, LatentSpec, CodiOptions, codi_forward, kd_layer_indices, CALL_COST
+from .latent import LatentModel, LatentSpec, CodiOptions, CodiOutput, codi_forward, kd_layer_indices, CALL_COST
+from .steps import find_data, load_step_rows, to_trace_row
 from .policy import Policy
 from .teachers import ModelTeacher, ExplicitTraceTeacher, SelfTeacher
 from .engine import make_engine, local_tensor, added_peak_mb, checkpoint_layers
@@ -328,7 +329,7 @@ def _bench(quick: bool, device: str) -> dict:
 def ref_forward(lm, examples, opts, teacher=None, coins=None):
     model, prj, s = lm.model, lm.prj, lm.spec.latent_steps
     ls_id, le_id = lm.spec.latent_start_id, lm.spec.latent_end_id
-    body = model.model                       # logits always from the model's own forward (its head: bias, scale, cap)
+    body = backbone(model)                   # logits always from the model's own forward (its head: bias, scale, cap)
     L = model.config.num_hidden_layers
     layers = kd_layer_indices(opts, L, teacher is not None)
     emb = model.get_input_embeddings()
@@ -402,38 +403,61 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
     return loss, {"student_loss": f(sl / n), "kd_loss": f(kl / n), "teacher_loss": f(tl / n) if teacher is None else 0.0}
 
 # %% ../nbs/27_bench.ipynb #51ff7a4d
+def _first_spans(e: dict, k: int) -> dict:
+    "A CODI example whose first `k` spans go latent; the later LINE frames stay explicit text (no latent targets)."
+    return {**{n: v for n, v in e.items() if n not in ("value_tok", "answer_tok", "recon_ids")}, "spans": e["spans"][:k]}
+
+def _bench_batches(tok, batch_size: int, n_batches: int) -> dict[str, list[list[dict]]]:
+    "The kinds of batch the CODI benchmark measures, each labelled with what it holds."
+    exs = [e for e in (codi_example(tok, r, 384) for r in load_rows("data/corpus/train.jsonl", 400)) if e]
+    exs = exs[:batch_size * n_batches]                      # the corpus's rows have 4–5 LINE frames each
+    mixed = [_first_spans(e, 1 + i % 5) for i, e in enumerate(exs)]
+    cut = lambda xs: [xs[i:i + batch_size] for i in range(0, len(xs), batch_size)]
+    kinds = {"corpus rows as they come": cut(exs), "corpus rows, the first 1–5 spans latent (mixed in each batch)": cut(mixed)}
+    if (gsm := find_data("icot")) is not None:              # the natural mixed case: 1–N equations per problem
+        rows = [to_trace_row(r) for r in load_step_rows(gsm / "gsm8k" / "valid.txt", batch_size * n_batches * 2)]
+        g = [e for e in (codi_example(tok, r, 384) for r in rows) if e][:batch_size * n_batches]
+        kinds["GSM8k-Aug validation rows (a block per equation)"] = cut(g)
+    return kinds
+
+# %% ../nbs/27_bench.ipynb #6da30a2e
+def _time_batches(lm, fn, batches, calls) -> dict:
+    "Examples/s, model calls per batch, mean loss and padding of `fn` (forward + backward) over `batches`."
+    def step(b):
+        out = fn(b)
+        if isinstance(out, CodiOutput): pads.append(out.metrics["pad_ratio"]); out = out.loss
+        out.backward(); lm.zero_grad()
+        return out.item()
+    pads = []; step(batches[0])                                                        # warm-up
+    calls["n"], pads, t0 = 0, [], time.perf_counter()
+    losses = [step(b) for b in batches]
+    dt = time.perf_counter() - t0
+    return {"examples_per_s": sum(map(len, batches)) / dt, "model_calls_per_batch": calls["n"] / len(batches),
+            "mean_loss": sum(losses) / len(losses), "pad_ratio": sum(pads) / len(pads) if pads else None}
+
+# %% ../nbs/27_bench.ipynb #7f4ea1f4
 def codi_bench(quick: bool = False, batch_size: int = 8, latent_steps: int = 1, size: str = "tiny", device: str = "cpu") -> dict:
-    "Examples/s of the batched CODI forward+backward vs the per-example reference, with model calls per batch."
+    """Examples/s of the batched CODI forward+backward — one lockstep pass, and `phase_groups` (`call_cost=CALL_COST`)
+    — against the per-example reference on the same batches, for each kind of batch of `_bench_batches`."""
     tok = load_tokenizer("data/tokenizer")
     lm = LatentModel(build_tiny(tok, size, seed=0), LatentSpec.from_tokenizer(tok, latent_steps)).to(device)
-    rows = load_rows("data/corpus/train.jsonl", 400)
-    exs = [e for e in (codi_example(tok, r, 384) for r in rows) if e][: batch_size * (2 if quick else 6)]
-    batches = [exs[i:i + batch_size] for i in range(0, len(exs), batch_size)]
-    calls = {"n": 0}
+    calls, opts, rows = {"n": 0}, CodiOptions(), []
     hook = lm.body.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
-    by_spans = sorted(exs, key=lambda e: (len(e["spans"]), len(e["trace_ids"])))      # the same examples, span-bucketed
-    bucketed = [by_spans[i:i + batch_size] for i in range(0, len(by_spans), batch_size)]
-    opts, res, pads = CodiOptions(), {}, []
-    def batched(b):
-        o = codi_forward(lm, b, opts); pads.append(o.metrics["pad_ratio"]); return o.loss
-    for name, fn, bs in (("batched", batched, batches), ("batched, span-bucketed", batched, bucketed),
-                         ("per-example reference", lambda b: ref_forward(lm, b, opts)[0], batches)):
-        fn(bs[0]).backward(); lm.zero_grad()                                          # warm-up
-        calls["n"], losses, t0 = 0, [], time.perf_counter(); pads.clear()
-        for b in bs:
-            loss = fn(b); loss.backward(); lm.zero_grad(); losses.append(loss.item())
-        dt = time.perf_counter() - t0
-        res[name] = {"impl": name, "batch": batch_size, "latent_steps": latent_steps, "examples_per_s": len(exs) / dt,
-                     "model_calls_per_batch": calls["n"] / len(bs), "mean_loss": sum(losses) / len(losses),
-                     "pad_ratio": sum(pads[1:]) / max(1, len(pads) - 1) if pads else None}
+    impls = (("lockstep", lambda b: codi_forward(lm, b, opts)),
+             ("phase groups", lambda b: codi_forward(lm, b, opts, call_cost=CALL_COST)),
+             ("per-example reference", lambda b: ref_forward(lm, b, opts)[0]))
+    for kind, batches in _bench_batches(tok, batch_size, 2 if quick else 6).items():
+        res = {name: _time_batches(lm, fn, batches, calls) for name, fn in impls}
+        ref, spans = res["per-example reference"], [len(e["spans"]) for b in batches for e in b]
+        for name, r in res.items():
+            rows.append({"batches": kind, "impl": name, "spans": f"{min(spans)}–{max(spans)} (mean {sum(spans) / len(spans):.1f})",
+                         **r, "speedup": r["examples_per_s"] / ref["examples_per_s"],
+                         "max_loss_diff": abs(r["mean_loss"] - ref["mean_loss"])})
     hook.remove()
-    res["batched"]["speedup"] = res["batched"]["examples_per_s"] / res["per-example reference"]["examples_per_s"]
-    res["batched, span-bucketed"]["speedup"] = res["batched, span-bucketed"]["examples_per_s"] / res["per-example reference"]["examples_per_s"]
-    res["batched"]["max_loss_diff"] = abs(res["batched"]["mean_loss"] - res["per-example reference"]["mean_loss"])
-    spans = sum(len(e["spans"]) for e in exs) / len(exs)
-    return {"name": "codi", "rows": list(res.values()),
-            "notes": f"{len(exs)} CODI examples from data/corpus/train.jsonl ({spans:.1f} spans each on average), {size} model, "
-                     f"fp32 on {device}; model calls counted on the backbone (the reference's full-LM calls included)."}
+    return {"name": "codi", "rows": rows,
+            "notes": f"{batch_size} examples a batch, {2 if quick else 6} batches of each kind (the same batches for the three "
+                     f"implementations), {size} model, {latent_steps} latent step(s) a block, fp32 on {device}, forward + "
+                     "backward; model calls counted on the backbone (the reference's full-LM calls included)."}
 
 # %% ../nbs/27_bench.ipynb #6406444f
 def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:

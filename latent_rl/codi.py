@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from .tokens import codi_example, latent_subset
 from .models import load_model, n_params, lora_scale, export_state, save_lora, load_lora
-from .latent import LatentModel, CodiOptions, codi_forward
+from .latent import LatentModel, CodiOptions, codi_forward, CALL_COST
 from .records import RunRecord
 from .config import TrainConfig, teacher_dtype
 from .engine import setup, log0, shard_frozen
@@ -54,6 +54,7 @@ class CodiConfig(TrainConfig):
     curriculum_from: str = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
     prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
     bucket: bool = False                # span-aware batching: each batch from examples of similar span count
+    phase_groups: bool = False          # run each batch's student in phase groups (same result, less padding when span counts mix)
     steps: int = 300
     lr: float = 1e-3
     warmup: int = 20
@@ -140,7 +141,8 @@ class CodiStep(Stage):
         K = max(len(e["spans"]) for e in batch)
         ss = example_coins(cfg.seed, step, part, K + 1, o.ss_p, SS_SALT) if o.ss_p > 0 else None
         tf = example_coins(cfg.seed, step, part, K, o.latent_tf, TF_SALT) if o.latent_tf > 0 else None
-        out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf)
+        out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf,
+                           call_cost=CALL_COST if self.cfg.phase_groups else None)
         if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in self.anchored:   # the step's first micro-batch
             self.anchored.add(step); self.anchors.log(step=step, **anchor_record(batch, out))
         m = dict(out.metrics, ss_p=o.ss_p, latent_tf=o.latent_tf,
@@ -156,7 +158,7 @@ class CodiStep(Stage):
 # %% ../nbs/18_codi.ipynb #4eba2744
 def codi_examples(cfg: CodiConfig, tok, opts: CodiOptions, acc, progress: bool = True) -> list[dict]:
     "CODI examples (prompt, trace with its LINE spans) from traced rows."
-    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)
+    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
     exs = [e for e in (codi_example(tok, r, cfg.max_len, cfg.max_spans or None, targets=opts.needs_targets) for r in rows)
            if e is not None]
     if not exs: raise ValueError(f"{cfg.train}: no usable CODI examples (need ≥1 LINE frame within max_len={cfg.max_len})")

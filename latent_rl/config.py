@@ -35,7 +35,7 @@ CHOICES = {"dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"), 
            "curriculum_from": ("end", "start"), "prj_init": ("default", "embed"), "mode": ("trace", "answer"),
            "adv_scale": ("group", "batch", "none"), "norm": ("sequence", "token"),
            "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
-           "replay": ("exact", "truncated"), "strategy": ("ddp", "fsdp")}
+           "replay": ("exact", "truncated"), "strategy": ("ddp", "fsdp"), "step_blocks": ("each", "one")}
 
 # %% ../nbs/14_config.ipynb #7ff3fab6
 def _typed(tp: str, v):
@@ -164,6 +164,7 @@ class TrainConfig:
     weight_decay: float = 0.0            # AdamW weight decay
     max_grad_norm: float = 1.0           # gradient-norm clip
     max_train: int = 0                  # 0 = all training rows
+    step_blocks: str = "each"           # step-data files: a latent block per step (each) or one for the whole chain (one)
     seed: int = 0                        # seeds the data order, sampling keys and initialisation
     dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
     precision: str = "fp32"             # fp32 | bf16: bf16 compute over fp32 weights, gradients and AdamW states

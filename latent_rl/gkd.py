@@ -314,7 +314,7 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     if cfg.lora_r and cfg.use_vllm: raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     teacher = make_teacher(cfg, policy, acc)
     check_vocab(policy.tok, teacher, policy.head_weight.shape[0])     # refuse mismatched vocabularies at start-up
-    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)
+    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
     data = [dataset_completion(policy.tok, r, policy.kind) for r in rows]
     if not data: raise ValueError(f"{cfg.train}: no rows")
     engine = make_rollout_engine(cfg, policy) if cfg.use_vllm and policy.kind == "text" else None

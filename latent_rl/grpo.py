@@ -313,7 +313,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     lora_student(cfg, policy.lm, policy.module)
     if cfg.lora_r and cfg.use_vllm: raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
-    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)
+    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
     prompts = [encode(policy.tok, row_prompt(r)) for r in rows]
     engine = make_rollout_engine(cfg, policy) if cfg.use_vllm else None
     log0(acc, f"grpo: {policy.kind} policy {cfg.model} ({n_params(policy.module):,} params), {len(rows)} prompts, "

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import json, math
 from dataclasses import dataclass, asdict, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from .losses import state_kd_loss, embed_kd_loss, anchor_kd_loss
 # %% auto #0
 __all__ = ['VALUE_KD_AT', 'CALL_COST', 'LatentSpec', 'Projector', 'LatentModel', 'pack_phases', 'CodiOptions', 'kd_layer_indices',
            'TeacherPass', 'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model', 'student_pass',
-           'phase_groups', 'recon_loss', 'codi_forward']
+           'phase_groups', 'grouped_student_pass', 'recon_loss', 'codi_forward']
 
 # %% ../nbs/07_latent.ipynb #2440d8e2
 @dataclass
@@ -376,6 +377,55 @@ def phase_groups(examples: list[dict], spec: LatentSpec, call_cost: float = CALL
     while j: groups.append(order[cut[j]:j]); j = cut[j]
     return groups[::-1]
 
+# %% ../nbs/07_latent.ipynb #891ab839
+def _pad1(x: torch.Tensor | None, n: int, fill) -> torch.Tensor | None:
+    "`x` padded along dim 1 to length `n` with `fill`."
+    if x is None or x.shape[1] >= n: return x
+    return torch.cat([x, x.new_full((x.shape[0], n - x.shape[1], *x.shape[2:]), fill)], 1)
+
+def _slice_rows(kw: dict, g: list[int], K: int, T: int) -> dict:
+    "The per-row inputs of `student_pass` for the rows `g` of a group with `K` spans and `T` trace tokens at most."
+    out = dict(kw)
+    for name, width in (("ss_coins", K + 1), ("states_at", T), ("token_weight", T), ("forced_latents", K)):
+        if kw.get(name) is not None: out[name] = kw[name][g][:, :width]
+    return out
+
+# %% ../nbs/07_latent.ipynb #e6088061
+def _merge_passes(parts: list[StudentPass], groups: list[list[int]], K: int, T: int) -> StudentPass:
+    "One `StudentPass` in batch order from the passes of `groups` (rows missing a span or token padded as lockstep pads)."
+    order = torch.tensor([b for g in groups for b in g])
+    inv = torch.empty_like(order); inv[order] = torch.arange(len(order))
+    cat = lambda xs: torch.cat(xs)[inv.to(xs[0].device)]
+    r = StudentPass(cat([p.ce_sum for p in parts]), cat([p.ce_cnt for p in parts]), [], sum(p.calls for p in parts),
+                    n_scored=sum(p.n_scored for p in parts), n_real=sum(p.n_real for p in parts),
+                    n_run=sum(p.n_run for p in parts))
+    like = parts[0].anchors[0]
+    r.anchors = [cat([p.anchors[k] if k < len(p.anchors) else like.new_zeros(len(g), *like.shape[1:])
+                      for p, g in zip(parts, groups)]) for k in range(K)]                # K × [B, L_sel, H]
+    for name, fill in (("trace_lp", float("nan")), ("pred_hidden", 0.0), ("pred_mask", False), ("latents", 0.0),
+                       ("latent_states", 0.0)):
+        xs = [getattr(p, name) for p in parts]
+        if xs[0] is not None: setattr(r, name, cat([_pad1(x, K if name.startswith("latent") else T, fill) for x in xs]))
+    if parts[0].states_at is not None:                                                # back to (row, index) order
+        rb, rt, st = (torch.cat(x) for x in zip(*[(torch.tensor(g, device=p.states_at[0].device)[p.states_at[0]],
+                                                  p.states_at[1], p.states_at[2]) for p, g in zip(parts, groups)]))
+        o = torch.argsort(rb * T + rt)
+        r.states_at = (rb[o], rt[o], st[o])
+    return r
+
+# %% ../nbs/07_latent.ipynb #500da486
+def grouped_student_pass(lm: LatentModel, examples: list[dict], call_cost: float = CALL_COST, **kw) -> StudentPass:
+    "`student_pass` over `examples` run as `phase_groups` (fewer padded positions), returned in batch order."
+    groups = phase_groups(examples, lm.spec, call_cost)
+    if len(groups) == 1: return student_pass(lm, examples, **kw)
+    K, T = max(len(e["spans"]) for e in examples), max(1, max(len(e["trace_ids"]) for e in examples))
+    parts = []
+    for g in groups:
+        sub = [examples[i] for i in g]
+        Kg, Tg = max(len(e["spans"]) for e in sub), max(1, max(len(e["trace_ids"]) for e in sub))
+        parts.append(student_pass(lm, sub, **_slice_rows(kw, g, Kg, Tg)))
+    return _merge_passes(parts, groups, K, T)
+
 # %% ../nbs/07_latent.ipynb #0dc4bbd8
 def _value_pairs(examples, mode: str, S: int) -> list[tuple]:
     "(row, span, latent step, teacher trace index, target token id, first layer) for value distillation in `mode`."
@@ -483,8 +533,10 @@ def _answer_kd(sp: StudentPass, tp: TeacherPass, plan):
 def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = CodiOptions(), teacher=None,
                  ss_coins: torch.Tensor | None = None, chunk_size: int = 1024, return_logprobs: bool = False,
                  generator: torch.Generator | None = None, return_states: bool = False,
-                 tf_coins: torch.Tensor | None = None, tf_generator: torch.Generator | None = None) -> CodiOutput:
-    """CODI losses for a batch of `{prompt_ids, trace_ids, spans}` examples, all spans of all examples in lockstep.
+                 tf_coins: torch.Tensor | None = None, tf_generator: torch.Generator | None = None,
+                 call_cost: float | None = None) -> CodiOutput:
+    """CODI losses for a batch of `{prompt_ids, trace_ids, spans}` examples, all spans of all examples in lockstep
+    (`call_cost`: the student runs in `phase_groups` at that price of a model call, with the same result).
     `ss_coins [B, K+1]` / `tf_coins [B, K]` fix scheduled sampling / latent teacher forcing per segment / block
     (else drawn with `generator` / `tf_generator`)."""
     dev, B = lm.head_weight.device, len(examples)
@@ -499,7 +551,8 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     tp = teacher_pass(lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.grad_ckpt, plan["gather"])
     if ss_coins is None:
         ss_coins = torch.rand(B, K + 1, generator=generator) < opts.ss_p if opts.ss_p > 0 else torch.zeros(B, K + 1, dtype=torch.bool)
-    sp = student_pass(lm, examples, layers=layers if opts.kd_target == "hidden" else None, ss_coins=ss_coins,
+    run = student_pass if call_cost is None else partial(grouped_student_pass, call_cost=call_cost)
+    sp = run(lm, examples, layers=layers if opts.kd_target == "hidden" else None, ss_coins=ss_coins,
                       chunk_size=chunk_size, return_logprobs=return_logprobs,
                       return_latents=return_states or bool(opts.recon) or (bool(opts.value_kd) and opts.value_kd_at == "embed"),
                       latent_states=bool(opts.value_kd) and opts.value_kd_at != "embed",

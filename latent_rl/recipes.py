@@ -66,6 +66,35 @@ RECIPES["gpu-qwen2.5-coder-32b"] = {
                        warmup=10, max_new_tokens=512, steps_per_generation=2, save_every=50, out="runs/grpo"),
 }
 
+# %% ../nbs/13_recipes.ipynb #3f429e49
+_MULT4 = dict(train="runs/mult4/train.txt", val="runs/mult4/val.txt")
+RECIPES["cpu-mult4"] = {   # `latent-rl mult --out runs/mult4` writes the lines; the shipped models: data/mult4/*
+    "SFTConfig": dict(_MULT4, size="tiny", steps=3000, batch_size=32, lr=3e-3, warmup=50, max_len=256, save_every=500,
+                      log_every=50, out="runs/mult4/explicit"),
+    "CodiConfig": dict(_MULT4, model="data/mult4/explicit", val="", steps=480, batch_size=16, lr=1e-3, warmup=20,
+                       latent_steps=3, g=0.0, value_kd=1.0, value_kd_at="sequence", answer_weight=3.0, prj_init="embed",
+                       max_len=256, log_every=10, save_every=80, out="runs/mult4/latent"),
+}
+_CODI_PAPER = dict(train="data/gsm8k_aug/train.txt", val="", lora_r=128, lora_alpha=32.0, batch_size=128, weight_decay=0.1,
+                   max_grad_norm=2.0, precision="bf16", max_len=512, save_every=2000, log_every=10, wandb="online")
+_GPT2 = dict(model="gpt2", lora_targets="c_attn,c_proj,c_fc", lr=3e-3, steps=120_506, warmup=3_615)      # 40 epochs
+_LLAMA1B = dict(model="meta-llama/Llama-3.2-1B-Instruct", lr=8e-4, steps=30_127, warmup=904)             # 10 epochs
+for _name, _m, _beta in (("gpt2", _GPT2, 1.0), ("llama3.2-1b", _LLAMA1B, 20.0)):
+    RECIPES[f"gpu-{_name}-gsm8k-aug"] = {
+        "SFTConfig": dict(_CODI_PAPER, **_m, out=f"runs/{_name}-gsm8k-aug/cot-sft"),       # --mode answer: no-CoT SFT
+        "CodiConfig": dict(_CODI_PAPER, **_m, teacher="", a=1.0, b=1.0, g=_beta, kd_norm_std=True, latent_steps=6,
+                           step_blocks="one", out=f"runs/{_name}-gsm8k-aug/codi"),
+    }
+for _d in (4, 5):
+    _t = dict(train=f"runs/mult{_d}/train.txt", val=f"runs/mult{_d}/val.txt", precision="bf16", max_len=512, wandb="online")
+    RECIPES[f"gpu-gpt2-mult{_d}"] = {
+        "SFTConfig": dict(_t, model="gpt2", steps=25_000, batch_size=32, lr=5e-5, warmup=500, save_every=5000,
+                          out=f"runs/gpt2-mult{_d}/explicit"),
+        "CodiConfig": dict(_t, model=f"runs/gpt2-mult{_d}/explicit/final", val="", steps=25_000, batch_size=32, lr=5e-5,
+                           warmup=500, latent_steps=2, kd_norm_std=True, phase_groups=False, save_every=5000,
+                           out=f"runs/gpt2-mult{_d}/latent"),
+    }
+
 # %% ../nbs/13_recipes.ipynb #1f2f685a
 def recipe_fields(name: str, cls) -> dict:
     "The recipe's fields for config class `cls` (an unknown recipe or field is a clear error)."

@@ -96,12 +96,12 @@ class SFTStep(Stage):
 # %% ../nbs/17_sft.ipynb #2b224d1b
 def sft_examples(cfg: SFTConfig, tok, acc, progress: bool = True) -> tuple[list[dict], list[dict]]:
     "Training and validation examples (explicit traces or answers only) from traced rows."
-    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process)
+    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
     exs = [e for e in (sft_example(tok, r, cfg.mode, cfg.max_len) for r in rows) if e is not None]
     if not exs: raise ValueError(f"{cfg.train}: no usable training examples (all longer than max_len={cfg.max_len}?)")
     val = []
     if cfg.val and Path(cfg.val).exists():
-        val = [e for e in (sft_example(tok, r, cfg.mode, cfg.max_len) for r in load_traced(cfg.val, 256, False)) if e]
+        val = [e for e in (sft_example(tok, r, cfg.mode, cfg.max_len) for r in load_traced(cfg.val, 256, False, cfg.step_blocks)) if e]
     return exs, val
 
 def run_sft(cfg: SFTConfig, progress: bool = True) -> Path:

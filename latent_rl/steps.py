@@ -9,9 +9,9 @@ from pathlib import Path
 from .trace import ACTION_SEP, CALL_SEP, FRAME_SEP, TRACE_CONTEXT_START, Frame, render_trace
 
 # %% auto #0
-__all__ = ['StepError', 'parse_step_line', 'multiplication_line', 'find_data', 'gsm8k_row', 'is_step_file', 'load_step_rows',
-           'generate_multiplication', 'steps_text', 'step_line', 'save_step_lines', 'answer_only_text', 'same_answer',
-           'step_prompt', 'step_trace', 'to_trace_row']
+__all__ = ['STEP_BLOCKS', 'StepError', 'parse_step_line', 'multiplication_line', 'find_data', 'gsm8k_row', 'is_step_file',
+           'load_step_rows', 'generate_multiplication', 'steps_body', 'steps_text', 'step_line', 'save_step_lines',
+           'answer_only_text', 'same_answer', 'multiplication_files', 'step_prompt', 'step_trace', 'to_trace_row']
 
 # %% ../nbs/01_steps.ipynb #67e384c1
 class StepError(ValueError):
@@ -135,11 +135,14 @@ def generate_multiplication(count: int, n: int = 4, m: int = 4, seed: int = 0, e
     return rows
 
 # %% ../nbs/01_steps.ipynb #62748990
+def steps_body(row: dict) -> str:
+    "The steps as the line format writes them: each step's visible part, then its latent part (GSM8k-Aug: `<<eq>>`)."
+    if row["task"] == "gsm8k": return " ".join(f"<<{s['latent']}>>" for s in row["steps"])
+    return " ".join(f"{s['visible']} {s['latent']}".strip() if s["visible"] else s["latent"] for s in row["steps"])
+
 def steps_text(row: dict) -> str:
-    "The explicit-steps target: each step (its visible part, then its latent part), then ' #### ' and the answer."
-    body = " ".join(f"{s['visible']} {s['latent']}".strip() if s["visible"] else s["latent"] for s in row["steps"])
-    if row["task"] == "gsm8k": body = " ".join(f"<<{s['latent']}>>" for s in row["steps"])
-    return f"{body} #### {row['answer']}".strip()
+    "The explicit-steps target: the steps, then ' #### ' and the answer."
+    return f"{steps_body(row)} #### {row['answer']}".strip()
 
 def step_line(row: dict) -> str:
     "A step row as an implicit-CoT line (`load_step_rows` reads it back): the question, '||', the explicit target."
@@ -163,19 +166,34 @@ def same_answer(pred: str | None, truth: str) -> bool:
     norm = lambda s: re.sub(r"\.0+$", "", " ".join(s.replace(",", "").split()))
     return norm(pred) == norm(truth)
 
+# %% ../nbs/01_steps.ipynb #441c6663
+def multiplication_files(out, n: int = 4, m: int = 4, count: int = 79_000, val: int = 200, seed: int = 1,
+                         exclude=None) -> tuple[Path, Path]:
+    "`OUT/train.txt` (`count` lines) and `OUT/val.txt` (`val` more) of n×m multiplication, none a pair of `exclude`"
+    "(default: the implicit-CoT validation file of that size, where `find_data` finds it)."
+    if exclude is None and (d := find_data("icot")) is not None and (p := d / f"{n}_by_{m}_mult" / "valid.txt").exists():
+        exclude = p
+    rows = generate_multiplication(count + val, n, m, seed, load_step_rows(exclude) if exclude else ())
+    out = Path(out)
+    return save_step_lines(rows[:count], out / "train.txt"), save_step_lines(rows[count:], out / "val.txt")
+
 # %% ../nbs/01_steps.ipynb #2965b6e8
 def step_prompt(row: dict) -> str:
     "A step row's prompt: the question as the context, then `main`'s CALL frame, as `prompt_text` ends a program's."
     return f"{TRACE_CONTEXT_START}\n{row['question']}\n{FRAME_SEP}{CALL_SEP}{{}}{ACTION_SEP}def main():\n{FRAME_SEP}"
 
-def step_trace(row: dict) -> str:
+STEP_BLOCKS = ("each", "one")   # a latent block per step | one block for the whole chain (the CODI paper's GSM8k-Aug)
+
+def step_trace(row: dict, blocks: str = "each") -> str:
     "A step row's target as a trace: a LINE frame per step (the compressible part as its state, the visible part as"
-    "its line), then the answer as the RETURN frame."
-    frames = [Frame("line", (s["visible"] or "step") + "\n", {"step": s["latent"]}) for s in row["steps"]]
+    "its line), or with `blocks='one'` one LINE frame holding every step; then the answer as the RETURN frame."
+    if blocks not in STEP_BLOCKS: raise ValueError(f"step_blocks must be one of {STEP_BLOCKS}, got {blocks!r}")
+    if blocks == "one": frames = [Frame("line", "steps\n", {"steps": steps_body(row)})]
+    else: frames = [Frame("line", (s["visible"] or "step") + "\n", {"step": s["latent"]}) for s in row["steps"]]
     return render_trace(frames + [Frame("return", "return\n", None, row["answer"])])
 
-def to_trace_row(row: dict) -> dict:
+def to_trace_row(row: dict, blocks: str = "each") -> dict:
     "A step row with the fields a traced row has besides its own: `prompt` (which the stages read through `row_prompt`),"
     "`trace`, `output`, `n_line_frames`, an empty `code` and the question as `input`."
-    return {**row, "code": "", "input": row["question"], "prompt": step_prompt(row), "trace": step_trace(row),
-            "output": row["answer"], "n_line_frames": len(row["steps"])}
+    return {**row, "code": "", "input": row["question"], "prompt": step_prompt(row), "trace": step_trace(row, blocks),
+            "output": row["answer"], "n_line_frames": len(row["steps"]) if blocks == "each" else 1}

@@ -4,11 +4,12 @@
 
 # %% ../nbs/29_train.ipynb #2ff42ef7
 from __future__ import annotations
-import argparse, json, os, sys, time
+import argparse, json, os, re, sys, time
 from pathlib import Path
 from .trace import UNSAFE_ENV, THREAT_MODEL, sandbox_report, trace_file, SandboxUnavailable, sandbox_notice
 from .tokens import build_data, DATA_DEFAULTS
 from .corpus import load_rows
+from .steps import multiplication_files
 from .sft import SFTConfig, run_sft
 from .config import parse_config
 from .evaluate import evaluate_path, results_table, save_records, load_eval_rows
@@ -29,8 +30,8 @@ from .loop import CheckpointError, RunDirBusy
 # %% auto #0
 __all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'COMMANDS', 'PIPELINE', 'sandbox_flag', 'cmd_doctor', 'cmd_data', 'cmd_trace',
            'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot',
-           'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_recipes', 'cmd_serve_teacher', 'cmd_serve_rollouts',
-           'user_errors', 'run_command', 'main']
+           'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_mult', 'cmd_recipes', 'cmd_serve_teacher',
+           'cmd_serve_rollouts', 'user_errors', 'run_command', 'main']
 
 # %% ../nbs/29_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -167,6 +168,19 @@ def cmd_sweep(argv):
 def cmd_plan(argv):
     return plan_command(argv)
 
+def cmd_mult(argv):
+    ap = argparse.ArgumentParser(prog="latent-rl mult", description="multiplication training lines in the implicit-CoT "
+                                 "format, none a pair of the published validation file of that size")
+    ap.add_argument("--digits", default="4x4", help="NxM: digits of the two factors")
+    ap.add_argument("--count", type=int, default=79_000, help="training lines (OUT/train.txt)")
+    ap.add_argument("--val", type=int, default=200, help="held-out-loss lines (OUT/val.txt)")
+    ap.add_argument("--seed", type=int, default=1); ap.add_argument("--out", default="runs/mult4")
+    ap.add_argument("--exclude", default=None, help="step file whose pairs are left out (default: shared/data/icot's)")
+    a = ap.parse_args(argv)
+    if not re.fullmatch(r"[1-9]x[1-9]", a.digits): raise ValueError(f"--digits must look like 4x4, got {a.digits!r}")
+    n, m = map(int, a.digits.split("x"))
+    for p in multiplication_files(a.out, n, m, a.count, a.val, a.seed, a.exclude): print(f"wrote {p}")
+
 def cmd_recipes(argv):
     names = argv or sorted(RECIPES)
     for n in names:
@@ -181,7 +195,7 @@ def cmd_serve_rollouts(argv):
 
 COMMANDS = {"data": cmd_data, "trace": cmd_trace, "sft": cmd_sft, "codi": cmd_codi, "gkd": cmd_gkd, "grpo": cmd_grpo, "eval": cmd_eval,
             "demo": cmd_demo, "bench": cmd_bench, "serve-teacher": cmd_serve_teacher, "serve-rollouts": cmd_serve_rollouts, "plot": cmd_plot,
-            "diagnose": cmd_diagnose, "recipes": cmd_recipes, "doctor": cmd_doctor, "sweep": cmd_sweep, "plan": cmd_plan}
+            "diagnose": cmd_diagnose, "recipes": cmd_recipes, "mult": cmd_mult, "doctor": cmd_doctor, "sweep": cmd_sweep, "plan": cmd_plan}
 
 # %% ../nbs/29_train.ipynb #e59d31d3
 def user_errors() -> tuple:
@@ -222,6 +236,7 @@ def main(argv: list[str] | None = None):
         print(PIPELINE)
         print("usage: latent-rl {" + ",".join(list(COMMANDS) + list(PENDING)) + "} ...\n\n"
               "  data   build the traced corpus and tokenizer\n  trace  trace a CRUXEval-format JSONL file\n"
+              "  mult   multiplication training lines (step data: --rows/--train take them, like GSM8k-Aug files)\n"
               "  sft    supervised fine-tuning\n  codi   CODI latent student from an SFT checkpoint\n"
               "  gkd    on-policy distillation from a teacher (local, self, or over HTTP)\n"
               "  grpo   GRPO with verifiable rewards for text or latent policies\n"
