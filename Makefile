@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 FROM_SCRATCH ?= 0
 DEMO_ARGS ?=
 
-.PHONY: venv lab demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
+.PHONY: venv lab docs docs-test demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,20 @@ venv: $(VENV)/.installed
 lab: venv
 	$(BIN)/python -m ipykernel install --sys-prefix --name latent_rl --display-name "latent_rl (.venv)" >/dev/null
 	cd nbs && ../$(BIN)/jupyter lab
+
+# The documentation site from the notebooks and their saved outputs: _site/index.html (.ci/docs.py says why MkDocs).
+$(VENV)/.docs: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[dev,docs]"
+	@touch $@
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python .ci/docs.py
+
+# The site opened in headless Chromium (Debian's package; installed here when root and missing).
+docs-test: $(VENV)/.docs
+	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  echo "docs-test: Chromium could not be installed; the browser test will be skipped"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m pytest tests/test_docs.py -q -ra
 
 demo: venv
 	$(BIN)/latent-rl demo $(if $(filter 1,$(FROM_SCRATCH)),--from-scratch,) $(DEMO_ARGS)

@@ -5,7 +5,7 @@
 # %% ../nbs/18_codi.ipynb #8c95713b
 from __future__ import annotations
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -44,7 +44,7 @@ class CodiConfig(TrainConfig):
     ss_ramp_frac: float = 0.5            # scheduled sampling: share of the steps over which ss_prob ramps up from 0
     grad_ckpt: bool = False             # gradient checkpointing of the teacher forward
     value_kd: float = 0.0               # distil each block's latent states to the teacher's at the value it replaced
-    value_kd_at: str = "predict"        # predict | tokens | embed (latent_rl.latent.CodiOptions)
+    value_kd_at: str = "sequence"       # sequence | predict | tokens | embed: which teacher states each latent step matches
     answer_kd: float = 0.0              # distil the states predicting the RETURN value
     answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
     recon: float = 0.0                  # block-local reconstruction of each block's replaced state
@@ -63,15 +63,14 @@ class CodiConfig(TrainConfig):
     max_spans: int = 0                  # 0 = no limit
     anchor_every: int = 10              # steps between kd_anchors.jsonl records (0 = never)
 
-    def options(self):
+    def options(self) -> CodiOptions:
+        "The `CodiOptions` of this run: every field the two share, by name (`kd_layers` parsed from its string)."
         layers = tuple(int(x) for x in self.kd_layers.split(",") if x.strip()) or None
         if self.kd_target not in ("hidden", "logit"): raise ValueError(f"CodiConfig.kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
         if self.curriculum_from not in ("end", "start"): raise ValueError(f"CodiConfig.curriculum_from must be 'end' or 'start', got {self.curriculum_from!r}")
         if self.prj_init not in ("default", "embed"): raise ValueError(f"CodiConfig.prj_init must be 'default' or 'embed', got {self.prj_init!r}")
-        return CodiOptions(a=self.a, b=self.b, g=self.g, kd_target=self.kd_target, kd_layers=layers, kd_temp=self.kd_temp,
-                           kd_norm_std=self.kd_norm_std, single_anchor=self.single_anchor, grad_ckpt=self.grad_ckpt,
-                           value_kd=self.value_kd, value_kd_at=self.value_kd_at, answer_kd=self.answer_kd,
-                           answer_weight=self.answer_weight, recon=self.recon, latent_tf=self.latent_tf)
+        shared = {f.name for f in fields(CodiOptions)} & {f.name for f in fields(self)} - {"kd_layers"}
+        return CodiOptions(**{n: getattr(self, n) for n in shared}, kd_layers=layers)
 
 
 # %% ../nbs/18_codi.ipynb #2ad13f50

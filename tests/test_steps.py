@@ -37,6 +37,12 @@ def test_every_stage_runs_on_multiplication_steps(tmp_path):
         assert f"| {n} |" in p.stdout, p.stdout
         recs = [json.loads(l) for l in (tmp_path / "eval" / f"{n}.records.jsonl").read_text().splitlines()]
         assert [r["truth"] for r in recs] == [r["answer"] for r in load_step_rows(valid, 4)]
+    run_cli("diagnose", tmp_path / "latent", "--teacher", tmp_path / "explicit" / "final", "--notrace",
+            tmp_path / "answer" / "final", "--rows", valid, "--train_rows", train, "--limit", 6, "--probe_train", 24,
+            "--max_new_tokens", 48, "--out", tmp_path / "diag")                # latent usage, probes, report
+    rep = json.loads((tmp_path / "diag" / "report.json").read_text())
+    assert rep["n"] == 6 and set(rep["modes"]) == {"explicit", "latent", "no-trace"}
+    assert rep["usage"]["verdict"] and (tmp_path / "diag" / "diagnosis.md").exists()   # a smoke model: no verdict to expect
 
 
 @needs_icot

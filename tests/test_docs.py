@@ -1,0 +1,43 @@
+"""The documentation site (`make docs`): built from the notebooks, opened in a real headless browser (Chromium)."""
+import os, shutil, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+CHROMIUM = os.environ.get("LATENT_RL_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+pytest.importorskip("mkdocs_jupyter", reason="the docs extra is not installed (make docs installs it)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (make docs installs it)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (Debian: apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def site():
+    subprocess.run([sys.executable, str(ROOT / ".ci" / "docs.py")], cwd=ROOT, check=True, capture_output=True,
+                   env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    return ROOT / "_site"
+
+
+def page_facts(page, path: Path) -> dict:
+    page.goto(path.as_uri()); page.wait_for_load_state("load")
+    return {"text": page.inner_text("article"),
+            "images": page.eval_on_selector_all("article img", "els => els.filter(e => e.complete && e.naturalWidth > 0).length"),
+            "nav": page.inner_text("nav.md-nav--primary").split("\n")}
+
+
+def test_site_renders_index_and_lessons_with_figures(site):
+    "The index (the README's source) and a lesson render their text and a figure; the sidebar is in pipeline order;"
+    "a module's page carries the API entries of its exported functions."
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = b.new_page()
+        idx, diag, losses = (page_facts(page, site / f"{n}.html") for n in ("index", "22_diagnose", "06_losses"))
+        b.close()
+    assert "make demo" in idx["text"] and "latent student reasons through its blocks" in idx["text"]
+    assert idx["images"] >= 1 and diag["images"] >= 1            # the README's figure; the lesson's saved figures
+    assert "latent_usage" in diag["text"]
+    nav = idx["nav"]
+    assert [n for n in nav if n in ("trace", "losses", "codi", "gkd", "grpo", "diagnose")] == \
+        ["trace", "losses", "codi", "gkd", "grpo", "diagnose"]
+    assert "def grpo_loss" in losses["text"] and "def generalized_jsd" in losses["text"]   # API entries (signature + docstring)
