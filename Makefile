@@ -34,11 +34,12 @@ $(VENV)/.docs: $(VENV)/.installed
 docs: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python .ci/docs.py
 
-# The site opened in headless Chromium (Debian's package; installed here when root and missing).
+# The browser tests in headless Chromium (Debian's package; installed here when root and missing): the site renders,
+# and JupyterLab runs all of nbs/23_inspect.ipynb in the project's kernel with live inspectors.
 docs-test: $(VENV)/.docs
 	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y -q chromium >/dev/null 2>&1 || \
 	  echo "docs-test: Chromium could not be installed; the browser test will be skipped"
-	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m pytest tests/test_docs.py -q -ra
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m pytest tests/test_docs.py tests/test_lab.py -q -ra
 
 demo: venv
 	$(BIN)/latent-rl demo $(if $(filter 1,$(FROM_SCRATCH)),--from-scratch,) $(DEMO_ARGS)
