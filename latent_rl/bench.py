@@ -428,8 +428,9 @@ def _time_batches(lm, fn, batches, calls) -> dict:
         if isinstance(out, CodiOutput): pads.append(out.metrics["pad_ratio"]); out = out.loss
         out.backward(); lm.zero_grad()
         return out.item()
-    pads = []; step(batches[0])                                                        # warm-up
-    calls["n"], pads, t0 = 0, [], time.perf_counter()
+    pads = []
+    step(batches[0]); pads.clear()                                                     # warm-up
+    calls["n"], t0 = 0, time.perf_counter()
     losses = [step(b) for b in batches]
     dt = time.perf_counter() - t0
     return {"examples_per_s": sum(map(len, batches)) / dt, "model_calls_per_batch": calls["n"] / len(batches),

@@ -14,7 +14,7 @@ import torch.nn as nn
 from .tokens import IGNORE_INDEX
 from .models import backbone, lm_head, lm_head_weight, load_model
 from .logprobs import token_logprobs
-from .latent import LatentModel, student_pass, phase_groups, CALL_COST
+from .latent import LatentModel, grouped_student_pass, CALL_COST
 from .generate import Rollout, generate_text, generate_latent
 from .serve import check_exposure
 
@@ -54,15 +54,8 @@ def sampled_mask(completions: list[list[int]], latent_at: list[list[int]] | None
 def replay_hidden(lm: LatentModel, prompts, completions, latent_at, call_cost: float = CALL_COST) -> tuple[torch.Tensor, dict]:
     "(`[B, N, H]` states predicting each completion token, exactly replayed in `phase_groups`; {positions_run, positions_real, calls})."
     ex, N = replay_examples(prompts, completions, latent_at), max(1, max(map(len, completions)))
-    h, stats = None, {"positions_run": 0, "positions_real": 0, "calls": 0}
-    for g in phase_groups(ex, lm.spec, call_cost):
-        sp = student_pass(lm, [ex[i] for i in g], ce=False, return_hidden=True)
-        hg = sp.pred_hidden[:, :N]                                                    # [b, T_g, H]
-        if h is None: h = hg.new_zeros(len(ex), N, hg.shape[-1])                      # [B, N, H]
-        rows = torch.tensor(g, device=hg.device)[:, None]
-        h = h.index_put((rows, torch.arange(hg.shape[1], device=hg.device)[None]), hg)
-        for k, v in (("positions_run", sp.n_run), ("positions_real", sp.n_real), ("calls", sp.calls)): stats[k] += v
-    return h, stats
+    sp = grouped_student_pass(lm, ex, call_cost, ce=False, return_hidden=True)
+    return sp.pred_hidden[:, :N], {"positions_run": sp.n_run, "positions_real": sp.n_real, "calls": sp.calls}   # [B, N, H]
 
 # %% ../nbs/10_policy.ipynb #6b6a632c
 class Policy:
