@@ -486,12 +486,13 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
     interleaved (text, latent, text, …) so that a change in the machine's load falls on both: medians of 3."""
     rows = [r for r in load_rows("data/corpus/train.jsonl", 64)[:2 if quick else 8] for _ in range(group_size)]
     pols = {"text": Policy.load(model, device=device), "latent": Policy(*LatentModel.load(model, device=device), "latent")}
+    pols["stochastic"] = Policy(LatentModel.load(model, device=device)[0].set_noise(0.3), pols["text"].tok, "latent")
     P = [encode(pols["text"].tok, prompt_text(r["code"], r["input"])) for r in rows]
     sync, reps, ro = (torch.cuda.synchronize if device == "cuda" else lambda: None), 1 if quick else 3, {}
     def timed(fn):
         t0 = time.perf_counter(); out = fn(); sync(); return out, time.perf_counter() - t0
-    gen = lambda k, n=len(P), m=96 if quick else 256: pols[k].generate(P[:n], max_new_tokens=m, temperature=1.0,
-                                                                      keys=list(range(n)), return_latents=k == "latent")
+    gen = lambda k, n=len(P), m=96 if quick else 256: pols[k].generate(P[:n], max_new_tokens=m, temperature=1.0, keys=list(range(n)),
+                                                                      return_latents=k != "text", latent_noise=k == "stochastic")
     t_gen = {k: [] for k in pols}
     for k, pol in pols.items(): pol.module.eval(); gen(k, 2, 8)                     # warm-up
     for _ in range(reps):
@@ -499,7 +500,10 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
     smp = {k: _grpo_samples(pols[k], P, ro[k], rows, group_size) for k in pols}
     variants = {("text", "exact"): smp["text"], ("latent", "exact"): smp["latent"], ("latent", "exact, one pass"): smp["latent"],
                 ("latent", "truncated"): [dict(x, latents=z) for x, z in zip(smp["latent"], ro["latent"].latents)],
-                ("text", "exact + KL to ref"): smp["text"], ("latent", "exact + KL to ref"): smp["latent"]}
+                ("text", "exact + KL to ref"): smp["text"], ("latent", "exact + KL to ref"): smp["latent"],
+                **{("stochastic", r): [dict(x, latents=z, latent_lp=d) for x, z, d in zip(smp["stochastic"], ro["stochastic"].latents,
+                                                                                     ro["stochastic"].latent_logprobs)]
+                   for r in ("sampled z", "sampled z, pathwise")}}
     refs = {k: _frozen_copy(p) for k, p in pols.items()}                             # for kl_beta > 0
     t_train, stats, metrics = {v: [] for v in variants}, {}, {}
     for pol in pols.values(): pol.module.train()
@@ -508,10 +512,11 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
             pols[k].call_cost = math.inf if replay == "exact, one pass" else CALL_COST   # one lockstep pass, or groups
             kl = "KL" in replay
             def step():
-                loss, m = grpo_micro_loss(pols[k], s_, ref=refs[k] if kl else None, kl_beta=0.04 if kl else 0.0)
+                loss, m = grpo_micro_loss(pols[k], s_, ref=refs[k] if kl else None, kl_beta=0.04 if kl else 0.0,
+                                          latent_pathwise="pathwise" in replay)
                 loss.backward(); pols[k].module.zero_grad(); return m
             metrics[k, replay], dt = timed(step)
-            stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}
+            stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}   # exact replays
             if it: t_train[k, replay].append(dt)
     return {"name": "grpo", "rows": [_grpo_row(k, replay, ro[k], statistics.median(t_gen[k]), statistics.median(t_train[k, replay]),
                                                metrics[k, replay], stats[k, replay]) for k, replay in variants],
@@ -521,7 +526,9 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
                      "backward over all sequences (latent: exact replay in phase_groups or in one lockstep pass, or truncated "
                      "= the recorded latents in two parallel forwards); gen_share = generation / (generation + training); "
                      "replay_calls / replay_pad_ratio: the exact replay's model calls and positions run per real position; "
-                     "'+ KL to ref': kl_beta 0.04, a frozen copy of the policy scores the same tokens (no gradient)."}
+                     "'+ KL to ref': kl_beta 0.04, a frozen copy of the policy scores the same tokens (no gradient); "
+                     "stochastic: the latent policy with latent_sigma 0.3 (its own rollouts, noise fed in the blocks), replayed "
+                     "with the recorded z in one forward (sampled z) or two (pathwise); align_abs_max is the text tokens'."}
 
 # %% ../nbs/27_bench.ipynb #ef81f744
 ARCHS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan); 'tiny' = the demo model

@@ -4,6 +4,7 @@
 
 # %% ../nbs/08_generate.ipynb #6dc56da6
 from __future__ import annotations
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -12,7 +13,7 @@ from .tokens import left_pad
 from .models import cache_kw, out_cache, backbone, lm_head
 
 # %% auto #0
-__all__ = ['Rollout', 'multinomial', 'row_key', 'keyed_sample', 'generate_text', 'generate_latent']
+__all__ = ['Rollout', 'multinomial', 'row_key', 'keyed_sample', 'keyed_normal', 'generate_text', 'generate_latent']
 
 # %% ../nbs/08_generate.ipynb #b4147e06
 @dataclass
@@ -25,6 +26,7 @@ class Rollout:
     finished: list[bool] = field(default_factory=list)         # produced eos within the budget
     forward_passes: int = 0
     latents: list | None = None              # per row [n_blocks, latent_steps, H]: the vectors fed (return_latents)
+    latent_logprobs: list | None = None      # per row, each fed vector's mean-over-dims log N(z; μ, σ²) (stochastic latents)
 
     def __len__(self): return len(self.prompt_ids)
 
@@ -62,6 +64,16 @@ def keyed_sample(logp: torch.Tensor, keys: torch.Tensor, t: int) -> torch.Tensor
     h = _hash32(_hash32(_hash32(k) ^ (k >> 32)) + t * 0x27D4EB2F)                      # [B] (all 62 key bits used)
     u = (_hash32(h[:, None] ^ _VHASH[(V, dev)][None]).to(torch.float64) + 0.5) / 2**32  # [B, V] in (0, 1)
     return (logp.double() - torch.log(-torch.log(u))).argmax(-1)
+
+def keyed_normal(keys: torch.Tensor, t: int, H: int) -> torch.Tensor:
+    """`[B, H]` standard normal noise that is a pure function of (row key, decode step, dimension): Box–Muller on
+    hashed uniforms, salted apart from `keyed_sample`'s. A stochastic latent's ε, batch- and process-independent."""
+    dev, k = keys.device, keys.to(torch.int64)
+    d = torch.arange(H, device=dev, dtype=torch.int64)                                    # [H]
+    h = _hash32(_hash32(_hash32(k) ^ (k >> 32)) + t * 0x27D4EB2F + 0x5BD1E995)[:, None]  # [B, 1]
+    u1 = (_hash32(h ^ _hash32(d + 0x2F0B3A49)[None]).to(torch.float64) + 0.5) / 2**32    # [B, H] in (0, 1)
+    u2 = (_hash32(h ^ _hash32(d + 0x7E95761E)[None]).to(torch.float64) + 0.5) / 2**32    # [B, H]
+    return torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)
 
 def _sample(logits, temperature: float, generator=None, keys=None, t: int = 0):
     "Next tokens and their logprobs; greedy when temperature <= 0 (logprob at T = 1); keyed when `keys` is given."
@@ -140,11 +152,12 @@ def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, 
 def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int = 256,
                     temperature: float = 0.0, generator: torch.Generator | None = None,
                     forced: list[list[int]] | None = None, max_forward_passes: int | None = None,
-                    keys: list[int] | None = None, latent_fn=None, return_latents: bool = False) -> Rollout:
+                    keys: list[int] | None = None, latent_fn=None, return_latents: bool = False, noise=None) -> Rollout:
     """Batched latent-policy decoding with a KV cache; returns text tokens, their logprobs and latent positions.
     `latent_fn(z [B, H], block [B], step [B]) -> z` replaces the vectors fed inside blocks (counterfactuals: only rows
     in a block use the result; indexed by the prompts' rows, also after finished rows left the batch); `return_latents`
-    records them. A prompt ending in `<|line_sep|>` starts in a block.
+    records them. `noise` (a `LatentNoise`, used when `temperature > 0`) samples each fed vector `z = μ + σ·ε` (keyed
+    like the tokens) and records its log-density. A prompt ending in `<|line_sep|>` starts in a block.
     Finished rows leave the batch once they are a quarter of it (`_keep_rows`)."""
     sp, body, head = lm.spec, lm.body, lm.head
     dev = head.weight.device
@@ -167,6 +180,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     else: Fpad = f_len = None
     e_ls, e_le = lm.embed(torch.tensor([sp.latent_start_id], device=dev)), lm.embed(torch.tensor([sp.latent_end_id], device=dev))
     T = temperature if temperature > 0 else 1.0
+    noise = noise if temperature > 0 else None                                # greedy feeds μ
     kt, it = (torch.tensor(keys, device=dev) if keys is not None else None), 0
     while True:
         if (keep := _keep_rows(done, cache)) is not None:
@@ -193,9 +207,10 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         inp = torch.where((state == 1)[:, None], e_ls, tok_emb)
         in_block = (state >= 2) & (state <= s + 1)
         if in_block.any():
-            z = lm.prj(h)                                                     # [n, H]
+            z = mu = lm.prj(h)                                                # [n, H]
+            if noise is not None: z = mu + noise.sigma.to(mu.dtype) * _eps(mu, kt, it, generator)
             if latent_fn is not None: z = _by_row(latent_fn, rows, B, z, blk, state - 2)
-            if return_latents: fed.append((rows, z, in_block & ~done))
+            if return_latents: fed.append((rows, z, in_block & ~done, None if noise is None else noise.log_density(z, mu)))
             inp = torch.where(in_block[:, None], z, inp)
         inp = torch.where((state == s + 2)[:, None], e_le, inp)
         col = (~done).long()[:, None]
@@ -214,15 +229,25 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     lat = [[i for i, t in enumerate(c) if t == sp.line_sep_id and i + 1 < len(c)] for c in comp]
     fin = [bool(c) and c[-1] == eos_id for c in comp]
     ro = Rollout(list(map(list, prompts)), comp, lps, temperature, lat, fin, passes)
-    if return_latents: ro.latents = _per_row_latents(fed, B, s, h.shape[-1])
+    if return_latents: ro.latents, ro.latent_logprobs = _per_row_latents(fed, B, s, h.shape[-1], noise is not None)
     return ro
 
 # %% ../nbs/08_generate.ipynb #61090c7e
-def _per_row_latents(fed, B: int, s: int, H: int) -> list:
-    "The recorded block vectors as one `[n_blocks, latent_steps, H]` tensor per row (CPU), from `(rows, z, in a block)` records."
-    if not fed: return [torch.zeros(0, s, H) for _ in range(B)]
-    R, Z, M = (torch.cat(x) for x in zip(*fed))
-    R, Z = R[M].cpu(), Z[M].float().cpu()                                      # [C] rows, [C, H] vectors (call order)
-    Z = Z[torch.sort(R, stable=True).indices]                                  # row-major, call order within a row
-    return [zb[:zb.shape[0] // s * s].view(-1, s, H)                           # a block cut by max_forward_passes is dropped
-            for zb in torch.split(Z, torch.bincount(R, minlength=B).tolist())]
+def _eps(mu: torch.Tensor, keys: torch.Tensor | None, t: int, generator=None) -> torch.Tensor:
+    "A stochastic latent's ε `[n, H]`: keyed (`keyed_normal`) or from `generator`, in μ's dtype and device."
+    if keys is not None: return keyed_normal(keys, t, mu.shape[-1]).to(mu)
+    if generator is None: return torch.randn_like(mu)
+    return torch.randn(mu.shape, generator=generator, device=generator.device).to(mu)
+
+def _per_row_latents(fed, B: int, s: int, H: int, density: bool = False) -> tuple[list, list | None]:
+    """The recorded block vectors as one `[n_blocks, latent_steps, H]` tensor per row (CPU), from `(rows, z, in a block,
+    log-density or None)` records, and (`density`) each row's log-densities in the same order."""
+    if not fed: return [torch.zeros(0, s, H) for _ in range(B)], ([[] for _ in range(B)] if density else None)
+    R, Z, M = (torch.cat(x) for x in list(zip(*fed))[:3])
+    order = torch.sort(R[M].cpu(), stable=True).indices                        # row-major, call order within a row
+    Z, n = Z[M].float().cpu()[order], torch.bincount(R[M].cpu(), minlength=B).tolist()   # [C, H] vectors, per-row counts
+    keep = [c // s * s for c in n]                                              # a block cut by max_forward_passes is dropped
+    lat = [zb[:k].view(-1, s, H) for zb, k in zip(torch.split(Z, n), keep)]
+    if not density: return lat, None
+    D = torch.cat([f[3] for f in fed])[M].float().cpu()[order]                 # [C]
+    return lat, [d[:k].tolist() for d, k in zip(torch.split(D, n), keep)]

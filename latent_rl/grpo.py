@@ -23,8 +23,8 @@ from .loop import (PolicyStage, train_loop, finish_run, write_config, load_trace
                             batch_indices)
 
 # %% auto #0
-__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'reward_rise', 'throughput_summary', 'reference_policy',
-           'run_grpo']
+__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'reward_rise', 'throughput_summary', 'stochastic_latents',
+           'reference_policy', 'run_grpo']
 
 # %% ../nbs/20_grpo.ipynb #c9aec591
 def pad_to(rows: list[list[float]], N: int, fill: float) -> torch.Tensor:
@@ -32,13 +32,18 @@ def pad_to(rows: list[list[float]], N: int, fill: float) -> torch.Tensor:
 
 def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2, eps_high: float = 0.2,
                     norm: str = "sequence", token_count: float | None = None, temperature: float = 1.0,
-                    ref: Policy | None = None, kl_beta: float = 0.0) -> tuple[torch.Tensor, dict]:
+                    ref: Policy | None = None, kl_beta: float = 0.0, latent_count: float | None = None,
+                    latent_pathwise: bool = False) -> tuple[torch.Tensor, dict]:
     """Loss of a micro-batch of samples `{prompt, completion, latent_at, logp_inf, adv}` (mean over its sequences);
-    with `kl_beta > 0` the frozen `ref` policy scores the same tokens for the KL penalty."""
+    with `kl_beta > 0` the frozen `ref` policy scores the same tokens for the KL penalty. Samples of a stochastic latent
+    policy also carry `latents` (the fed z) and `latent_lp` (their rollout log-densities): the z enter the clipped loss
+    as actions beside the text tokens (`latent_*` metrics; `latent_count`: the step's vectors, `norm = token`)."""
     P, C = [s["prompt"] for s in samples], [s["completion"] for s in samples]
     LA = [s["latent_at"] for s in samples] if policy.kind == "latent" else None
     Z = [s["latents"] for s in samples] if LA is not None and all("latents" in s for s in samples) else None
-    logp, _ = policy.logprobs(P, C, LA, temperature, latents=Z)                          # [B, N] (Z: truncated replay)
+    SZ = [s["latent_lp"] for s in samples] if Z is not None and all("latent_lp" in s for s in samples) else None
+    if SZ is not None: logp, ld, lmask = policy.sampled_logprobs(P, C, LA, Z, temperature, pathwise=latent_pathwise)  # [B, N], [B, M]×2
+    else: logp, _ = policy.logprobs(P, C, LA, temperature, latents=Z)                   # [B, N] (Z: truncated replay)
     st = policy.replay_stats if LA is not None and Z is None else {}                    # an exact latent replay's cost
     N, dev = logp.shape[1], logp.device
     mask = sampled_mask(C, LA, N, dev)                                                  # [B, N]
@@ -48,9 +53,17 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     if kl_beta:
         if ref is None: raise ValueError("kl_beta > 0 needs the reference policy (ref)")
         with torch.no_grad(), gathered_weights(ref.module):   # sharded: gathered once (a latent replay's call count differs by rank)
-            ref_lp, _ = ref.logprobs(P, C, LA, temperature, latents=Z)                  # [B, N]
+            if SZ is not None: ref_lp = ref.sampled_logprobs(P, C, LA, Z, temperature)[0]   # [B, N] (the text tokens' KL)
+            else: ref_lp, _ = ref.logprobs(P, C, LA, temperature, latents=Z)           # [B, N]
     loss, m = grpo_loss(logp, li, A, mask, eps_low=eps_low, eps_high=eps_high, norm=norm, token_count=token_count,
                         logp_ref=ref_lp, kl_beta=kl_beta)
+    if SZ is not None:
+        lat, lm_ = grpo_loss(ld, pad_to(SZ, ld.shape[1], 0.0).to(dev), A, lmask, eps_low=eps_low, eps_high=eps_high,
+                             norm=norm, token_count=latent_count, densities=True)
+        loss = loss + lat
+        m.update({f"latent_{k}": lm_[k] for k in ("loss", "ratio_mean", "clip_frac_low", "clip_frac_high", "align_abs_max")},
+                 latent_logp=float(ld.detach()[lmask].mean()) if lmask.any() else 0.0,
+                 latent_sigma=float(policy.model.noise.sigma.detach().mean()))
     with torch.no_grad():                                                               # the ratio split by advantage sign
         r = torch.exp((logp - li).clamp(-20, 20))
         for name, sel in (("pos", mask & (A > 0)[:, None]), ("neg", mask & (A < 0)[:, None])):
@@ -72,11 +85,14 @@ class GRPOConfig(VLLMConfig):
     steps_per_generation: int = 1        # optimizer steps that share one generation (later steps' ratios move off 1)
     eps_low: float = 0.2                 # PPO clip below: ratio ≥ 1 − eps_low for negative advantages
     eps_high: float = 0.2                # PPO clip above: ratio ≤ 1 + eps_high for positive advantages
-    replay: str = "exact"                # latent policies: exact | truncated (recorded latents, one-hop gradient; research option)
+    replay: str = "exact"                # latent policies: exact | truncated (recorded latents, one-hop gradient; research option); stochastic latents replay their z
     norm: str = "sequence"               # sequence (seed) | token
     adv_scale: str = "group"             # group | batch | none
     dynamic_sampling: int = 0            # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
     kl_beta: float = 0.0                 # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
+    latent_sigma: float = 0.0            # stochastic latents (latent policies): z = μ + σ·ε, σ = this × the embeddings' per-dim std; 0 = off (a model saved with a σ keeps it)
+    latent_sigma_learn: bool = False     # learn σ (log σ per dimension) with the policy; else σ stays fixed
+    latent_pathwise: bool = False        # stochastic latents: the text tokens' gradient also reaches μ one hop (z = μ + σ·ε, ε held)
     steps: int = 50
     min_lr_frac: float = 1.0             # constant after warmup (the seed's schedule)
     warmup: int = 5
@@ -108,6 +124,8 @@ class GRPOStep(PolicyStage):
     def __post_init__(self):
         self.module, self.n_examples = self.policy.module, len(self.rows)
         self.truncated = self.cfg.replay == "truncated" and self.policy.kind == "latent"   # replay recorded latents
+        self.stochastic = self.policy.kind == "latent" and self.policy.model.noise is not None  # z sampled, replayed as actions
+        self.latent_counts: dict = {}                          # step -> the global batch's fed latent vectors (norm = token)
         on = self.acc.is_main_process and self.cfg.record_every > 0
         self.rec_lp, self.rec_ro = RunRecord(self.cfg.out, on, "logprobs.jsonl"), RunRecord(self.cfg.out, on, "rollouts.jsonl")
 
@@ -116,7 +134,9 @@ class GRPOStep(PolicyStage):
         smp, c = self.take(step, part), self.cfg
         loss, m = grpo_micro_loss(self.policy, smp, eps_low=c.eps_low, eps_high=c.eps_high, norm=c.norm,
                                   token_count=self.token_counts[step] if c.norm == "token" else None,
-                                  temperature=c.temperature, ref=self.ref, kl_beta=c.kl_beta)
+                                  temperature=c.temperature, ref=self.ref, kl_beta=c.kl_beta,
+                                  latent_count=self.latent_counts.get(step) if c.norm == "token" else None,
+                                  latent_pathwise=c.latent_pathwise)
         if c.norm == "sequence": loss = loss * len(part) / len(idx)       # mean over the global batch's sequences
         self.stats["train_tokens"] += int(m["mask"].sum())
         lp, mk = m.pop("logp"), m.pop("mask")
@@ -149,8 +169,10 @@ class GRPOStep(PolicyStage):
                     "reward": r, "idx": i, "step": s, "text": t, "parts": {k: v[n] for k, v in parts.items()}}
                    for n, ((s, i, _), c, la, lp, a, r, t) in enumerate(zip(flat, ro.completion_ids, ro.latent_at or [[]] * len(flat),
                                                                            ro.logprobs, adv, R, texts))]
-        if self.truncated:
+        if self.truncated or self.stochastic:
             for x, z in zip(samples, ro.latents): x["latents"] = z
+        if self.stochastic:
+            for x, d in zip(samples, ro.latent_logprobs): x["latent_lp"] = d
         metrics = dict(am, **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()})
         return [samples[k:k + G] for k in range(0, len(samples), G)], metrics
 
@@ -169,7 +191,7 @@ def _rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
         policy.module.eval()
         with gathered_weights(policy.module):          # every rank enters (FSDP2 gathers), also one with nothing to sample
             ro = policy.generate(P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, keys=keys,
-                                 return_latents=self.truncated) if P else None
+                                 return_latents=self.truncated or self.stochastic, latent_noise=self.stochastic) if P else None
         policy.module.train()
     self.timing["gen_s"] += time.time() - t0
     if ro is not None: self.stats["gen_tokens"] += sum(map(len, ro.completion_ids))
@@ -224,8 +246,10 @@ def _keep(self: GRPOStep, steps: list[int], groups: list[list[dict]]) -> None:
     "The cycle's samples, per step, and each step's sampled-token count over all ranks (forced tokens excluded)."
     self.buffer.clear(); self.calls.clear()
     for s in steps: self.buffer[s] = [x for g in groups if g[0]["step"] == s for x in g]
-    counts = sum_over_ranks([sum(len(x["completion"]) - len(x["latent_at"]) for x in self.buffer[s]) for s in steps], self.acc)
-    self.token_counts.clear(); self.token_counts.update(zip(steps, counts))
+    counts = sum_over_ranks([sum(len(x["completion"]) - len(x["latent_at"]) for x in self.buffer[s]) for s in steps]
+                            + [sum(len(x.get("latent_lp", ())) for x in self.buffer[s]) for s in steps], self.acc)
+    self.token_counts.clear(); self.token_counts.update(zip(steps, counts[:len(steps)]))
+    self.latent_counts.clear(); self.latent_counts.update(zip(steps, counts[len(steps):]))
 
 def _take(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
     """This micro-batch's samples: whole groups of the loop's `part` prompts (the buffer follows the data order; with
@@ -241,9 +265,14 @@ def _metrics(self: GRPOStep, step: int) -> dict:
     return dict(drain(self.timing), **self.cycle_metrics)
 
 GRPOStep.keep, GRPOStep.take, GRPOStep.metrics = _keep, _take, _metrics
-GRPOStep.state = lambda self: {"buffer": self.buffer, "token_counts": self.token_counts}
-GRPOStep.load_state = lambda self, st: (self.buffer.clear(), self.buffer.update(st.get("buffer", {})),
-                                        self.token_counts.clear(), self.token_counts.update(st.get("token_counts", {})))
+def _state(self: GRPOStep) -> dict:
+    return {"buffer": self.buffer, "token_counts": self.token_counts, "latent_counts": self.latent_counts}
+
+def _load_state(self: GRPOStep, st: dict) -> None:
+    for name in ("buffer", "token_counts", "latent_counts"):
+        getattr(self, name).clear(); getattr(self, name).update(st.get(name, {}))
+
+GRPOStep.state, GRPOStep.load_state = _state, _load_state
 
 # %% ../nbs/20_grpo.ipynb #d40d518a
 def _tok_strs(tok, ids):
@@ -295,9 +324,21 @@ def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
             "reward_first": hist[0].get("reward_mean") if hist else None, "reward_last": hist[-1].get("reward_mean") if hist else None,
             **{f"reward_rise_{k}": v for k, v in reward_rise(hist).items()}}
 
+def stochastic_latents(cfg: GRPOConfig, policy: Policy) -> None:
+    "Give a latent policy its noise scale (`latent_sigma`; a saved one is kept) and make σ trainable (`latent_sigma_learn`)."
+    if policy.kind != "latent":
+        if cfg.latent_sigma or cfg.latent_sigma_learn: raise ConfigError("latent_sigma: a text policy has no latent vectors")
+        return
+    if cfg.latent_sigma: policy.model.set_noise(cfg.latent_sigma, cfg.latent_sigma_learn)
+    elif policy.model.noise is not None: policy.model.noise.log_sigma.requires_grad_(cfg.latent_sigma_learn)
+    elif cfg.latent_sigma_learn: raise ConfigError("latent_sigma_learn needs a noise scale: set latent_sigma > 0")
+    if policy.model.noise is not None and cfg.temperature <= 0:
+        raise ConfigError("stochastic latents sample at temperature > 0 (greedy rollouts would feed μ): raise temperature")
+
 def reference_policy(cfg: GRPOConfig, acc) -> Policy:
     "The starting policy, frozen, for the KL penalty (`kl_beta`): decoder layers sharded under `--strategy fsdp`."
     ref = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
+    if cfg.latent_sigma and ref.kind == "latent" and ref.model.noise is None: ref.model.set_noise(cfg.latent_sigma)
     ref.module.eval().requires_grad_(False)
     shard_frozen(ref.module, cfg, acc)
     return ref
@@ -308,9 +349,11 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     if cfg.group_size < 2: raise ValueError("GRPOConfig.group_size must be >= 2 (advantages compare samples of a prompt)")
     if cfg.dynamic_sampling < 0: raise ValueError(f"GRPOConfig.dynamic_sampling must be >= 0 (rounds), got {cfg.dynamic_sampling}")
     if cfg.kl_beta < 0: raise ValueError(f"GRPOConfig.kl_beta must be >= 0, got {cfg.kl_beta}")
+    if cfg.latent_sigma < 0: raise ValueError(f"GRPOConfig.latent_sigma must be >= 0, got {cfg.latent_sigma}")
     reward_fn = weighted(cfg.rewards)
     acc = setup(cfg.seed); write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
+    stochastic_latents(cfg, policy)
     lora_student(cfg, policy.lm, policy.module)
     if cfg.lora_r and cfg.use_vllm: raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)

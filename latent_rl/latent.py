@@ -20,9 +20,9 @@ from .logprobs import token_logprobs
 from .losses import state_kd_loss, embed_kd_loss, anchor_kd_loss
 
 # %% auto #0
-__all__ = ['VALUE_KD_AT', 'CALL_COST', 'LatentSpec', 'Projector', 'LatentModel', 'pack_phases', 'CodiOptions', 'kd_layer_indices',
-           'TeacherPass', 'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model', 'student_pass',
-           'phase_groups', 'grouped_student_pass', 'recon_loss', 'codi_forward']
+__all__ = ['VALUE_KD_AT', 'CALL_COST', 'LatentSpec', 'Projector', 'LatentModel', 'LatentNoise', 'pack_phases', 'CodiOptions',
+           'kd_layer_indices', 'TeacherPass', 'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model',
+           'student_pass', 'phase_groups', 'grouped_student_pass', 'recon_loss', 'codi_forward']
 
 # %% ../nbs/07_latent.ipynb #2440d8e2
 @dataclass
@@ -51,6 +51,7 @@ class LatentModel(nn.Module):
         self.model, self.spec = model, spec
         ref = model.get_input_embeddings().weight
         self.prj = (projector or Projector(ref.shape[1])).to(device=ref.device, dtype=ref.dtype)
+        self.noise: LatentNoise | None = None        # a stochastic latent policy's scale (`set_noise`); None = deterministic
 
     @property
     def body(self): return backbone(self.model)
@@ -68,6 +69,7 @@ class LatentModel(nn.Module):
         self.model.save_pretrained(path, state_dict=part("model."))
         if tok is not None: tok.save_pretrained(path)
         torch.save(part("prj.") or self.prj.state_dict(), path / "projector.pt")
+        if self.noise is not None: torch.save(part("noise.") or self.noise.state_dict(), path / "latent_noise.pt")
         (path / "latent_spec.json").write_text(json.dumps(asdict(self.spec), indent=1))
         return path
 
@@ -82,6 +84,8 @@ class LatentModel(nn.Module):
         else: spec = LatentSpec.from_tokenizer(tok, latent_steps or 1)
         lm = cls(model, spec)
         if (path / "projector.pt").exists(): lm.prj.load_state_dict(torch.load(path / "projector.pt", map_location="cpu"))
+        if (path / "latent_noise.pt").exists():
+            lm.noise = LatentNoise(torch.load(path / "latent_noise.pt", map_location="cpu")["log_sigma"].exp())
         return lm.to(device), tok
 
     @staticmethod
@@ -94,6 +98,30 @@ class LatentModel(nn.Module):
         ln = self.prj[-1]
         ln.weight.copy_(E.std(0)); ln.bias.copy_(E.mean(0))
         return self
+
+    def set_noise(self, sigma: float, learn: bool = False):
+        """Make the latent policy stochastic: σ per dimension = `sigma` × the latents' scale in that dimension, the
+        gain of the projector's LayerNorm (1 for a fresh projector; the embeddings' std after `init_projector_to_embeddings`)."""
+        g = self.prj[-1].weight.detach().float().abs().clamp_min(1e-6)               # [H]
+        self.noise = LatentNoise(sigma * g, learn).to(g.device)
+        return self
+
+# %% ../nbs/07_latent.ipynb #ce636f2d
+class LatentNoise(nn.Module):
+    "The scale of a stochastic latent policy: z = μ + σ·ε, ε ~ N(0, I), `log_sigma [H]` per dimension (learned or fixed)."
+    def __init__(self, sigma: torch.Tensor, learn: bool = False):
+        super().__init__()
+        if not bool((sigma > 0).all()): raise ValueError("LatentNoise: every σ must be > 0 (use no noise for deterministic latents)")
+        self.log_sigma = nn.Parameter(sigma.detach().float().log(), requires_grad=learn)   # [H]
+
+    @property
+    def sigma(self) -> torch.Tensor: return self.log_sigma.exp()                           # [H]
+
+    def log_density(self, z: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+        "Mean over dimensions of log N(z; μ, σ²): `[..., H]` → `[...]`, in fp32."
+        ls = self.log_sigma.float()                                                          # [H]
+        e = (z.float() - mu.float()) / ls.exp()                                              # [..., H]
+        return (-0.5 * e * e - ls - 0.5 * math.log(2 * math.pi)).mean(-1)
 
 # %% ../nbs/07_latent.ipynb #ec8010f6
 def pack_phases(examples: list[dict], spec: LatentSpec, allow_empty: bool = False) -> list[list[tuple[list[int], list[int]]]]:

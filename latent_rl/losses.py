@@ -68,6 +68,7 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
               tis_cap: float | None = None,
               logp_ref: torch.Tensor | None = None,  # [B, S] the frozen reference policy's logprobs (KL penalty)
               kl_beta: float = 0.0,                  # weight of the per-token k3 KL estimate to the reference
+              densities: bool = False,               # entries are log-densities (stochastic latents): may exceed 0
              ) -> tuple[torch.Tensor, dict]:
     """PPO-clipped GRPO loss against rollout logprobs, with 'sequence' or step-exact 'token' normalisation; with
     `kl_beta > 0`, plus `kl_beta · k3` per token, k3 = exp(ref − logp) − (ref − logp) − 1 ≥ 0 (unbiased for KL(π‖π_ref) on samples of π)."""
@@ -83,7 +84,7 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
     if A.shape[0] != B: raise ValueError(f"{A.shape[0]} advantages for a batch of {B}")
     m = mask.to(logp.device).bool()                                  # [B, S]
     li = logp_inf.detach().to(logp.device, logp.dtype)               # [B, S]
-    ok = torch.isfinite(li) & (li <= 0)                              # a real log-probability
+    ok = torch.isfinite(li) & ((li <= 0) | densities)               # a real log-probability (or a finite log-density)
     placeholder_leak, invalid = (~m & ~ok).sum(), (m & ~ok).sum()
     v = m & ok                                                       # scored tokens that enter the loss
     zero = torch.zeros_like(logp)

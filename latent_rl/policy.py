@@ -20,9 +20,9 @@ from .serve import check_exposure
 
 # %% auto #0
 __all__ = ['NEUTRAL_SAMPLING', 'replay_examples', 'completion_labels', 'sampled_mask', 'replay_hidden', 'Policy',
-           'truncated_replay_hidden', 'named_weights', 'layer_chunks', 'tied_head', 'colocate_llm_kwargs',
-           'ensure_dist_env', 'VLLMEngine', 'completion_request', 'parse_completion_choice', 'VLLMServerEngine',
-           'vllm_serve_command', 'serve_rollouts', 'make_rollout_engine']
+           'truncated_replay_hidden', 'sampled_replay', 'named_weights', 'layer_chunks', 'tied_head',
+           'colocate_llm_kwargs', 'ensure_dist_env', 'VLLMEngine', 'completion_request', 'parse_completion_choice',
+           'VLLMServerEngine', 'vllm_serve_command', 'serve_rollouts', 'make_rollout_engine']
 
 # %% ../nbs/10_policy.ipynb #b1197e3c
 def replay_examples(prompts: list[list[int]], completions: list[list[int]], latent_at: list[list[int]] | None) -> list[dict]:
@@ -103,9 +103,13 @@ class Policy:
         self.model.load_state_dict(other.model.state_dict())
 
     def generate(self, prompts, *, max_new_tokens: int = 256, temperature: float = 1.0,
-                 generator: torch.Generator | None = None, keys: list[int] | None = None, return_latents: bool = False) -> Rollout:
-        "Sample (or greedy-decode, `temperature <= 0`) completions; `keys` make each row's samples batch-independent."
-        kw = {"return_latents": return_latents} if self.kind == "latent" else {}
+                 generator: torch.Generator | None = None, keys: list[int] | None = None, return_latents: bool = False,
+                 latent_noise: bool = False) -> Rollout:
+        """Sample (or greedy-decode, `temperature <= 0`) completions; `keys` make each row's samples batch-independent;
+        `latent_noise` samples a stochastic latent policy's vectors (`LatentModel.set_noise`) too."""
+        if latent_noise and (self.kind != "latent" or self.model.noise is None):
+            raise ValueError("latent_noise needs a stochastic latent policy (LatentModel.set_noise)")
+        kw = {"return_latents": return_latents, "noise": self.model.noise if latent_noise else None} if self.kind == "latent" else {}
         fn = generate_latent if self.kind == "latent" else generate_text
         return fn(self.model, prompts, eos_id=self.eos_id, pad_id=self.pad_id, max_new_tokens=max_new_tokens,
                   temperature=temperature, generator=generator, keys=keys, **kw)
@@ -138,10 +142,21 @@ class Policy:
         lab = completion_labels(completions, h.shape[1], self.device)
         return token_logprobs(h, self.head, lab, temperature, chunk_size), h
 
+    def sampled_logprobs(self, prompts, completions, latent_at, latents, temperature=1.0, chunk_size: int = 1024,
+                         pathwise: bool = False):
+        """A stochastic latent rollout scored with its recorded z (`sampled_replay`): (`[B, N]` text logprobs at
+        `temperature`, `[B, M]` each fed vector's log-density, `[B, M]` mask of real vectors)."""
+        N = max(1, max(map(len, completions)))
+        h, ld, lmask = sampled_replay(self.model, prompts, completions, latent_at, latents, pathwise)
+        lab = completion_labels(completions, N, self.device)
+        return token_logprobs(h[:, :N], self.head, lab, temperature, chunk_size), ld, lmask
+
 # %% ../nbs/10_policy.ipynb #cd2e17d6
-def truncated_replay_hidden(lm: LatentModel, prompts, completions, latent_at, latents) -> torch.Tensor:
-    "`[B, N, H]` states predicting each completion token, replaying the recorded `latents` (per row `[n_blocks, S, H]`)."
-    sp, body, dev, S = lm.spec, lm.body, lm.head_weight.device, lm.spec.latent_steps
+def _replay_inputs(lm: LatentModel, prompts, completions, latent_at, latents):
+    """A rollout's sequences as model inputs with its recorded `latents` (per row `[n_blocks, S, H]`) at the latent slots:
+    (embeddings `[B, L, H]`, attention mask and positions `[B, L]`, slot rows and positions `[M]` (row-major), the
+    vectors `[M, H]`, the position predicting each completion token `[B, N]`)."""
+    sp, dev, S = lm.spec, lm.head_weight.device, lm.spec.latent_steps
     seqs, pred = [], []                               # input ids (-1 at latent slots); position predicting token n
     for p, c, la in zip(prompts, completions, latent_at or [[] for _ in prompts]):
         ids, pr, blocks = list(p), [], set(la)
@@ -156,12 +171,38 @@ def truncated_replay_hidden(lm: LatentModel, prompts, completions, latent_at, la
     Z = torch.cat([torch.as_tensor(z).reshape(-1, z.shape[-1]) for z in latents]).to(dev, lm.head_weight.dtype)   # [M, H]
     if Z.shape[0] != bi.numel(): raise ValueError(f"{Z.shape[0]} recorded latent vectors for {bi.numel()} latent slots")
     emb, pos = lm.embed(ids.clamp(min=0)), torch.arange(L, device=dev)[None].expand(B, L)      # [B, L, H], [B, L]
-    h1 = body(inputs_embeds=emb.index_put((bi, li), Z), attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state
-    q = lm.prj(h1[bi, li - 1])                                                                 # [M, H] one hop back
-    h2 = body(inputs_embeds=emb.index_put((bi, li), Z + q - q.detach()), attention_mask=am, position_ids=pos,
-              use_cache=False).last_hidden_state                                               # [B, L, H]
     P = torch.tensor([pr + [pr[-1] if pr else 0] * (N - len(pr)) for pr in pred], device=dev)  # [B, N]
+    return emb.index_put((bi, li), Z), am, pos, bi, li, Z, P
+
+def truncated_replay_hidden(lm: LatentModel, prompts, completions, latent_at, latents) -> torch.Tensor:
+    "`[B, N, H]` states predicting each completion token, replaying the recorded `latents` (per row `[n_blocks, S, H]`)."
+    emb, am, pos, bi, li, Z, P = _replay_inputs(lm, prompts, completions, latent_at, latents)
+    h1 = lm.body(inputs_embeds=emb, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state   # [B, L, H]
+    q = lm.prj(h1[bi, li - 1])                                                                 # [M, H] one hop back
+    h2 = lm.body(inputs_embeds=emb.index_put((bi, li), Z + q - q.detach()), attention_mask=am, position_ids=pos,
+                 use_cache=False).last_hidden_state                                            # [B, L, H]
     return h2.gather(1, P[..., None].expand(-1, -1, h2.shape[-1]))                            # [B, N, H]
+
+# %% ../nbs/10_policy.ipynb #eca9d24b
+def sampled_replay(lm: LatentModel, prompts, completions, latent_at, latents,
+                   pathwise: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stochastic latent rollout replayed in one forward with its recorded z: (`[B, N, H]` states predicting each
+    completion token, `[B, M]` each fed vector's mean-over-dims log-density under the current μ and σ, `[B, M]` mask).
+    `pathwise` also passes the text tokens' gradient one hop into each μ (z = μ + σ·ε with ε held: a second forward
+    feeding `z + μ − sg(μ)`, as `truncated_replay_hidden`); the values are unchanged."""
+    if lm.noise is None: raise ValueError("sampled_replay needs a stochastic latent policy: LatentModel.set_noise(sigma)")
+    emb, am, pos, bi, li, Z, P = _replay_inputs(lm, prompts, completions, latent_at, latents)
+    h = lm.body(inputs_embeds=emb, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state    # [B, L, H]
+    mu = lm.prj(h[bi, li - 1])                                                          # [M, H] from the state before the slot
+    ld = lm.noise.log_density(Z, mu)                                                    # [M]
+    if pathwise: h = lm.body(inputs_embeds=emb.index_put((bi, li), Z + mu - mu.detach()), attention_mask=am,
+                             position_ids=pos, use_cache=False).last_hidden_state       # [B, L, H]
+    B, n = h.shape[0], torch.bincount(bi, minlength=h.shape[0])                         # [B] vectors per row
+    col = torch.arange(bi.numel(), device=bi.device) - (n.cumsum(0) - n)[bi]            # [M] index within its row
+    M = max(1, int(n.max())) if bi.numel() else 1
+    D = ld.new_zeros(B, M).index_put((bi, col), ld)                                     # [B, M]
+    mask = torch.zeros(B, M, dtype=torch.bool, device=bi.device).index_put((bi, col), torch.ones_like(bi, dtype=torch.bool))
+    return h.gather(1, P[..., None].expand(-1, -1, h.shape[-1])), D, mask
 
 # %% ../nbs/10_policy.ipynb #355cdde5
 _PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")

@@ -83,9 +83,9 @@ def _to_last_line(r):
     tr = r["trace"]
     return tr[:tr.rfind("<|line_sep|>", 0, tr.index("<|return_sep|>"))]
 
-def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None):
+def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, cfg_kw=None):
     "GRPO through the real stage and loop on `answer starts with '0'`; the per-step mean rewards."
-    from latent_rl.grpo import GRPOConfig, GRPOStep
+    from latent_rl.grpo import GRPOConfig, GRPOStep, stochastic_latents
     from latent_rl.policy import Policy
     from latent_rl.engine import setup
     from latent_rl.loop import train_loop
@@ -103,9 +103,10 @@ def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None):
         wrong = {"sign": lambda a: [-x for x in a], "shift": lambda a: a[G:] + a[:G]}[flip]
         monkeypatch.setattr(GRPOStep, "advantages", lambda self, R, gather=True: (lambda a, m: (wrong(a), m))(*orig(self, R, gather)))
     cfg = GRPOConfig(model=str(path), steps=steps, batch_size=8, group_size=8, max_new_tokens=N, lr=1e-3, warmup=0,
-                     temperature=1.0, save_every=0, record_every=0, log_every=1, out=str(tmp_path / "run"))
+                     temperature=1.0, save_every=0, record_every=0, log_every=1, out=str(tmp_path / "run"), **(cfg_kw or {}))
     torch.set_num_threads(1)
     acc, pol = setup(cfg.seed), Policy.load(cfg.model)
+    stochastic_latents(cfg, pol)
     assert pol.kind == kind
     train_loop(GRPOStep(cfg, acc, pol, rows, [encode(pol.tok, prompt(r)) for r in rows], _answer_starts_with("0")), progress=False)
     return [r["reward_mean"] for r in steps_of(tmp_path / "run")]
