@@ -90,7 +90,7 @@ class GRPOConfig(VLLMConfig):
     adv_scale: str = "group"             # group | batch | none
     dynamic_sampling: int = 0            # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
     kl_beta: float = 0.0                 # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
-    latent_sigma: float = 0.0            # stochastic latents (latent policies): z = μ + σ·ε, σ = this × the embeddings' per-dim std; 0 = off (a model saved with a σ keeps it)
+    latent_sigma: float = 0.0            # stochastic latents: z = μ + σ·ε, σ = this × the latents' scale per dim; 0 = off (a saved σ is kept)
     latent_sigma_learn: bool = False     # learn σ (log σ per dimension) with the policy; else σ stays fixed
     latent_pathwise: bool = False        # stochastic latents: the text tokens' gradient also reaches μ one hop (z = μ + σ·ε, ε held)
     steps: int = 50
