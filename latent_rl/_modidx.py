@@ -616,6 +616,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.policy._generate': ('policy.html#_generate', 'latent_rl/policy.py'),
                                   'latent_rl.policy._load_chunk': ('policy.html#_load_chunk', 'latent_rl/policy.py'),
                                   'latent_rl.policy._model_context': ('policy.html#_model_context', 'latent_rl/policy.py'),
+                                  'latent_rl.policy._recorded_forward': ('policy.html#_recorded_forward', 'latent_rl/policy.py'),
                                   'latent_rl.policy._replay_inputs': ('policy.html#_replay_inputs', 'latent_rl/policy.py'),
                                   'latent_rl.policy._sync': ('policy.html#_sync', 'latent_rl/policy.py'),
                                   'latent_rl.policy.colocate_llm_kwargs': ('policy.html#colocate_llm_kwargs', 'latent_rl/policy.py'),

@@ -174,14 +174,20 @@ def _replay_inputs(lm: LatentModel, prompts, completions, latent_at, latents):
     P = torch.tensor([pr + [pr[-1] if pr else 0] * (N - len(pr)) for pr in pred], device=dev)  # [B, N]
     return emb.index_put((bi, li), Z), am, pos, bi, li, Z, P
 
+def _recorded_forward(lm: LatentModel, emb, am, pos, bi, li, Z, hop: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`[B, L, H]` states, `[M, H]` μ = `prj` of the state before each slot) with the recorded `Z` fed at the slots;
+    `hop` runs a second forward feeding `Z + μ − sg(μ)`: the same values, a gradient one hop back along the latent chain."""
+    h = lm.body(inputs_embeds=emb, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state    # [B, L, H]
+    mu = lm.prj(h[bi, li - 1])                                                                 # [M, H]
+    if hop: h = lm.body(inputs_embeds=emb.index_put((bi, li), Z + mu - mu.detach()), attention_mask=am, position_ids=pos,
+                        use_cache=False).last_hidden_state                                     # [B, L, H]
+    return h, mu
+
 def truncated_replay_hidden(lm: LatentModel, prompts, completions, latent_at, latents) -> torch.Tensor:
     "`[B, N, H]` states predicting each completion token, replaying the recorded `latents` (per row `[n_blocks, S, H]`)."
     emb, am, pos, bi, li, Z, P = _replay_inputs(lm, prompts, completions, latent_at, latents)
-    h1 = lm.body(inputs_embeds=emb, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state   # [B, L, H]
-    q = lm.prj(h1[bi, li - 1])                                                                 # [M, H] one hop back
-    h2 = lm.body(inputs_embeds=emb.index_put((bi, li), Z + q - q.detach()), attention_mask=am, position_ids=pos,
-                 use_cache=False).last_hidden_state                                            # [B, L, H]
-    return h2.gather(1, P[..., None].expand(-1, -1, h2.shape[-1]))                            # [B, N, H]
+    h, _ = _recorded_forward(lm, emb, am, pos, bi, li, Z, hop=True)                           # [B, L, H]
+    return h.gather(1, P[..., None].expand(-1, -1, h.shape[-1]))                              # [B, N, H]
 
 # %% ../nbs/10_policy.ipynb #eca9d24b
 def sampled_replay(lm: LatentModel, prompts, completions, latent_at, latents,
@@ -192,11 +198,8 @@ def sampled_replay(lm: LatentModel, prompts, completions, latent_at, latents,
     feeding `z + μ − sg(μ)`, as `truncated_replay_hidden`); the values are unchanged."""
     if lm.noise is None: raise ValueError("sampled_replay needs a stochastic latent policy: LatentModel.set_noise(sigma)")
     emb, am, pos, bi, li, Z, P = _replay_inputs(lm, prompts, completions, latent_at, latents)
-    h = lm.body(inputs_embeds=emb, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state    # [B, L, H]
-    mu = lm.prj(h[bi, li - 1])                                                          # [M, H] from the state before the slot
+    h, mu = _recorded_forward(lm, emb, am, pos, bi, li, Z, hop=pathwise)               # [B, L, H], [M, H]
     ld = lm.noise.log_density(Z, mu)                                                    # [M]
-    if pathwise: h = lm.body(inputs_embeds=emb.index_put((bi, li), Z + mu - mu.detach()), attention_mask=am,
-                             position_ids=pos, use_cache=False).last_hidden_state       # [B, L, H]
     B, n = h.shape[0], torch.bincount(bi, minlength=h.shape[0])                         # [B] vectors per row
     col = torch.arange(bi.numel(), device=bi.device) - (n.cumsum(0) - n)[bi]            # [M] index within its row
     M = max(1, int(n.max())) if bi.numel() else 1
