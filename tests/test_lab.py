@@ -29,9 +29,10 @@ def lab(tmp_path):
     env = {**os.environ, "JUPYTER_PATH": str(jp / "share" / "jupyter"), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "ws")}
     port, token = free_port(), secrets.token_hex(8)
+    log = open(tmp_path / "lab.log", "w")                                   # the server's log: quoted when the test fails
     p = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
                           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work / 'nbs'}", "--allow-root"],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         env=env, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(120):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close(); break
@@ -41,11 +42,46 @@ def lab(tmp_path):
         p.terminate()
         try: p.wait(10)
         except subprocess.TimeoutExpired: p.kill()
+        log.close()
 
 
 def outputs_text(page) -> str:
     "Every output's text (textContent: JupyterLab skips rendering cells outside the view, innerText would miss them)."
     return "\n".join(page.eval_on_selector_all(".jp-OutputArea-output", "els => els.map(e => e.textContent)"))
+
+
+def prompts_of(page) -> list[str]:
+    return page.eval_on_selector_all(".jp-CodeCell .jp-InputPrompt", "els => els.map(e => e.textContent.trim())")
+
+
+def diagnosis(page, work: Path, why: str) -> str:
+    "What a failing run leaves to read: the page's dialogs and kernel status, a screenshot, the server log's tail."
+    shot = work.parent / "lab.png"; page.screenshot(path=str(shot))
+    dialogs = page.eval_on_selector_all(".jp-Dialog", "els => els.map(e => e.textContent)")
+    status = page.eval_on_selector_all(".jp-Notebook-ExecutionIndicator", "els => els.map(e => e.dataset.status)")
+    kernel = page.eval_on_selector_all(".jp-KernelName, .jp-Toolbar-kernelName", "els => els.map(e => e.textContent)")
+    log = (work.parent / "lab.log").read_text()[-3000:]
+    return (f"{why}\nprompts: {prompts_of(page)[:8]}...\ndialogs: {dialogs}\nexecution status: {status}; kernel: {kernel}"
+            f"\nscreenshot: {shot}\nserver log (tail):\n{log}")
+
+
+def run_all(page, work: Path, attempts: int = 3):
+    """Run > Run All Cells, retried: under load the menu can open before the notebook is the current widget, when the item
+    is disabled and a click on it does nothing. Returns once some cell is queued or numbered."""
+    for _ in range(attempts):
+        page.locator(".jp-Notebook .jp-Cell").first.click()               # the notebook is the current widget
+        page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+        item = page.locator(".lm-Menu-item:has(.lm-Menu-itemLabel:text-is('Run All Cells'))")
+        item.wait_for(timeout=30_000)
+        if "lm-mod-disabled" not in (item.get_attribute("class") or ""):
+            item.click()
+            t0 = time.time()
+            while time.time() - t0 < 60:
+                if any(p != "[ ]:" for p in prompts_of(page)): return
+                assert page.locator(".jp-Dialog >> text=Select Kernel").count() == 0, diagnosis(page, work, "asked for a kernel")
+                time.sleep(1)
+        page.keyboard.press("Escape"); time.sleep(5)
+    raise AssertionError(diagnosis(page, work, f"Run All Cells started no cell in {attempts} attempts"))
 
 
 def test_run_all_of_23_inspect_has_no_error_and_a_slider_redraws(lab):
@@ -55,17 +91,16 @@ def test_run_all_of_23_inspect_has_no_error_and_a_slider_redraws(lab):
         page = b.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-        assert page.locator("text=Select Kernel").count() == 0            # the notebook names the project's kernel
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-        page.click(".lm-MenuBar-itemLabel:text-is('Run')")
-        page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
+        assert page.locator("text=Select Kernel").count() == 0, diagnosis(page, work, "the notebook names the project's kernel")
+        run_all(page, work)
         t0 = time.time()
         while time.time() - t0 < 600:                                      # every code cell numbered, none running
-            prompts = page.eval_on_selector_all(".jp-CodeCell .jp-InputPrompt", "els => els.map(e => e.textContent.trim())")
+            prompts = prompts_of(page)
             idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() == 1
             if idle and prompts and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts): break
             time.sleep(2)
-        else: raise AssertionError(f"Run All did not finish in 10 minutes: {prompts}")
+        else: raise AssertionError(diagnosis(page, work, "Run All did not finish in 10 minutes"))
         text = outputs_text(page)
         assert "Traceback" not in text and "SystemExit" not in text, text[-3000:]
         assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] >> text=Error").count() == 0
