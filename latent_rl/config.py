@@ -121,22 +121,25 @@ def field_comments(cls) -> dict[str, str]:
             elif t.type == tokenize.COMMENT and t.start[0] in names: out[names[t.start[0]]] = t.string.lstrip("#").strip()
     return out
 
-def parse_config(cls, argv: list[str] | None = None, prog: str = ""):
-    "A `cls` from `--field value` flags over an optional `--config FILE` over an optional `--recipe NAME`."
+def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_recipe: str | None = None):
+    """A `cls` from `--field value` flags over an optional `--config FILE` over an optional `--recipe NAME`
+    (`default_recipe` when none is given; `--recipe none`: the dataclass's own defaults)."""
     ap = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     ap.add_argument("--config", default=None, help="TOML, YAML or JSON file of fields (command-line flags override it)")
-    ap.add_argument("--recipe", default=None, help="named recipe of the whole pipeline, e.g. cpu-tiny (latent_rl.recipes; "
-                    "the --config file and flags override it)")
-    helps = field_comments(cls)
+    ap.add_argument("--recipe", default=default_recipe, help="named recipe of the whole pipeline, e.g. cpu-tiny (latent_rl."
+                    "recipes; the --config file and flags override it; 'none': the dataclass defaults below)"
+                    + (f" (default: {default_recipe}: its fields come before the defaults listed below)" if default_recipe else ""))
+    helps, rd = field_comments(cls), recipe_fields(default_recipe, cls) if default_recipe else {}
     for f in fields(cls):
         h = f.metadata.get("help", "") or helps.get(f.name, "")
+        dflt = f"{rd[f.name]!r}, recipe {default_recipe}; bare {f.default!r}" if f.name in rd else repr(f.default)
         if str(f.type) == "bool":
-            ap.add_argument(f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} (default: {f.default})")
-        else: ap.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{h} (default: {f.default!r})")
+            ap.add_argument(f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})")
+        else: ap.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})")
     ns = vars(ap.parse_args(argv))
     path, recipe = ns.pop("config", None), ns.pop("recipe", None)
     d = {}
-    if recipe:
+    if recipe and recipe.lower() != "none":
         if recipe in RECIPES and cls.__name__ not in RECIPES[recipe]:
             has = sorted(n for n, p in RECIPES.items() if cls.__name__ in p)
             raise ConfigError(f"recipe {recipe} has no {cls.__name__} section; recipes for this stage: {has}")

@@ -28,8 +28,8 @@ from .policy import serve_rollouts
 from .loop import CheckpointError, RunDirBusy
 
 # %% auto #0
-__all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'COMMANDS', 'PIPELINE', 'sandbox_flag', 'cmd_doctor', 'cmd_data', 'cmd_trace',
-           'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot',
+__all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'CODI_RECIPE', 'COMMANDS', 'PIPELINE', 'sandbox_flag', 'cmd_doctor', 'cmd_data',
+           'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot',
            'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_mult', 'cmd_recipes', 'cmd_serve_teacher',
            'cmd_serve_rollouts', 'user_errors', 'run_command', 'main']
 
@@ -133,8 +133,14 @@ def cmd_eval(argv):
     print(results_table(res, f"output prediction on {a.rows} ({len(rows)} programs)"))
     return res
 
+CODI_RECIPE = "cpu-tiny"   # `latent-rl codi` without --recipe: the objective whose student uses its latents (lesson 25)
+
 def cmd_codi(argv):
-    return run_codi(parse_config(CodiConfig, argv, "latent-rl codi"))
+    cfg = parse_config(CodiConfig, argv, "latent-rl codi", default_recipe=CODI_RECIPE)
+    if "--recipe" not in argv and os.environ.get("RANK", "0") == "0":
+        print(f"latent-rl codi: recipe {CODI_RECIPE} under your flags (`latent-rl recipes {CODI_RECIPE}` shows it; "
+              "--recipe none for CodiConfig's bare defaults, the CODI seed's objective)", file=sys.stderr)
+    return run_codi(cfg)
 
 def cmd_bench(argv):
     return bench_main(argv)

@@ -37,7 +37,7 @@ def summary(d): return json.loads((Path(d) / "final" / "training_summary.json").
 STAGES = {
     "sft": lambda data: ["sft", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val", "",
                          "--size", "nano", "--steps", 3, "--batch_size", 8, "--lr", 1e-3, "--save_every", 0, "--log_every", 1],
-    "codi": lambda data: ["codi", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2,
+    "codi": lambda data: ["codi", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2,
                           "--batch_size", 4, "--lr", 1e-4, "--save_every", 0, "--log_every", 1],
     "grpo": lambda data: ["grpo", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
                           "--group_size", 4, "--max_new_tokens", 200, "--lr", 5e-5, "--warmup", 0, "--save_every", 0,

@@ -14,7 +14,7 @@ def tiny_codi(tiny_data, tmp_path_factory):
     d = tmp_path_factory.mktemp("diag")
     run_cli("sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
             "--size", "nano", "--steps", 4, "--batch_size", 8, "--save_every", 0, "--log_every", 2, "--out", d / "sft", env=ONE)
-    run_cli("codi", "--model", d / "sft" / "final", "--train", tiny_data / "corpus/train.jsonl", "--val", "", "--steps", 4,
+    run_cli("codi", "--recipe", "none", "--model", d / "sft" / "final", "--train", tiny_data / "corpus/train.jsonl", "--val", "", "--steps", 4,
             "--batch_size", 8, "--warmup", 1, "--save_every", 0, "--log_every", 1, "--anchor_every", 1, "--out", d / "codi", env=ONE)
     return d
 

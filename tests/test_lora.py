@@ -35,7 +35,7 @@ def test_sft_lora_exports_a_plain_merged_model_and_resumes_exactly(tiny_data, tm
     assert_close(sd, weights(tmp_path / "part" / "final"), 1e-6)
 
 def test_codi_lora_two_processes_fsdp_equal_one(tmp_path):
-    args = ["codi", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2, "--batch_size", 4,
+    args = ["codi", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2, "--batch_size", 4,
             "--lr", 1e-3, "--save_every", 0, "--log_every", 1, *LORA]
     launch(1, *args, "--out", tmp_path / "one")
     launch(2, *args, "--strategy", "fsdp", "--out", tmp_path / "fsdp")

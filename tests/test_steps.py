@@ -24,7 +24,7 @@ def test_every_stage_runs_on_multiplication_steps(tmp_path):
               "--batch_size", 8, "--save_every", 0, "--log_every", 2]
     run_cli("sft", *common, "--out", tmp_path / "explicit")
     run_cli("sft", *common, "--mode", "answer", "--out", tmp_path / "answer")
-    run_cli("codi", "--model", tmp_path / "explicit" / "final", "--train", train, "--val", "", "--steps", 2,
+    run_cli("codi", "--recipe", "none", "--model", tmp_path / "explicit" / "final", "--train", train, "--val", "", "--steps", 2,
             "--batch_size", 4, "--save_every", 0, "--log_every", 1, "--out", tmp_path / "latent")
     run_cli("gkd", "--model", tmp_path / "latent" / "final", "--teacher", tmp_path / "explicit" / "final", "--train", train,
             "--steps", 2, "--batch_size", 4, "--max_new_tokens", 48, "--save_every", 0, "--log_every", 1, "--out", tmp_path / "gkd")
