@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_config.ipynb #661920b8
 from __future__ import annotations
-import argparse, inspect, io, json, math, re, sys, tokenize
+import argparse, inspect, io, json, math, os, re, sys, tokenize
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
@@ -123,12 +123,12 @@ def field_comments(cls) -> dict[str, str]:
 
 def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_recipe: str | None = None):
     """A `cls` from `--field value` flags over an optional `--config FILE` over an optional `--recipe NAME`
-    (`default_recipe` when none is given; `--recipe none`: the dataclass's own defaults)."""
+    (`default_recipe` when none is given, said on stderr; `--recipe none`: the dataclass's own defaults)."""
     ap = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     ap.add_argument("--config", default=None, help="TOML, YAML or JSON file of fields (command-line flags override it)")
-    ap.add_argument("--recipe", default=default_recipe, help="named recipe of the whole pipeline, e.g. cpu-tiny (latent_rl."
-                    "recipes; the --config file and flags override it; 'none': the dataclass defaults below)"
-                    + (f" (default: {default_recipe}: its fields come before the defaults listed below)" if default_recipe else ""))
+    ap.add_argument("--recipe", default=None, help="named recipe of the whole pipeline, e.g. cpu-tiny (latent_rl.recipes; "
+                    "the --config file and flags override it; 'none': the dataclass's defaults)"
+                    + (f" (default: {default_recipe})" if default_recipe else ""))
     helps, rd = field_comments(cls), recipe_fields(default_recipe, cls) if default_recipe else {}
     for f in fields(cls):
         h = f.metadata.get("help", "") or helps.get(f.name, "")
@@ -137,7 +137,11 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
             ap.add_argument(f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})")
         else: ap.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})")
     ns = vars(ap.parse_args(argv))
-    path, recipe = ns.pop("config", None), ns.pop("recipe", None)
+    path, given = ns.pop("config", None), ns.pop("recipe", None)
+    recipe = given or default_recipe
+    if given is None and default_recipe and os.environ.get("RANK", "0") == "0":
+        print(f"{prog or cls.__name__}: recipe {default_recipe} under your flags (`latent-rl recipes {default_recipe}` "
+              f"shows it; --recipe none for {cls.__name__}'s bare defaults)", file=sys.stderr)
     d = {}
     if recipe and recipe.lower() != "none":
         if recipe in RECIPES and cls.__name__ not in RECIPES[recipe]:

@@ -136,11 +136,7 @@ def cmd_eval(argv):
 CODI_RECIPE = "cpu-tiny"   # `latent-rl codi` without --recipe: the objective whose student uses its latents (lesson 25)
 
 def cmd_codi(argv):
-    cfg = parse_config(CodiConfig, argv, "latent-rl codi", default_recipe=CODI_RECIPE)
-    if "--recipe" not in argv and os.environ.get("RANK", "0") == "0":
-        print(f"latent-rl codi: recipe {CODI_RECIPE} under your flags (`latent-rl recipes {CODI_RECIPE}` shows it; "
-              "--recipe none for CodiConfig's bare defaults, the CODI seed's objective)", file=sys.stderr)
-    return run_codi(cfg)
+    return run_codi(parse_config(CodiConfig, argv, "latent-rl codi", default_recipe=CODI_RECIPE))
 
 def cmd_bench(argv):
     return bench_main(argv)
