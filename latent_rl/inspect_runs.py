@@ -16,11 +16,11 @@ from .latent import codi_forward, CodiOptions, LatentModel
 from .tokens import codi_example
 
 # %% auto #0
-__all__ = ['SHORT', 'METRIC_PANELS', 'run_file', 'read_records', 'read_config', 'read_metrics', 'read_logprobs', 'read_rollouts',
-           'read_anchors', 'run_kind', 'steps_of', 'nearest', 'token_arrays', 'leaks', 'alignment_stats', 'ratios',
-           'clip_stats', 'by_step', 'eps_of', 'detok', 'completion_lines', 'trace_lines', 'in_kernel', 'to_png', 'show',
-           'panel', 'save_figure', 'Inspector', 'plot_metrics', 'AlignmentInspector', 'ClipInspector', 'latent_states',
-           'AnchorInspector', 'RolloutViewer', 'plot_run', 'main']
+__all__ = ['SHORT', 'METRIC_PANELS', 'FIG_W', 'MIN_PT', 'run_file', 'read_records', 'read_config', 'read_metrics',
+           'read_logprobs', 'read_rollouts', 'read_anchors', 'run_kind', 'steps_of', 'nearest', 'token_arrays', 'leaks',
+           'alignment_stats', 'ratios', 'clip_stats', 'by_step', 'eps_of', 'detok', 'completion_lines', 'trace_lines',
+           'in_kernel', 'to_png', 'show', 'panel', 'save_figure', 'Inspector', 'plot_metrics', 'AlignmentInspector',
+           'ClipInspector', 'latent_states', 'AnchorInspector', 'RolloutViewer', 'plot_run', 'main']
 
 # %% ../nbs/23_inspect.ipynb #c4b231d3
 def run_file(run_dir, name: str) -> Path:
@@ -283,7 +283,8 @@ class Inspector:
 
     def widget(self):
         import ipywidgets as W
-        box = W.VBox([W.HBox(list(self.controls.values())), self.out])
+        row = W.HBox(list(self.controls.values()), layout=W.Layout(flex_flow="row wrap", align_items="center"))
+        box = W.VBox([row, self.out])                     # controls on one line, wrapping whole controls if narrow
         self.update()
         return box
 
@@ -295,7 +296,7 @@ class Inspector:
 def _text_lines(ax, lines, max_lines=40, width=110, hl=lambda s: "[latent" in s, size=7.5, title=None):
     "Monospace lines in an axis-less panel; highlighted lines in colour; overflow counted."
     ax.axis("off")
-    if title: ax.set_title(title, loc="left", fontsize=9)
+    if title: ax.set_title(title, loc="left", fontsize=10)
     shown = lines[:max_lines]
     if len(lines) > max_lines: shown = shown + [f"... {len(lines) - max_lines} more line(s)"]
     for i, s in enumerate(shown):                        # fixed line height in points, from the top of the panel
@@ -518,6 +519,8 @@ def latent_states(lm, tok, example: dict, topk: int = 5) -> dict:
             "lens_tokens": [[[tok.decode([int(t)]) for t in row] for row in blk] for blk in pi.tolist()]}
 
 # %% ../nbs/23_inspect.ipynb #89129e0a
+FIG_W, MIN_PT = 12, 9.5  # the anchor figure's width (inches), its smallest text (points): >= 9 px in an 860-px output area
+
 class AnchorInspector(Inspector):
     "A CODI example's trace with latent blocks marked, its span × layer KD-distance heatmap, and (live) a logit lens."
     def __init__(self, run_dir=None, model=None, rows=None, topk: int = 5, max_len: int | None = None, max_examples: int = 32):
@@ -530,11 +533,13 @@ class AnchorInspector(Inspector):
         self._lm = self._tok = None; self._live, self._rows = {}, {}
         self.refresh(False)
         self.slider = _steps_slider(self.steps) if self.steps else W.IntSlider(value=0, min=0, max=0, description="step", disabled=True)
-        self.example = W.Dropdown(options=self.ids_at(self.slider.value), description="example")
+        self.example = W.Dropdown(options=self.ids_at(self.slider.value), description="example", layout=W.Layout(width="260px"))
         self.slider.observe(self._step_changed, names="value")            # before update(): the example list follows the step
         ctrls = {"step": self.slider, "example": self.example}
         if model is not None:
-            self.source = W.ToggleButtons(options=["records", "live"] if self.records else ["live"], description="source")
+            self.source = W.ToggleButtons(options=["records", "live"] if self.records else ["live"], description="source",
+                                          style={"button_width": "72px"},   # the label beside its buttons
+                                          layout=W.Layout(width="auto", display="flex", flex_flow="row", align_items="center"))
             ctrls["source"] = self.source
         self._setup(**ctrls)
 
@@ -610,10 +615,12 @@ class AnchorInspector(Inspector):
             dist, layers = np.asarray(rec["dist"][rec["ids"].index(ex_id)], dtype=float).reshape(-1, len(rec["layers"])), rec["layers"]
             unit = "KL (nats, x T^2 not applied)" if self.cfg.get("kd_target") == "logit" else "smooth-L1 distance"
             src = f"kd_anchors.jsonl, step {s}"
-        fig = Figure(figsize=(19 if live else 15, 7.5), layout="constrained")
-        gs = fig.add_gridspec(2, 3 if live else 2, width_ratios=[1.3, 1, 1] if live else [1.3, 1])
-        at = fig.add_subplot(gs[:, 0], gid="trace")
-        _text_lines(at, lines, max_lines=40, width=90, size=8, title=f"trace of {ex_id} ({len(spans)} latent blocks)")
+        n_vec = int(np.prod(L["lens_p"].shape[:2])) if live else 0              # latent vectors in the logit lens
+        lens_h = 0.9 + 0.3 * n_vec                                              # inches: one line per vector
+        fig = Figure(figsize=(FIG_W, 7.5 + lens_h), layout="constrained")
+        gs = fig.add_gridspec(3 if live else 2, 2, width_ratios=[1.2, 1], height_ratios=[3.75, 3.75] + ([lens_h] if live else []))
+        at = fig.add_subplot(gs[:2, 0], gid="trace")
+        _text_lines(at, lines, max_lines=40, width=70, size=MIN_PT, title=f"trace of {ex_id} ({len(spans)} latent blocks)")
         ah = fig.add_subplot(gs[0, 1], gid="heatmap")
         im = ah.imshow(dist, aspect="auto", cmap="magma", interpolation="nearest")
         fig.colorbar(im, ax=ah, label=unit)
@@ -621,9 +628,9 @@ class AnchorInspector(Inspector):
         if len(spans) == A: labs = [f"{k + 1}: {spans[k][:26]}" for k in range(A)]
         elif A == 1 and spans: labs = [f"{len(spans)} (last): {spans[-1][:20]}"]
         else: labs = [str(k + 1) for k in range(A)]
-        ah.set_yticks(range(A), labs, fontsize=7); ah.set_xticks(range(len(layers)), layers, fontsize=7)
+        ah.set_yticks(range(A), labs, fontsize=MIN_PT); ah.set_xticks(range(len(layers)), layers, fontsize=MIN_PT)
         ah.set_xlabel("layer (hidden_states index; 0 = embeddings)"); ah.set_ylabel("anchor (span: source line)")
-        ah.set_title(f"student-teacher distance at each anchor ({src})", fontsize=9)
+        ah.set_title(f"student-teacher distance at each anchor ({src})", fontsize=10)
         al = fig.add_subplot(gs[1, 1], gid="layers")
         if self.records:
             lay = self.records[0]["layers"]
@@ -634,23 +641,25 @@ class AnchorInspector(Inspector):
             for j, l in enumerate(lay): al.plot(self.steps, M[:, j], color=cols[j], lw=1, label=f"layer {l}")
             al.plot(self.steps, M.mean(1), color="k", lw=2.2, label="mean over layers")
             if s is not None: al.axvline(s, color="tab:red", lw=0.8)
-            al.legend(fontsize=6, ncol=2 if len(lay) > 6 else 1)
+            al.legend(fontsize=MIN_PT, ncol=2 if len(lay) > 6 else 1)
         else: al.text(0.5, 0.5, "no kd_anchors.jsonl records", ha="center", transform=al.transAxes)
         al.set_xlabel("step (record of the step's first micro-batch)"); al.set_ylabel(f"mean {unit}")
-        al.set_title("KD distance per layer over steps (all recorded anchors)", fontsize=9); al.grid(alpha=0.3); _int_steps(al)
+        al.set_title("KD distance per layer over steps (all recorded anchors)", fontsize=10); al.grid(alpha=0.3); _int_steps(al)
         if live:
             lp, lt = L["lens_p"], L["lens_tokens"]
             K, st, k = lp.shape
             P = lp.reshape(K * st, k)
-            ax = fig.add_subplot(gs[:, 2], gid="lens")
+            ax = fig.add_subplot(gs[2, :], gid="lens")                             # full width: one line per vector
             ax.imshow(P, aspect="auto", cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
             for i in range(K * st):
                 for j in range(k):
-                    ax.text(j, i, f"{lt[i // st][i % st][j]!r}"[:14] + f"\n{P[i, j]:.2f}", ha="center", va="center", fontsize=6,
-                            color="white" if P[i, j] > 0.5 else "black")
-            ax.set_yticks(range(K * st), [f"block {i // st + 1}" + (f".{i % st + 1}" if st > 1 else "") for i in range(K * st)], fontsize=7)
-            ax.set_xticks(range(k), [f"top {j + 1}" for j in range(k)], fontsize=7)
-            ax.set_title("logit lens: nearest tokens of each latent vector\n(softmax of latent @ W_head.T)", fontsize=9)
+                    ax.text(j, i, f"{lt[i // st][i % st][j]!r}"[:18] + f"  {P[i, j]:.2f}", ha="center", va="center",
+                            fontsize=MIN_PT + 0.5, family="monospace", color="white" if P[i, j] > 0.5 else "black")
+            ax.set_yticks(range(K * st), [f"block {i // st + 1}" + (f".{i % st + 1}" if st > 1 else "") for i in range(K * st)],
+                          fontsize=MIN_PT)
+            ax.set_xticks(range(k), [f"top {j + 1}" for j in range(k)], fontsize=MIN_PT)
+            ax.set_title("logit lens: nearest tokens of each latent vector (softmax of latent @ W_head.T) and their probability",
+                         fontsize=10)
         fig.suptitle(f"{self.run.name if self.run else 'latent model'}: CODI KD anchors, example {ex_id}")
         return fig
 

@@ -28,9 +28,9 @@ from .policy import serve_rollouts
 from .loop import CheckpointError, RunDirBusy
 
 # %% auto #0
-__all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'CODI_RECIPE', 'COMMANDS', 'PIPELINE', 'sandbox_flag', 'cmd_doctor', 'cmd_data',
-           'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot',
-           'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_mult', 'cmd_recipes', 'cmd_serve_teacher',
+__all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'DEFAULT_RECIPE', 'COMMANDS', 'PIPELINE', 'sandbox_flag', 'cmd_doctor',
+           'cmd_data', 'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo',
+           'cmd_plot', 'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_mult', 'cmd_recipes', 'cmd_serve_teacher',
            'cmd_serve_rollouts', 'user_errors', 'run_command', 'main']
 
 # %% ../nbs/29_train.ipynb #dc56c33b
@@ -109,8 +109,10 @@ def cmd_trace(argv):
           f"`output`; wrote {a.out}" + (f" ({c['resumed']} rows resumed)" if c["resumed"] else "") +
           f"; parent peak memory {peak:.0f} MB")
 
+DEFAULT_RECIPE = "cpu-tiny"   # a training stage without --recipe: what the demo runs (for codi: the objective that uses its latents)
+
 def cmd_sft(argv):
-    return run_sft(parse_config(SFTConfig, argv, "latent-rl sft"))
+    return run_sft(parse_config(SFTConfig, argv, "latent-rl sft", default_recipe=DEFAULT_RECIPE))
 
 # %% ../nbs/29_train.ipynb #04d26517
 def cmd_eval(argv):
@@ -133,10 +135,8 @@ def cmd_eval(argv):
     print(results_table(res, f"output prediction on {a.rows} ({len(rows)} programs)"))
     return res
 
-CODI_RECIPE = "cpu-tiny"   # `latent-rl codi` without --recipe: the objective whose student uses its latents (lesson 25)
-
 def cmd_codi(argv):
-    return run_codi(parse_config(CodiConfig, argv, "latent-rl codi", default_recipe=CODI_RECIPE))
+    return run_codi(parse_config(CodiConfig, argv, "latent-rl codi", default_recipe=DEFAULT_RECIPE))
 
 def cmd_bench(argv):
     return bench_main(argv)
@@ -152,10 +152,10 @@ def cmd_demo(argv):
     return run_demo(out=a.out, data=a.data, from_scratch=a.from_scratch, limit=a.limit, figures=a.figures, recipe=a.recipe)
 
 def cmd_gkd(argv):
-    return run_gkd(parse_config(GKDConfig, argv, "latent-rl gkd"))
+    return run_gkd(parse_config(GKDConfig, argv, "latent-rl gkd", default_recipe=DEFAULT_RECIPE))
 
 def cmd_grpo(argv):
-    return run_grpo(parse_config(GRPOConfig, argv, "latent-rl grpo"))
+    return run_grpo(parse_config(GRPOConfig, argv, "latent-rl grpo", default_recipe=DEFAULT_RECIPE))
 
 # %% ../nbs/29_train.ipynb #3080c766
 def cmd_plot(argv):

@@ -40,14 +40,14 @@ def test_bad_rows_name_file_line_and_field(tmp_path):
     assert p.returncode != 0 and "bad.jsonl:1" in p.stderr
 
 def test_unknown_config_field_is_refused(tmp_path, tiny_data):
-    p = run_cli("sft", "--tokenizer", tiny_data / "tokenizer", "--stepz", "3", check=False)
+    p = run_cli("sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--stepz", "3", check=False)
     assert p.returncode != 0 and "stepz" in p.stderr
     cfg = tmp_path / "c.toml"; cfg.write_text('lr = 0.01\nbogus = 1\n')
-    p = run_cli("sft", "--config", cfg, check=False)
+    p = run_cli("sft", "--recipe", "none", "--config", cfg, check=False)
     assert p.returncode != 0 and "bogus" in p.stderr and "c.toml" in p.stderr
 
 def test_sft_then_eval(tiny_data, tmp_path):
-    run_cli("sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+    run_cli("sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
             "--val", tiny_data / "corpus/val.jsonl", "--size", "nano", "--steps", 6, "--batch_size", 8,
             "--save_every", 3, "--log_every", 2, "--out", tmp_path / "run")
     run = tmp_path / "run"
@@ -65,7 +65,7 @@ def test_sft_resume_continues_exactly(tiny_data, tmp_path):
     # one intra-op thread: multi-threaded CPU kernels (e.g. the embedding backward) may sum in a different order from
     # run to run, and Adam amplifies last-bit differences; exactness of *resume* is what this test is about
     one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    common = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+    common = ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
               "--size", "nano", "--batch_size", 8, "--save_every", 3, "--log_every", 1]
     run_cli(*common, "--steps", 6, "--out", tmp_path / "full", env=one)
     run_cli(*common, "--steps", 6, "--out", tmp_path / "part", "--save_every", 3, env=one)
@@ -103,7 +103,7 @@ def test_demo_pipeline_smoke(tmp_path):
     assert all(Path(f).exists() for f in res["figures"]) and Path(res["diagnosis"]).exists()
 
 def _sft_args(tiny_data, out, *more):
-    return ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+    return ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
             "--size", "nano", "--batch_size", 8, "--log_every", 1, "--out", out, *more]
 
 @pytest.mark.parametrize("text,msg", [('lr = "fast"\n', "field 'lr' expects a finite number, got 'fast'"),
@@ -116,7 +116,7 @@ def _sft_args(tiny_data, out, *more):
                                       ("[SFTconfig]\nsteps = 3\n", "unknown section(s) ['SFTconfig']")])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, text, msg):
     cfg = tmp_path / "c.toml"; cfg.write_text(text)
-    p = run_cli("sft", "--config", cfg, "--out", tmp_path / "run", check=False)
+    p = run_cli("sft", "--recipe", "none", "--config", cfg, "--out", tmp_path / "run", check=False)
     assert p.returncode == 2 and f"c.toml: {msg}" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "run" / "final").exists()
 
@@ -215,7 +215,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_learns(tmp_path):
     "lr 1e-6, 3 AdamW steps: bf16 autocast over fp32 weights moves them like fp32 does; bf16 weights lose the update."
     from conftest import TEACHER
     from safetensors.torch import load_file
-    base = ["sft", "--model", TEACHER, "--train", TEACHER.parent / "corpus/train.jsonl", "--val", "", "--max_train", 64,
+    base = ["sft", "--recipe", "none", "--model", TEACHER, "--train", TEACHER.parent / "corpus/train.jsonl", "--val", "", "--max_train", 64,
             "--steps", 3, "--batch_size", 8, "--lr", 1e-6, "--warmup", 0, "--min_lr_frac", 1.0, "--save_every", 0]
     one = {"OMP_NUM_THREADS": "1"}
     p = run_cli(*base, "--dtype", "bf16", "--out", tmp_path / "x", check=False)

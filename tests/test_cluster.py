@@ -35,11 +35,11 @@ def assert_close(a, b, tol=1e-5):
 def summary(d): return json.loads((Path(d) / "final" / "training_summary.json").read_text())
 
 STAGES = {
-    "sft": lambda data: ["sft", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val", "",
+    "sft": lambda data: ["sft", "--recipe", "none", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val", "",
                          "--size", "nano", "--steps", 3, "--batch_size", 8, "--lr", 1e-3, "--save_every", 0, "--log_every", 1],
     "codi": lambda data: ["codi", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2,
                           "--batch_size", 4, "--lr", 1e-4, "--save_every", 0, "--log_every", 1],
-    "grpo": lambda data: ["grpo", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
+    "grpo": lambda data: ["grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
                           "--group_size", 4, "--max_new_tokens", 200, "--lr", 5e-5, "--warmup", 0, "--save_every", 0,
                           "--record_every", 0],   # Adam turns float noise in near-zero gradients into ~0.1·lr weight noise
 }
@@ -50,7 +50,7 @@ def latent_dir(tmp_path_factory):
     lm, tok = LatentModel.load(TEACHER)
     return lm.save(tmp_path_factory.mktemp("latent") / "student", tok)
 
-STAGES["gkd"] = lambda data, latent: ["gkd", "--model", latent, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32,
+STAGES["gkd"] = lambda data, latent: ["gkd", "--recipe", "none", "--model", latent, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32,
                                       "--batch_size", 4, "--max_new_tokens", 48, "--lmbda", 1, "--steps", 2, "--lr", 1e-4,
                                       "--save_every", 0, "--record_every", 0]    # on-policy: latent generation + replay
 
@@ -83,7 +83,7 @@ def kill_after_checkpoint(cmd_args, out, step, nproc=1):
     assert not (Path(out) / "final").exists()
 
 def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
-    args = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+    args = ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
             "--size", "nano", "--steps", 60, "--batch_size", 16, "--save_every", 4, "--log_every", 1]
     launch(1, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 8)
@@ -94,7 +94,7 @@ def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
 
 def test_fsdp_sigkill_resume_and_reshard(tiny_data, tmp_path):
     "FSDP2 on 2 processes: each rank writes its shard; SIGKILL + resume is exact; a 2-process checkpoint resumes on 1."
-    args = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+    args = ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
             "--size", "nano", "--steps", 12, "--batch_size", 16, "--save_every", 4, "--log_every", 1, "--strategy", "fsdp"]
     launch(2, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 8, nproc=2)
@@ -123,7 +123,7 @@ def test_fresh_run_refuses_a_used_directory(tiny_data, tmp_path):
 def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
     # steps_per_generation 2 and a checkpoint every step: the resume starts inside a cycle and must reuse the saved
     # rollout buffer (regenerating with moved weights would change the run)
-    args = ["grpo", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 12, "--batch_size", 2, "--group_size", 4,
+    args = ["grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 12, "--batch_size", 2, "--group_size", 4,
             "--max_new_tokens", 200, "--lr", 3e-4, "--warmup", 0, "--steps_per_generation", 2, "--save_every", 1,
             "--record_every", 0]
     launch(1, *args, "--out", tmp_path / "full")
@@ -137,7 +137,7 @@ def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
     assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
 
 def test_corrupt_checkpoint_is_named_and_skipped(tiny_data, tmp_path):
-    args = ["sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+    args = ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
             "--size", "nano", "--steps", 60, "--batch_size", 8, "--save_every", 2, "--log_every", 1]
     kill_after_checkpoint(args, tmp_path, 6)
     from latent_rl.loop import list_checkpoints, load_checkpoint_state, CheckpointError
@@ -181,7 +181,7 @@ def test_two_nodes_by_rendezvous(tiny_data, tmp_path):
     st = torch.load(tmp_path / "nodes" / "checkpoints" / "step-1" / "state.pt", weights_only=False)
     assert math.isfinite(st["save_peak_mb"])               # rank 0's added peak while writing its shard is recorded
 
-GKD_TEXT = ["gkd", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32, "--batch_size", 4,
+GKD_TEXT = ["gkd", "--recipe", "none", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32, "--batch_size", 4,
             "--max_new_tokens", 48, "--lmbda", 1, "--steps", 2, "--lr", 1e-4, "--save_every", 0, "--record_every", 0]
 
 @pytest.mark.parametrize("stage", ["codi", "gkd"])

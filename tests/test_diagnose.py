@@ -12,7 +12,7 @@ ONE = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 def tiny_codi(tiny_data, tmp_path_factory):
     "A nano SFT model and a 4-step CODI run from it (kd_anchors.jsonl every step)."
     d = tmp_path_factory.mktemp("diag")
-    run_cli("sft", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
+    run_cli("sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
             "--size", "nano", "--steps", 4, "--batch_size", 8, "--save_every", 0, "--log_every", 2, "--out", d / "sft", env=ONE)
     run_cli("codi", "--recipe", "none", "--model", d / "sft" / "final", "--train", tiny_data / "corpus/train.jsonl", "--val", "", "--steps", 4,
             "--batch_size", 8, "--warmup", 1, "--save_every", 0, "--log_every", 1, "--anchor_every", 1, "--out", d / "codi", env=ONE)

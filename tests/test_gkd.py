@@ -6,7 +6,7 @@ from conftest import run_cli, ROOT, TEACHER, ROWS, ONE, rows_of, steps_of
 
 
 def gkd(out, *args, check=True, env=None, **kw):
-    base = ["gkd", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 64, "--batch_size", 4,
+    base = ["gkd", "--recipe", "none", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 64, "--batch_size", 4,
             "--max_new_tokens", 48, "--log_every", 1, "--save_every", 0, "--out", out]
     return run_cli(*base, *map(str, args), check=check, env={**ONE, **(env or {})}, **kw)
 
@@ -117,7 +117,7 @@ def test_http_topk_equals_local(server):
 def test_http_teacher_killed_mid_run(server, tmp_path):
     url, proc = server
     env = {**os.environ, **ONE, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-    run = subprocess.Popen([sys.executable, "-m", "latent_rl.train", "gkd", "--model", str(TEACHER), "--teacher", url,
+    run = subprocess.Popen([sys.executable, "-m", "latent_rl.train", "gkd", "--recipe", "none", "--model", str(TEACHER), "--teacher", url,
                             "--topk", "8", "--train", str(ROWS), "--max_train", "64", "--batch_size", "4", "--lmbda", "0",
                             "--steps", "400", "--save_every", "1", "--log_every", "1", "--http_retries", "2",
                             "--http_backoff", "0.2", "--http_timeout", "5", "--out", str(tmp_path)],
@@ -138,7 +138,7 @@ def test_http_teacher_killed_mid_run(server, tmp_path):
 def test_two_rank_run_agrees_on_the_coin(tmp_path):
     env = {**os.environ, **ONE, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                        "-m", "latent_rl.train", "gkd", "--model", str(TEACHER), "--teacher", str(TEACHER), "--train", str(ROWS),
+                        "-m", "latent_rl.train", "gkd", "--recipe", "none", "--model", str(TEACHER), "--teacher", str(TEACHER), "--train", str(ROWS),
                         "--max_train", "64", "--batch_size", "4", "--max_new_tokens", "32", "--lmbda", "0.5", "--steps", "6",
                         "--log_every", "1", "--save_every", "0", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

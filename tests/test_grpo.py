@@ -24,7 +24,7 @@ def test_alignment_at_step_start(kind, T, latent_student):
     assert m["invalid_inf_logp"] == 0 and abs(m["ratio_mean"] - 1) < 1e-5
 
 def grpo(out, *args, check=True, **kw):
-    base = ["grpo", "--model", TEACHER, "--train", ROWS, "--max_train", 64, "--batch_size", 2, "--group_size", 4,
+    base = ["grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 64, "--batch_size", 2, "--group_size", 4,
             "--max_new_tokens", 96, "--log_every", 1, "--save_every", 0, "--out", out]
     return run_cli(*base, *map(str, args), check=check, env=ONE, **kw)
 

@@ -9,7 +9,7 @@ from conftest import run_cli, ROOT
 from latent_rl.inspect_runs import (read_metrics, read_logprobs, read_rollouts, read_anchors, run_kind, steps_of, token_arrays,
                                     alignment_stats, clip_stats, ratios, leaks, completion_lines, trace_lines, panel,
                                     plot_metrics, AlignmentInspector, ClipInspector, AnchorInspector, RolloutViewer,
-                                    plot_run, main)
+                                    plot_run, main, to_png)
 
 TRACE_TOKENS = ["<|line_sep|>", "<|action_sep|>", "    y = x + 1\n", "<|frame_sep|>", "<|line_sep|>", "<|action_sep|>",
                 "    return y\n", "<|frame_sep|>", "<|return_sep|>", "<|action_sep|>", "    return y\n", "<|arg_sep|>", '"3"',
@@ -229,6 +229,18 @@ def test_anchor_inspector_live_and_missing_rows(codi_run):
     assert np.allclose(L["lens_p"][0, 0], p.topk(3).values.numpy(), atol=1e-5)
     an2 = AnchorInspector(codi_run, rows=[])                                   # rows that do not hold the example
     assert any("not found" in t.get_text() for t in panel(an2.fig, "trace").texts)
+    for f in (fig, an2.fig):     # legible where JupyterLab shows it: scaled to its output area (860 px: the file browser open)
+        assert smallest_text_px(f, 860) >= 9, smallest_text_px(f, 860)
+    lens_box = panel(fig, "lens").get_position()
+    assert lens_box.width > 0.8 and lens_box.y1 < panel(fig, "heatmap").get_position().y0   # the lens: its own full-width row
+
+
+def smallest_text_px(fig, out_px: int) -> float:
+    "Pixel height of the figure's smallest visible text when the figure is scaled to `out_px` pixels wide."
+    import matplotlib.text
+    to_png(fig)                                                                # lay out and draw: ticks exist
+    sizes = [t.get_fontsize() for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip()]
+    return min(sizes) / 72 * out_px / fig.get_figwidth()
 
 def test_alignment_on_a_real_gkd_run(gkd_run):
     assert run_kind(gkd_run) == "gkd"

@@ -112,5 +112,33 @@ def test_run_all_of_23_inspect_has_no_error_and_a_slider_redraws(lab):
         page.wait_for_function("s => { const i = document.querySelector('.widget-output img'); return i && i.src !== s }",
                                arg=before, timeout=60_000)                 # the figure redrew
         assert "Traceback" not in outputs_text(page)
+        check_anchor_inspector(page, work)
         b.close()
     assert (work / "nbs" / "23_inspect.ipynb").exists()
+
+
+def check_anchor_inspector(page, work: Path):
+    """The anchor inspector's controls sit on one line, its live logit lens draws, and its smallest text is >= 9 px as
+    shown (the PNG is scaled to the output area). Leaves a screenshot of the widget beside the server log."""
+    from latent_rl.inspect_runs import FIG_W, MIN_PT
+    for no in page.locator(".Toastify button:text-is('No')").all(): no.click()           # the news toast
+    buttons = page.locator(".widget-toggle-buttons").first                 # only the anchor inspector has a `source`
+    buttons.scroll_into_view_if_needed()
+    row = buttons.locator("xpath=..")
+    mids = [(lambda b: b["y"] + b["height"] / 2)(c.bounding_box()) for c in row.locator(":scope > *").all()]
+    assert len(mids) == 3 and max(mids) - min(mids) < 6, f"controls not on one line: vertical centres {mids}"
+    label, first = (buttons.locator(q).first.bounding_box() for q in (".widget-label", "button"))
+    assert abs((label["y"] + label["height"] / 2) - (first["y"] + first["height"] / 2)) < 6, "`source` wraps above its buttons"
+    img = row.locator("xpath=..").locator(".widget-output img")
+    before = img.get_attribute("src")
+    buttons.locator("button:text-is('live')").click()
+    t0 = time.time()                                                      # a redraw replaces the <img>: poll the locator
+    while img.get_attribute("src") == before:
+        assert time.time() - t0 < 120, diagnosis(page, work, "the anchor inspector did not redraw in live mode")
+        time.sleep(1)
+    shown, natural = img.evaluate("i => [i.getBoundingClientRect().width, i.naturalWidth]")
+    assert natural == FIG_W * 100, natural                                  # to_png at 100 dpi
+    px = MIN_PT / 72 * shown / FIG_W
+    assert px >= 9, f"smallest text {px:.1f} px as shown ({shown:.0f} of {natural} px)"
+    row.locator("xpath=..").screenshot(path=str(work.parent / "anchor_inspector.png"))
+    assert "Traceback" not in outputs_text(page)

@@ -11,7 +11,7 @@ LORA = ["--lora_r", 4, "--lora_alpha", 8]
 ONE = {k: ENV[k] for k in ("OMP_NUM_THREADS", "WANDB_MODE")}
 
 def sft_args(data):
-    return ["sft", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val", "", "--size", "nano",
+    return ["sft", "--recipe", "none", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val", "", "--size", "nano",
             "--steps", 4, "--batch_size", 8, "--lr", 1e-2, "--log_every", 1, *LORA]
 
 def test_sft_lora_exports_a_plain_merged_model_and_resumes_exactly(tiny_data, tmp_path):
@@ -46,7 +46,7 @@ def test_codi_lora_two_processes_fsdp_equal_one(tmp_path):
     q = "model.layers.0.self_attn.q_proj.weight"
     assert (a[q] - base[q]).abs().max() > 1e-6                               # the merged adapters moved it
 
-GKD = ["gkd", "--model", TEACHER, "--teacher", "base", "--train", ROWS, "--max_train", 16, "--batch_size", 2,
+GKD = ["gkd", "--recipe", "none", "--model", TEACHER, "--teacher", "base", "--train", ROWS, "--max_train", 16, "--batch_size", 2,
        "--max_new_tokens", 24, "--lmbda", 1, "--steps", 2, "--lr", 1e-3, "--save_every", 0, "--record_every", 0, "--log_every", 1]
 
 def test_gkd_adapter_off_teacher_is_the_base(tmp_path):
@@ -59,7 +59,7 @@ def test_gkd_adapter_off_teacher_is_the_base(tmp_path):
     assert p.returncode == 2 and "set lora_r > 0" in p.stderr
 
 def test_grpo_lora_trains_only_the_adapters(tmp_path):
-    run_cli("grpo", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2, "--group_size", 4,
+    run_cli("grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2, "--group_size", 4,
             "--max_new_tokens", 200, "--lr", 1e-2, "--warmup", 0, "--save_every", 0, "--record_every", 0, *LORA,
             "--out", tmp_path / "g", env=ONE)
     a, base = weights(tmp_path / "g" / "final"), weights(TEACHER)
