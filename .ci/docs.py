@@ -64,7 +64,8 @@ def build() -> Path:
         (SRC / p.name).write_text(json.dumps(with_api(nb, mod)))
         nav.append({("Home" if p.stem == "index" else title(nb, p.stem)): p.name})
     shutil.copytree(ROOT / "figures", SRC / "figures")               # the index page shows them
-    (SRC / "extra.css").write_text(".api-entry{border-left:3px solid #6a5acd;padding-left:.8em;margin:1em 0}\n")
+    (SRC / "extra.css").write_text(".api-entry{border-left:3px solid #6a5acd;padding-left:.8em;margin:1em 0}\n"
+                                   ".md-grid{max-width:none}.md-typeset pre>code,.md-typeset .highlight>pre{font-size:.75em}\n")   # 120-character code lines fit
     cfg = {"site_name": "latent_rl", "docs_dir": str(SRC), "site_dir": str(SITE), "use_directory_urls": False,
            "theme": {"name": "material", "features": ["navigation.sections"]}, "extra_css": ["extra.css"], "nav": nav,
            "plugins": [{"mkdocs-jupyter": {"execute": False, "include_source": True, "ignore_h1_titles": False}}]}

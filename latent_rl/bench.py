@@ -250,7 +250,8 @@ def _bench_child(spec: str):
 def _peak_cpu(jobs: list, parallel: int = 2) -> list:
     "Run each (case, variant, topk, sz) in a fresh subprocess; return the peak MB above baseline of each."
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(Path(sys.modules["latent_rl"].__file__).resolve().parent.parent),   # no __file__
+                                          os.environ.get("PYTHONPATH", "")])}                            # in a kernel
     code = "import sys; from latent_rl.bench import _bench_child; _bench_child(sys.argv[1])"
     out, running = [None] * len(jobs), []
     for i, (case, variant, topk, sz) in enumerate(jobs):

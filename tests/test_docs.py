@@ -33,7 +33,11 @@ def test_site_renders_index_and_lessons_with_figures(site):
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = b.new_page()
         idx, diag, losses = (page_facts(page, site / f"{n}.html") for n in ("index", "22_diagnose", "06_losses"))
+        page.set_viewport_size({"width": 1600, "height": 1000}); page.goto((site / "index.html").as_uri())
+        overflow = page.eval_on_selector_all("article pre, article pre > code",            # the pipeline, the commands
+                                             "els => Math.max(...els.map(e => e.scrollWidth - e.clientWidth))")
         b.close()
+    assert overflow <= 1, f"a code block of the index scrolls by {overflow} px on a 1600-px-wide screen"
     assert "make demo" in idx["text"] and "latent student reasons through its blocks" in idx["text"]
     assert idx["images"] >= 1 and diag["images"] >= 1            # the README's figure; the lesson's saved figures
     assert "latent_usage" in diag["text"]
