@@ -117,6 +117,11 @@ def test_run_all_of_23_inspect_has_no_error_and_a_slider_redraws(lab):
     assert (work / "nbs" / "23_inspect.ipynb").exists()
 
 
+def middle(locator) -> float:
+    "Vertical centre of an element on the page (px)."
+    b = locator.bounding_box(); return b["y"] + b["height"] / 2
+
+
 def check_anchor_inspector(page, work: Path):
     """The anchor inspector's controls sit on one line, its live logit lens draws, and its smallest text is >= 9 px as
     shown (the PNG is scaled to the output area). Leaves a screenshot of the widget beside the server log."""
@@ -125,10 +130,10 @@ def check_anchor_inspector(page, work: Path):
     buttons = page.locator(".widget-toggle-buttons").first                 # only the anchor inspector has a `source`
     buttons.scroll_into_view_if_needed()
     row = buttons.locator("xpath=..")
-    mids = [(lambda b: b["y"] + b["height"] / 2)(c.bounding_box()) for c in row.locator(":scope > *").all()]
+    mids = [middle(c) for c in row.locator(":scope > *").all()]
     assert len(mids) == 3 and max(mids) - min(mids) < 6, f"controls not on one line: vertical centres {mids}"
-    label, first = (buttons.locator(q).first.bounding_box() for q in (".widget-label", "button"))
-    assert abs((label["y"] + label["height"] / 2) - (first["y"] + first["height"] / 2)) < 6, "`source` wraps above its buttons"
+    label, first = (middle(buttons.locator(q).first) for q in (".widget-label", "button"))
+    assert abs(label - first) < 6, "`source` wraps above its buttons"
     img = row.locator("xpath=..").locator(".widget-output img")
     before = img.get_attribute("src")
     buttons.locator("button:text-is('live')").click()
