@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 FROM_SCRATCH ?= 0
 DEMO_ARGS ?=
 
-.PHONY: venv lab docs docs-test demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
+.PHONY: lint venv lab docs docs-test demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -93,10 +93,14 @@ check-deps: venv
 	  echo "check-deps: '.[vllm]' does not resolve with the core requirements (or the package index is unreachable): see above"; exit 1; fi; \
 	$(BIN)/python -c "import json; r = {p['metadata']['name'].lower(): p['metadata']['version'] for p in json.load(open('/tmp/latent_rl-vllm-resolve.json'))['install']}; print('check-deps: .[vllm] resolves:', ', '.join(f'{k} {r[k]}' for k in ('vllm', 'torch', 'transformers', 'tokenizers', 'accelerate')))"
 
-test: check-export check-clean check-readme check-deps nbtest pytest
+# Static checks (pyproject [tool.ruff]) of the exported package, the tests and the CI scripts.
+lint: venv
+	$(BIN)/ruff check latent_rl tests .ci && echo "lint: ruff check clean"
+
+test: check-export check-clean check-readme check-deps lint nbtest pytest
 
 # The quick lane (a few minutes): the package in step with the notebooks, every lesson, the unit tests.
-test-fast: check-export check-clean nbtest pytest-fast
+test-fast: check-export check-clean lint nbtest pytest-fast
 
 # The CPU suite on the lowest transformers the core accepts (pyproject: transformers>=5.16.1), in its own venv.
 LOWEST_TRANSFORMERS ?= 5.16.1

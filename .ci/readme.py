@@ -24,4 +24,5 @@ if __name__ == "__main__":
             sys.exit("README.md is out of step with nbs/index.ipynb: run `make readme`")
         print("README.md in step with nbs/index.ipynb")
     else:
-        path.write_text(text); print(f"wrote {path}")
+        path.write_text(text)
+        print(f"wrote {path}")

@@ -34,7 +34,9 @@ def module_stats(pkg: Path) -> dict:
         src = p.read_text()
         ls = src.splitlines()
         mods[p.name] = len(ls)
-        lines += len(ls); over100 += sum(len(l) > 100 for l in ls); over120 += sum(len(l) > 120 for l in ls)
+        lines += len(ls)
+        over100 += sum(len(l) > 100 for l in ls)
+        over120 += sum(len(l) > 120 for l in ls)
         semi += semicolons(src)
         attached += [f"{p.stem}: {a}" for a in attached_methods(ast.parse(src))]
     return {"modules": mods, "lines": lines, "over_100": over100, "over_120": over120, "semicolons": semi,
@@ -47,7 +49,9 @@ def silent_stretch(nb: Path) -> int:
     for c in json.loads(nb.read_text())["cells"]:
         if c["cell_type"] != "code": continue
         src = "".join(c["source"])
-        if EXPORT.search(src): cur += len(src.splitlines()); best = max(best, cur)
+        if EXPORT.search(src):
+            cur += len(src.splitlines())
+            best = max(best, cur)
         elif src.strip(): cur = 0                                   # an example (or test) cell ends the stretch
     return best
 

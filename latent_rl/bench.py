@@ -50,7 +50,8 @@ def run_bench(name: str, **kw) -> dict:
     if name not in BENCHES: raise SystemExit(f"unknown benchmark {name!r}: choose from {sorted(BENCHES)} or 'all'")
     t0 = time.time()
     res = BENCHES[name](**kw)
-    res.setdefault("name", name); res["wall_s"] = time.time() - t0
+    res.setdefault("name", name)
+    res["wall_s"] = time.time() - t0
     res["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
     return res
 
@@ -85,7 +86,8 @@ def trace_hostile_rows(timeout: float = 1.0, grace: float = 1.0) -> list[dict]:
     with TracePool(1, timeout=timeout, grace=grace) as pool:
         t0 = time.perf_counter()
         for i, r in pool.imap(rows, progress=False):
-            times.append(time.perf_counter() - t0); res[i] = r
+            times.append(time.perf_counter() - t0)
+            res[i] = r
     cost = [b - a for a, b in zip(times, times[1:])]
     out = []
     for k, name in enumerate(_HOSTILE):
@@ -191,7 +193,8 @@ def _bench_inputs(case: str, sz: dict, device: str, topk: bool = False) -> dict:
         for _ in range(0, B * S, 16):
             z = torch.empty(min(16, B * S), V, device=device).normal_(0, 2, generator=g)
             v, j = torch.log_softmax(z, -1).topk(sz["K"], -1)
-            lps.append(v); ids.append(j)
+            lps.append(v)
+            ids.append(j)
         x["teacher"] = TeacherOutput(topk_logprobs=torch.cat(lps)[:B * S].reshape(B, S, -1),
                                      topk_ids=torch.cat(ids)[:B * S].reshape(B, S, -1))
     return x
@@ -284,9 +287,11 @@ def _bench(quick: bool, device: str) -> dict:
             peaks = []
             for _, v, topk, _ in jobs:
                 x = _bench_inputs(case, sz, device, topk)
-                torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-                _bench_step(case, v, x, sz); torch.cuda.synchronize()
+                _bench_step(case, v, x, sz)
+                torch.cuda.synchronize()
                 peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
                 del x
         inputs = {False: _bench_inputs(case, sz, device, False)}
@@ -355,7 +360,9 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
         # student
         segs, prev, kd = [], 0, False
         for i, j in spans:
-            segs.append(("text", trace[prev:i + 1], kd)); segs.append(("latent", None, False)); prev, kd = j, True
+            segs.append(("text", trace[prev:i + 1], kd))
+            segs.append(("latent", None, False))
+            prev, kd = j, True
         segs.append(("text", trace[prev:], kd))
         last = len(segs) - 1
         o = model(inputs_embeds=emb(prompt[None]), use_cache=True)
@@ -379,14 +386,19 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
                 for li, ly in enumerate(cache.layers): c.update(ly.keys.detach(), ly.values.detach(), li)
                 with torch.no_grad():
                     pred = model(inputs_embeds=emb(ids[None]), use_cache=True, **cache_kw(model, c)).logits[0].argmax(-1)
-                inp = ids.clone(); inp[1:end] = pred[:end - 1]
-            ce_logits.append(prev_logits); ce_t.append(ids[:1])
+                inp = ids.clone()
+                inp[1:end] = pred[:end - 1]
+            ce_logits.append(prev_logits)
+            ce_t.append(ids[:1])
             o = model(inputs_embeds=emb(inp[None]), use_cache=True, output_hidden_states=kdf, **cache_kw(model, cache))
             cache, logits = out_cache(o), o.logits[0]
-            if ids.numel() > 1: ce_logits.append(logits[:-1]); ce_t.append(ids[1:])
+            if ids.numel() > 1:
+                ce_logits.append(logits[:-1])
+                ce_t.append(ids[1:])
             prev_logits = logits[-1:]
             if kdf:
-                kd_vecs.append([o.hidden_states[l][0, 0] for l in layers]); kd_last.append(o.logits[0, 0])
+                kd_vecs.append([o.hidden_states[l][0, 0] for l in layers])
+                kd_last.append(o.logits[0, 0])
         s_ce = F.cross_entropy(torch.cat(ce_logits), torch.cat(ce_t))
         s_kd = [torch.stack([v[l] for v in kd_vecs]) for l in range(len(layers))]
         s_last = torch.stack(kd_last)
@@ -397,7 +409,9 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
             k_loss = F.kl_div(F.log_softmax(s_last / T, -1), F.softmax(t_logits / T, -1), reduction="batchmean") * T * T
         else:
             k_loss = F.smooth_l1_loss(torch.stack(s_kd), torch.stack(t_kd))
-        tl = tl + (t_ce if t_ce is not None else 0.0); sl = sl + s_ce; kl = kl + k_loss
+        tl = tl + (t_ce if t_ce is not None else 0.0)
+        sl = sl + s_ce
+        kl = kl + k_loss
     n = len(examples)
     loss = opts.a * tl / n + opts.b * sl / n + opts.g * kl / n
     f = lambda x: float(x.detach()) if torch.is_tensor(x) else float(x)
@@ -426,11 +440,15 @@ def _time_batches(lm, fn, batches, calls) -> dict:
     "Examples/s, model calls per batch, mean loss and padding of `fn` (forward + backward) over `batches`."
     def step(b):
         out = fn(b)
-        if isinstance(out, CodiOutput): pads.append(out.metrics["pad_ratio"]); out = out.loss
-        out.backward(); lm.zero_grad()
+        if isinstance(out, CodiOutput):
+            pads.append(out.metrics["pad_ratio"])
+            out = out.loss
+        out.backward()
+        lm.zero_grad()
         return out.item()
     pads = []
-    step(batches[0]); pads.clear()                                                     # warm-up
+    step(batches[0])
+    pads.clear()                                                     # warm-up
     calls["n"], t0 = 0, time.perf_counter()
     losses = [step(b) for b in batches]
     dt = time.perf_counter() - t0
@@ -479,7 +497,8 @@ def _grpo_row(kind, replay, ro, t_gen, t_train, m, st) -> dict:
 # %% ../nbs/27_bench.ipynb #b214d963
 def _frozen_copy(pol: Policy) -> Policy:
     "A frozen copy of a policy: the reference that `kl_beta` scores against."
-    ref = copy.deepcopy(pol); ref.module.requires_grad_(False)
+    ref = copy.deepcopy(pol)
+    ref.module.requires_grad_(False)
     return ref
 
 def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teacher", group_size: int = 8) -> dict:
@@ -491,13 +510,20 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
     P = [encode(pols["text"].tok, prompt_text(r["code"], r["input"])) for r in rows]
     sync, reps, ro = (torch.cuda.synchronize if device == "cuda" else lambda: None), 1 if quick else 3, {}
     def timed(fn):
-        t0 = time.perf_counter(); out = fn(); sync(); return out, time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        return out, time.perf_counter() - t0
     gen = lambda k, n=len(P), m=96 if quick else 256: pols[k].generate(P[:n], max_new_tokens=m, temperature=1.0, keys=list(range(n)),
                                                                       return_latents=k != "text", latent_noise=k == "stochastic")
     t_gen = {k: [] for k in pols}
-    for k, pol in pols.items(): pol.module.eval(); gen(k, 2, 8)                     # warm-up
+    for k, pol in pols.items():
+        pol.module.eval()
+        gen(k, 2, 8)                     # warm-up
     for _ in range(reps):
-        for k in pols: ro[k], dt = timed(lambda: gen(k)); t_gen[k].append(dt)
+        for k in pols:
+            ro[k], dt = timed(lambda: gen(k))
+            t_gen[k].append(dt)
     smp = {k: _grpo_samples(pols[k], P, ro[k], rows, group_size) for k in pols}
     variants = {("text", "exact"): smp["text"], ("latent", "exact"): smp["latent"], ("latent", "exact, one pass"): smp["latent"],
                 ("latent", "truncated"): [dict(x, latents=z) for x, z in zip(smp["latent"], ro["latent"].latents)],
@@ -515,7 +541,9 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
             def step():
                 loss, m = grpo_micro_loss(pols[k], s_, ref=refs[k] if kl else None, kl_beta=0.04 if kl else 0.0,
                                           latent_pathwise="pathwise" in replay)
-                loss.backward(); pols[k].module.zero_grad(); return m
+                loss.backward()
+                pols[k].module.zero_grad()
+                return m
             metrics[k, replay], dt = timed(step)
             stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}   # exact replays
             if it: t_train[k, replay].append(dt)
@@ -536,8 +564,11 @@ ARCHS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan)
     **{k: {f: v for f, v in d.items() if f != "model_type"} for k, d in MODEL_CONFIGS.items()}, "tiny": None}
 
 def _timed(fn, device):
-    if device == "cuda": torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter(); out = fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = fn()
     if device == "cuda": torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
@@ -565,15 +596,19 @@ def stages_bench(quick: bool = False, device: str = "cpu", arch: str = "tiny", b
                     "step_s": dt, "peak_mem_gb": mem, **kw})
     exs = [e for e in (sft_example(tok, r, "trace", 512) for r in rows) if e][:B]
     loss_fn = lambda: sft_batch_loss(model, exs, tok.pad_token_id)[0].backward()
-    _timed(loss_fn, device); model.zero_grad()                                        # warm-up
-    _, dt, mem = _timed(loss_fn, device); model.zero_grad()
+    _timed(loss_fn, device)
+    model.zero_grad()                                        # warm-up
+    _, dt, mem = _timed(loss_fn, device)
+    model.zero_grad()
     row("sft", "tokens", sum(len(e["input_ids"]) for e in exs), dt, mem)
     steps = 1 if ARCHS[arch] is None else 6                                   # the GPU recipe's latent_steps
     lm = LatentModel(model, LatentSpec.from_tokenizer(tok, steps))
     cex = [e for e in (codi_example(tok, r, 512) for r in rows) if e][:B]
     fn = lambda: codi_forward(lm, cex, CodiOptions()).loss.backward()
-    _timed(fn, device); lm.zero_grad()
-    _, dt, mem = _timed(fn, device); lm.zero_grad()
+    _timed(fn, device)
+    lm.zero_grad()
+    _, dt, mem = _timed(fn, device)
+    lm.zero_grad()
     row("codi", "examples", len(cex), dt, mem)
     for kind in ("text", "latent"):
         pol = Policy(model if kind == "text" else lm, tok, kind)
@@ -582,8 +617,10 @@ def stages_bench(quick: bool = False, device: str = "cpu", arch: str = "tiny", b
         teacher = ModelTeacher(model, tok) if kind == "text" else ExplicitTraceTeacher(model, tok, lm.spec)
         model.train().requires_grad_(True)                                             # the teacher froze the shared weights
         fn = lambda: gkd_loss(pol, teacher, items)[0].backward()
-        _timed(fn, device); pol.module.zero_grad()
-        _, dt, mem = _timed(fn, device); pol.module.zero_grad()
+        _timed(fn, device)
+        pol.module.zero_grad()
+        _, dt, mem = _timed(fn, device)
+        pol.module.zero_grad()
         row(f"gkd step ({kind}: teacher scoring + train)", "tokens", sum(len(i["completion"]) for i in items), dt, mem)
         P = [i["prompt"] for i in items]
         pol.module.eval()
@@ -595,7 +632,8 @@ def stages_bench(quick: bool = False, device: str = "cpu", arch: str = "tiny", b
         (_, m), dt, mem = _timed(lambda: (lambda r: (r[0].backward(), r[1]))(grpo_micro_loss(pol, smp)), device)
         pol.module.zero_grad()
         row(f"grpo train ({kind})", "tokens", sum(map(len, ro.completion_ids)), dt, mem, align_abs_max=m["align_abs_max"])
-    n_model = n_params(model); del model, lm, pol
+    n_model = n_params(model)
+    model = lm = pol = None                         # dropped (not `del`: the lambdas above name them)
     out += [dict(r, arch=arch, batch=B) for r in engine_rows(build, exs, tok.pad_token_id, device)]
     return {"name": "stages", "rows": out,
             "notes": f"{arch}: {n_model / 1e6:.1f}M params, randomly initialised from its config, {dtype} on {device}; "
@@ -606,7 +644,10 @@ def stages_bench(quick: bool = False, device: str = "cpu", arch: str = "tiny", b
 def _one_process_group(device: str) -> None:
     "A process group of one (FSDP2 needs a mesh), unless this process already has one."
     if dist.is_initialized(): return
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 ENGINE_VARIANTS = [("ddp", "fp32", "fp32"), ("ddp", "bf16", "fp32"), ("fsdp", "bf16", "fp32"), ("fsdp", "fp32", "fp32"),
@@ -625,7 +666,9 @@ def engine_rows(build, exs, pad_id, device: str, steps: int = 3, lr: float = 1e-
         amp = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
         def step():
             with amp: loss = eng.root(lambda: sft_batch_loss(model, exs, pad_id)[0])
-            loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         times = [_timed(step, device) for _ in range(steps)]
         dt = min(t[1] for t in times[1:] or times)
         upd = torch.cat([(local_tensor(p.detach()).float() - w).flatten() for p, w in zip(model.parameters(), w0)])
@@ -634,7 +677,7 @@ def engine_rows(build, exs, pad_id, device: str, steps: int = 3, lr: float = 1e-
                     "tokens_per_s": sum(len(e["input_ids"]) for e in exs) / dt, "step_s": dt,
                     "peak_mem_gb": max(t[2] for t in times), "update_vs_fp32": float(upd.norm() / ref.norm()),
                     "update_cos_fp32": float(torch.nn.functional.cosine_similarity(upd, ref, 0))})
-        del eng, opt, model
+        eng = opt = model = None
     return out
 
 # %% ../nbs/27_bench.ipynb #8ff4e3c9
@@ -652,7 +695,8 @@ def main(argv: list[str] | None = None):
         kw = {"quick": a.quick}
         if a.device: kw["device"] = a.device
         if a.arch and n == "stages": kw["arch"] = a.arch
-        r = run_bench(n, **kw); out.append(r)
+        r = run_bench(n, **kw)
+        out.append(r)
         print(f"\n## {r['name']}\n\n{markdown_table(r['rows'])}\n")
         if r.get("notes"): print(r["notes"])
         for title, rows in r.get("tables", {}).items(): print(f"\n### {title}\n\n{markdown_table(rows)}\n")
@@ -665,16 +709,23 @@ def main(argv: list[str] | None = None):
 # %% ../nbs/27_bench.ipynb #355708e4
 def _ckpt_child(spec: str):
     "Subprocess entry: one CODI forward + backward with or without layer recomputation; prints its added peak as JSON."
-    a = json.loads(spec); torch.set_num_threads(a["threads"])
+    a = json.loads(spec)
+    torch.set_num_threads(a["threads"])
     tok = load_tokenizer("data/tokenizer")
     exs = [e for e in (codi_example(tok, r, 384) for r in load_rows("data/corpus/train.jsonl", 400)) if e]
     exs = sorted(exs, key=lambda e: -len(e["spans"]))[:a["batch"]]                      # the most spans: the worst case
     lm = LatentModel(build_tiny(tok, a["size"], seed=0), LatentSpec.from_tokenizer(tok, a["latent_steps"]))
     if a["ckpt"]: checkpoint_layers(lm)
-    lm.train(); codi_forward(lm, exs[:2], CodiOptions()).loss.backward(); lm.zero_grad()   # warm-up
+    lm.train()
+    codi_forward(lm, exs[:2], CodiOptions()).loss.backward()
+    lm.zero_grad()   # warm-up
     def step():
-        o = codi_forward(lm, exs, CodiOptions()); o.loss.backward(); return o.loss.item()
-    t0 = time.perf_counter(); loss, mb = added_peak_mb(step); dt = time.perf_counter() - t0
+        o = codi_forward(lm, exs, CodiOptions())
+        o.loss.backward()
+        return o.loss.item()
+    t0 = time.perf_counter()
+    loss, mb = added_peak_mb(step)
+    dt = time.perf_counter() - t0
     print(json.dumps({"loss": loss, "peak_mb": mb, "seconds": dt, "spans": sum(len(e["spans"]) for e in exs) / len(exs)}))
 
 def ckpt_bench(quick: bool = False, size: str = "small", batch: int = 16, latent_steps: int = 3) -> dict:
@@ -705,7 +756,8 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
     with the batch's real shape as a `PlanConfig` (runtime 0). Run it in a fresh process: peaks only grow."""
     tok = load_tokenizer("data/tokenizer")
     rows = load_rows("data/corpus/train.jsonl", 400)
-    a = dict(arch); cfg = AutoConfig.for_model(a.pop("model_type", "qwen2"), **a)
+    a = dict(arch)
+    cfg = AutoConfig.for_model(a.pop("model_type", "qwen2"), **a)
     shape = model_shape(cfg)
     latent = stage != "sft"
     if stage == "sft":
@@ -738,7 +790,9 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
         opt = torch.optim.AdamW(mod.parameters(), lr=1e-5)
         for _ in range(steps):
             with amp: l = loss(model, mod)
-            l.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            l.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     _, peak = added_peak_mb(train, device)
     return {"plan": asdict(pc), "shape": asdict(shape), "peak_mb": peak}
 

@@ -143,13 +143,15 @@ class CodiStep(Stage):
         out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf,
                            call_cost=CALL_COST if self.cfg.phase_groups else None)
         if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in self.anchored:   # the step's first micro-batch
-            self.anchored.add(step); self.anchors.log(step=step, **anchor_record(batch, out))
+            self.anchored.add(step)
+            self.anchors.log(step=step, **anchor_record(batch, out))
         m = dict(out.metrics, ss_p=o.ss_p, latent_tf=o.latent_tf,
                  latent_share=sum(len(e["spans"]) for e in batch) / sum(len(self.exs[i]["spans"]) for i in part))
         return out.loss * len(part) / len(idx), m
 
     def save(self, d, state_dict=None):   # LoRA: the merged model, and the adapters and projector for a resume
-        self.module.save(d, self.tok, export_state(self.module, state_dict)); save_lora(self.module, d, state_dict)
+        self.module.save(d, self.tok, export_state(self.module, state_dict))
+        save_lora(self.module, d, state_dict)
     def load_weights(self, d):
         if lora_scale(self.module) is not None: return load_lora(self.module, d)
         self.module.load_state_dict(LatentModel.load(d, dtype=self.cfg.dtype)[0].state_dict())
@@ -165,7 +167,8 @@ def codi_examples(cfg: CodiConfig, tok, opts: CodiOptions, acc, progress: bool =
 
 def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     "Train a CODI latent student; returns `{out}/final` (a latent model directory)."
-    acc = setup(cfg.seed); write_config(cfg, acc)
+    acc = setup(cfg.seed)
+    write_config(cfg, acc)
     opts = cfg.options()
     lm, tok = LatentModel.load(cfg.model, dtype=cfg.dtype, latent_steps=cfg.latent_steps)
     lm.spec.latent_steps = cfg.latent_steps

@@ -148,7 +148,8 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
             has = sorted(n for n, p in RECIPES.items() if cls.__name__ in p)
             raise ConfigError(f"recipe {recipe} has no {cls.__name__} section; recipes for this stage: {has}")
         pf = recipe_fields(recipe, cls)
-        config_from_dict(cls, pf, f"recipe {recipe}"); d.update(pf)
+        config_from_dict(cls, pf, f"recipe {recipe}")
+        d.update(pf)
     if path:
         fd = _file_fields(cls, path)
         config_from_dict(cls, fd, where=str(path))         # name the file when one of its fields is bad

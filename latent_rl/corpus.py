@@ -65,7 +65,8 @@ def load_rows(path, limit: int | None = None) -> list[dict]:
 
 def save_rows(rows: Iterable[dict], path) -> Path:
     "Write rows as JSONL (atomically: a temp file renamed into place)."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         for r in rows: fh.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -106,7 +107,8 @@ class _Gen:
         return self.r.choice([c for c in _NAMES if c not in used])
 
     def int_expr(self, vars_):
-        a = self.r.choice(vars_); op = self.r.choice(self.cfg.ops)
+        a = self.r.choice(vars_)
+        op = self.r.choice(self.cfg.ops)
         b = self.r.choice([v for v in vars_ if v != a] + [str(self.const())] * 2)  # never `a - a`
         if op in ("//", "%"): b = str(self.r.randint(2, 5))  # never divide by zero
         if op == "*" and not b.isdigit(): b = str(self.r.randint(2, 3))
@@ -119,9 +121,12 @@ class _Gen:
         for _ in range(r.randint(*c.n_statements)):
             u = r.random()
             if u < c.loop_prob:
-                v = r.choice(vars_); body += [f"for i in range({r.randint(1, c.max_loop)}):", f"    {v} = {v} + i"]
+                v = r.choice(vars_)
+                body += [f"for i in range({r.randint(1, c.max_loop)}):", f"    {v} = {v} + i"]
             elif u < c.loop_prob + c.branch_prob:
-                v = r.choice(vars_); t = self.const(); w = r.choice(vars_)
+                v = r.choice(vars_)
+                t = self.const()
+                w = r.choice(vars_)
                 body += [f"if {v} > {t}:", f"    {w} = {self.int_expr(vars_)}", "else:", f"    {w} = {self.int_expr(vars_)}"]
             else:
                 v = self.fresh(vars_) if r.random() < 0.7 else r.choice(vars_)
@@ -134,13 +139,16 @@ class _Gen:
 
     def list_program(self):
         c, r = self.cfg, self.r
-        n = r.randint(2, 4); xs = [self.const() for _ in range(n)]
+        n = r.randint(2, 4)
+        xs = [self.const() for _ in range(n)]
         body, vars_ = [], ["nums"]
         stmts = ["nums.append({k})", "nums.sort()", "nums = nums[::-1]", "nums.pop()", "nums.insert(0, {k})",
                  "{v} = len(nums)", "{v} = sum(nums)", "{v} = max(nums)", "{v} = nums[0] + {k}", "{v} = nums.count({k})"]
         for _ in range(r.randint(*c.n_statements)):
             if r.random() < c.loop_prob:
-                v = self.fresh(vars_ + ["x"]); body += [f"{v} = 0", "for x in nums:", f"    {v} = {v} + x"]; vars_.append(v)
+                v = self.fresh(vars_ + ["x"])
+                body += [f"{v} = 0", "for x in nums:", f"    {v} = {v} + x"]
+                vars_.append(v)
                 continue
             s = r.choice(stmts)
             v = self.fresh(vars_)
@@ -156,19 +164,22 @@ class _Gen:
         stmts = ["s = s.upper()", "s = s[::-1]", "s = s + '{ch}'", "s = s.replace('{ch}', '{ch2}')", "{v} = s.count('{ch}')",
                  "{v} = len(s)", "s = s[1:]", "{v} = s.find('{ch}')", "s = s.lower()"]
         for _ in range(r.randint(*c.n_statements)):
-            st = r.choice(stmts); v = self.fresh(vars_)
+            st = r.choice(stmts)
+            v = self.fresh(vars_)
             body.append(st.format(ch=r.choice("abcde"), ch2=r.choice("xyz"), v=v))
             if "{v}" in st: vars_.append(v)
         return ["s"], body, f"return {r.choice(vars_)}", repr(s)
 
     def dict_program(self):
         c, r = self.cfg, self.r
-        keys = r.sample("abcde", r.randint(1, 3)); d = {k: self.const() for k in keys}
+        keys = r.sample("abcde", r.randint(1, 3))
+        d = {k: self.const() for k in keys}
         body, vars_ = [], ["d"]
         stmts = ["d['{k}'] = {n}", "{v} = len(d)", "{v} = d.get('{k}', {n})", "{v} = sorted(d)", "d.pop('{k}', None)",
                  "{v} = sum(d.values())"]
         for _ in range(r.randint(*c.n_statements)):
-            st = r.choice(stmts); v = self.fresh(vars_)
+            st = r.choice(stmts)
+            v = self.fresh(vars_)
             body.append(st.format(k=r.choice("abcde"), n=self.const(), v=v))
             if "{v}" in st: vars_.append(v)
         return ["d"], body, f"return {r.choice(vars_)}", repr(d)
@@ -205,7 +216,8 @@ def dedupe(rows: Iterable[dict]) -> list[dict]:
     seen, out = set(), []
     for r in rows:
         if r["code"] in seen: continue
-        seen.add(r["code"]); out.append(r)
+        seen.add(r["code"])
+        out.append(r)
     return out
 
 def split_rows(rows, fracs=(0.8, 0.1, 0.1)) -> dict[str, list[dict]]:
@@ -228,7 +240,9 @@ def trace_and_fill(rows: list[dict], *, max_line_frames: int | None = None, prog
         reason = tr.reason if not tr.ok else None
         if reason is None and max_line_frames and tr.n_line_frames > max_line_frames: reason = "too many LINE frames"
         if reason is not None:
-            key = reason.split(":")[0]; skipped[key] = skipped.get(key, 0) + 1; continue
+            key = reason.split(":")[0]
+            skipped[key] = skipped.get(key, 0) + 1
+            continue
         kept.append({**row, "output": tr.value, "trace": tr.trace, "n_line_frames": tr.n_line_frames})
     return kept, skipped
 
@@ -266,6 +280,7 @@ def build_heldout(n: int, cfg: GenConfig | str = "easy", seed: int = 0, exclude:
         kept, _ = trace_and_fill(cands, max_line_frames=cfg_.max_line_frames, progress=progress, desc="trace held-out")
         for row in kept:
             if row["code"] in seen or not _small_output(row["output"], cfg_, max_output_chars): continue
-            seen.add(row["code"]); out.append({**row, "id": f"heldout_{len(out):06d}"})
+            seen.add(row["code"])
+            out.append({**row, "id": f"heldout_{len(out):06d}"})
             if len(out) == n: return out
     raise RuntimeError(f"build_heldout: only {len(out)} new programs after {max_rounds} rounds (widen GenConfig or lower n)")

@@ -41,7 +41,8 @@ def reward_curve(run_dir):
         ax.plot(st[k - 1:], [sum(v[i - k + 1:i + 1]) / k for i in range(k - 1, len(v))], lw=2, label=f"{lab}, mean of {k}")
     ax.set(title="GRPO on the latent student: reward of sampled rollouts (T = 1)", xlabel="optimizer step",
            ylabel="reward per completion")
-    ax.legend(fontsize=7); ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
     return fig
 
 # %% ../nbs/28_demo.ipynb #01c5dae2
@@ -61,7 +62,9 @@ class DemoRun:
     times: dict = field(default_factory=dict)
     t: float = field(default_factory=time.time)
 
-    def lap(self, name: str): self.times[name] = round(time.time() - self.t, 1); self.t = time.time()
+    def lap(self, name: str):
+        self.times[name] = round(time.time() - self.t, 1)
+        self.t = time.time()
     def cfg(self, cls, **over):
         "The recipe's config of a stage with this run's paths."
         return cls(**{**recipe_fields(self.recipe, cls), **over, "overwrite": True})
@@ -109,7 +112,8 @@ def evaluate_stage(d: DemoRun, key: str, stage: str, mode: str, path, max_new_to
     "Held-out accuracy with its 95% CI; for a latent student also the counterfactuals in `variants` (paired deltas)."
     if d.rows is None: d.rows = load_traced(d.data / "corpus/test.jsonl", d.limit, progress=d.progress)
     if LatentModel.is_latent_dir(path):
-        lm, tok = LatentModel.load(path); lm.eval()
+        lm, tok = LatentModel.load(path)
+        lm.eval()
         u = latent_usage(lm, tok, d.rows, variants=variants, max_new_tokens=max_new_tokens, progress=d.progress)
         recs = u["records"]
         r = {"accuracy": u["accuracy"]["mean"], "ci": [u["accuracy"]["lo"], u["accuracy"]["hi"]], "format_valid": u["format_valid"],
@@ -206,7 +210,10 @@ def run_demo(out="runs/demo", data="data", from_scratch: bool = False, limit: in
     d.out.mkdir(parents=True, exist_ok=True)
     t_all = time.time()
     same = demo_data(d)
-    demo_sft(d, from_scratch); demo_codi(d); demo_gkd(d); demo_grpo(d)
+    demo_sft(d, from_scratch)
+    demo_codi(d)
+    demo_gkd(d)
+    demo_grpo(d)
     rep = demo_diagnose(d)
     figs = demo_figures(d, rep)
     d.times["total"] = round(time.time() - t_all, 1)

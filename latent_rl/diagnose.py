@@ -4,7 +4,7 @@
 
 # %% ../nbs/22_diagnose.ipynb #97757c18
 from __future__ import annotations
-import argparse, json, math, re, sys, time
+import argparse, json, re, sys, time
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -28,7 +28,7 @@ __all__ = ['BUCKETS', 'OUTCOMES', 'LAMBDAS', 'USAGE_VARIANTS', 'MODE_COLORS', 'M
            'find_records', 'diagnose', 'main']
 
 # %% ../nbs/22_diagnose.ipynb #6568a70b
-from .trace import parse_trace, prompt_text, same_value, LINE_SEP, row_prompt
+from .trace import parse_trace, same_value, LINE_SEP, row_prompt
 from .tokens import encode
 from .evaluate import (frames_json, true_line_frames, load_records, save_records, bootstrap_mean, paired_delta,
                                 within_noise, evaluate, load_policy)
@@ -110,7 +110,8 @@ def faithfulness(records: list[dict], true_traces: dict[str, str]) -> dict:
     for r in records:
         if r["id"] not in true_traces: raise KeyError(f"record {r['id']!r}: no true trace among the rows")
         cls.append(classify(r, parse_trace(true_traces[r["id"]]).frames))
-    n = len(cls); wrong = [c for c in cls if c["outcome"] in OUTCOMES[2:]]
+    n = len(cls)
+    wrong = [c for c in cls if c["outcome"] in OUTCOMES[2:]]
     cnt = Counter(c["outcome"] for c in cls)
     div = sorted(c["diverge_at"] for c in cls if c["outcome"] == "wrong path" and c["diverge_at"] is not None)
     return {"n": n, "path_match": sum(c["path_match"] for c in cls) / max(n, 1), "counts": {o: cnt.get(o, 0) for o in OUTCOMES},
@@ -156,8 +157,10 @@ def fit_probe(Xtr, ytr, Xte, yte, lams=LAMBDAS, seed: int = 0) -> tuple[float, d
     Xtr, Xte = np.asarray(Xtr, np.float64), np.asarray(Xte, np.float64)             # [N, d], [M, d]
     ytr, yte = list(map(str, ytr)), list(map(str, yte))
     if len(Xtr) != len(ytr) or len(Xte) != len(yte): raise ValueError("fit_probe: features and labels differ in length")
-    classes = sorted(set(ytr)); idx = {c: i for i, c in enumerate(classes)}
-    a = np.array([idx[y] for y in ytr]); b = np.array([idx.get(y, -1) for y in yte])
+    classes = sorted(set(ytr))
+    idx = {c: i for i, c in enumerate(classes)}
+    a = np.array([idx[y] for y in ytr])
+    b = np.array([idx.get(y, -1) for y in yte])
     majority = Counter(ytr).most_common(1)[0][0] if ytr else None
     chance = float(np.mean([y == majority for y in yte])) if yte else float("nan")
     meta = {"chance": chance, "n_train": len(ytr), "n_test": len(yte), "n_classes": len(classes)}
@@ -165,8 +168,10 @@ def fit_probe(Xtr, ytr, Xte, yte, lams=LAMBDAS, seed: int = 0) -> tuple[float, d
         return chance, {**meta, "lam": None}
     mu, sd = Xtr.mean(0), Xtr.std(0) + 1e-6
     Ztr, Zte = (Xtr - mu) / sd, (Xte - mu) / sd
-    Y = np.eye(len(classes))[a]; ybar = Y.mean(0)                                    # [N, C]
-    perm = np.random.default_rng(seed).permutation(len(a)); nv = max(1, len(a) // 5)
+    Y = np.eye(len(classes))[a]
+    ybar = Y.mean(0)                                    # [N, C]
+    perm = np.random.default_rng(seed).permutation(len(a))
+    nv = max(1, len(a) // 5)
     va, tr = perm[:nv], perm[nv:]
     if len(tr) >= 2:
         Zm = Ztr[tr].mean(0)
@@ -189,12 +194,15 @@ def collect_states(lm, tok, rows: list[dict], *, teacher=None, batch_size: int =
     for r in rows:
         ex = codi_example(tok, r, max_len)
         tg = span_targets(r["trace"]) if ex is not None else []
-        if ex is None or len(tg) != len(ex["spans"]): skipped += 1; continue
+        if ex is None or len(tg) != len(ex["spans"]):
+            skipped += 1
+            continue
         usable.append((r, ex, tg))
     acc = {k: [] for k in ("latents", "student", "teacher")}
     meta = {k: [] for k in ("var", "value", "row", "span", "line")}
     layers = list(range(n_layers + 1))
-    was_training = lm.training; lm.eval()
+    was_training = lm.training
+    lm.eval()
     try:
         with torch.no_grad():
             for s in tqdm(range(0, len(usable), batch_size), desc=desc, disable=not progress):
@@ -208,10 +216,14 @@ def collect_states(lm, tok, rows: list[dict], *, teacher=None, batch_size: int =
                 for b, (r, ex, tg) in enumerate(part):
                     for q in range(len(ex["spans"])):
                         if not valid[b, q]: continue
-                        acc["latents"].append(lat[b, q].numpy()); acc["student"].append(st[b, q].numpy())
+                        acc["latents"].append(lat[b, q].numpy())
+                        acc["student"].append(st[b, q].numpy())
                         acc["teacher"].append(te[b, q].numpy())
-                        meta["var"].append(tg[q]["var"]); meta["value"].append(tg[q]["value"])
-                        meta["row"].append(r.get("id")); meta["span"].append(q); meta["line"].append(tg[q]["line"])
+                        meta["var"].append(tg[q]["var"])
+                        meta["value"].append(tg[q]["value"])
+                        meta["row"].append(r.get("id"))
+                        meta["span"].append(q)
+                        meta["line"].append(tg[q]["line"])
     finally:
         lm.train(was_training)
     out = {k: np.stack(v) if v else np.zeros((0, 0, 0), np.float32) for k, v in acc.items()}
@@ -232,7 +244,8 @@ def run_probes(train: dict, test: dict, progress: bool = False) -> dict:
     "Held-out accuracy of every (feature set, target) probe, with the chance level per target."
     rows, targets = [], {}
     for t in ("var", "value"):
-        ktr = [i for i, v in enumerate(train[t]) if v is not None]; kte = [i for i, v in enumerate(test[t]) if v is not None]
+        ktr = [i for i, v in enumerate(train[t]) if v is not None]
+        kte = [i for i, v in enumerate(test[t]) if v is not None]
         targets[t] = (ktr, kte)
     tr_sets, te_sets = feature_sets(train), feature_sets(test)
     meta = {}
@@ -240,7 +253,9 @@ def run_probes(train: dict, test: dict, progress: bool = False) -> dict:
         row = {"group": group, "features": name}
         for t, (ktr, kte) in targets.items():
             a, m = fit_probe(Xtr[ktr], [train[t][i] for i in ktr], Xte[kte], [test[t][i] for i in kte])
-            row[t] = a; row[f"{t}_lam"] = m["lam"]; meta[t] = m
+            row[t] = a
+            row[f"{t}_lam"] = m["lam"]
+            meta[t] = m
         rows.append(row)
     tinfo = {t: {k: v for k, v in m.items() if k != "lam"} for t, m in meta.items()}
     for t, (ktr, kte) in targets.items():
@@ -252,7 +267,8 @@ def run_probes(train: dict, test: dict, progress: bool = False) -> dict:
         for g in ("latent", "student", "teacher"):
             cand = [r for r in rows if r["group"] == g and r.get(t) is not None]
             if cand:
-                r = max(cand, key=lambda r: r[t]); best.setdefault(t, {})[g] = {"features": r["features"], "accuracy": r[t]}
+                r = max(cand, key=lambda r: r[t])
+                best.setdefault(t, {})[g] = {"features": r["features"], "accuracy": r[t]}
     return {"rows": rows, "targets": tinfo, "best": best, "layers": list(train["layers"]),
             "n_spans": {"train": len(train["var"]), "test": len(test["var"])}}
 
@@ -300,7 +316,8 @@ class LatentBank:
         "The `latent_fn(z, block, step)` of `generate_latent` for a batch of `rows` (indices into the bank)."
         tab = self.table(rows, kind, torch.Generator().manual_seed(self.seed * 1_000_003 + seed))
         def latent_fn(z, block, step):                                               # z [B, H], block/step [B]
-            k = block.clamp(0, tab.shape[1] - 1).cpu(); j = step.clamp(0, self.S - 1).cpu()
+            k = block.clamp(0, tab.shape[1] - 1).cpu()
+            j = step.clamp(0, self.S - 1).cpu()
             return tab[torch.arange(len(rows)), k, j].to(device=z.device, dtype=z.dtype)
         return latent_fn
 
@@ -411,8 +428,10 @@ def fig_usage(u: dict | None):
     ax.barh(range(len(names)), [100 * x["mean"] for x in d], color=["#d62728" if not within_noise(x) else "#bbbbbb" for x in d])
     ax.errorbar([100 * x["mean"] for x in d], range(len(names)), xerr=[[100 * (x["mean"] - x["lo"]) for x in d],
                 [100 * (x["hi"] - x["mean"]) for x in d]], fmt="none", ecolor="k", capsize=3)
-    ax.axvline(0, c="k", lw=1); ax.set_yticks(range(len(names)), [_VARIANT_DESC.get(v, v) for v in names], fontsize=7)
-    ax.invert_yaxis(); ax.set_xlabel("accuracy change vs intact latents (points, 95% CI)")
+    ax.axvline(0, c="k", lw=1)
+    ax.set_yticks(range(len(names)), [_VARIANT_DESC.get(v, v) for v in names], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("accuracy change vs intact latents (points, 95% CI)")
     ax.set_title(f"latent usage ({u['n']} programs; grey: within noise)")
     return fig
 
@@ -447,11 +466,13 @@ def kd_floor(run) -> dict | None:
             if "step" not in r or "layers" not in r: raise ValueError(f"{ka}: record {i} lacks 'step' or 'layers'")
         recs.sort(key=lambda r: r["step"])
         if recs:
-            layers = recs[-1]["layers"]; out["layers"] = layers
+            layers = recs[-1]["layers"]
+            out["layers"] = layers
             for r in recs:
                 d = [a for ex in r["dist"] for a in ex if len(a) == len(layers)]       # anchors × layers
                 if not d: continue
-                out["steps"].append(r["step"]); out["per_layer"].append(np.mean(d, 0).tolist())
+                out["steps"].append(r["step"])
+                out["per_layer"].append(np.mean(d, 0).tolist())
             P = np.array(out["per_layer"])                                             # [records, L_sel]
             for j, l in enumerate(layers):
                 st, m = plateau_step(out["steps"], P[:, j]) if len(P) else (None, {})
@@ -488,13 +509,17 @@ def fig_accuracy_by_length(by_length: dict):
     if not modes: return None
     buckets = [b for b in by_length[modes[0]] if b != "all" and any(by_length[m].get(b, {}).get("n") for m in modes)]
     fig, axs = _fig(10, 3.6, 2)
-    w = 0.8 / max(1, len(modes)); x = np.arange(len(buckets))
+    w = 0.8 / max(1, len(modes))
+    x = np.arange(len(buckets))
     for ax, key, title in zip(axs, ("exact", "format_valid"), ("exact match", "format valid")):
         for i, m in enumerate(modes):
             v = [by_length[m].get(b, {}).get(key) or 0.0 for b in buckets]
             ax.bar(x + (i - (len(modes) - 1) / 2) * w, v, w, label=m, color=MODE_COLORS.get(m))
-        ax.set_xticks(x, [f"{b}\n(n={by_length[modes[0]][b]['n']})" for b in buckets]); ax.set_ylim(0, 1.05)
-        ax.set_xlabel("LINE frames in the true trace"); ax.set_title(title); ax.grid(axis="y", alpha=.3)
+        ax.set_xticks(x, [f"{b}\n(n={by_length[modes[0]][b]['n']})" for b in buckets])
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("LINE frames in the true trace")
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=.3)
     axs[0].legend(fontsize=8)
     return fig
 
@@ -502,20 +527,26 @@ def fig_faithfulness(faith: dict):
     modes = [m for m, f in faith.items() if f]
     if not modes: return None
     fig, axs = _fig(8, 0.7 + 0.6 * len(modes))
-    ax = axs[0]; colors = ("#2ca02c", "#98df8a", "#ff7f0e", "#d62728")
+    ax = axs[0]
+    colors = ("#2ca02c", "#98df8a", "#ff7f0e", "#d62728")
     for i, m in enumerate(modes):
         left, n = 0.0, max(1, faith[m]["n"])
         for o, c in zip(OUTCOMES, colors):
             v = faith[m]["counts"][o] / n
-            ax.barh(i, v, left=left, color=c, label=o if i == 0 else None); left += v
-    ax.set_yticks(range(len(modes)), modes); ax.set_xlim(0, 1); ax.invert_yaxis()
-    ax.set_xlabel("fraction of programs"); ax.legend(fontsize=7, ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+            ax.barh(i, v, left=left, color=c, label=o if i == 0 else None)
+            left += v
+    ax.set_yticks(range(len(modes)), modes)
+    ax.set_xlim(0, 1)
+    ax.invert_yaxis()
+    ax.set_xlabel("fraction of programs")
+    ax.legend(fontsize=7, ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     return fig
 
 # %% ../nbs/22_diagnose.ipynb #ac28dff4
 def fig_probes(probes: dict):
     if not probes or not probes.get("rows"): return None
-    rows = probes["rows"]; gcol = {"latent": "#d62728", "student": "#ff9896", "teacher": "#1f77b4"}
+    rows = probes["rows"]
+    gcol = {"latent": "#d62728", "student": "#ff9896", "teacher": "#1f77b4"}
     fig, axs = _fig(max(6, 0.45 * len(rows) + 2), 3.8, 2)
     for ax, t, title in zip(axs, ("var", "value"), ("which variable changed", "its new value (bucketed)")):
         ax.bar(range(len(rows)), [r.get(t) or 0.0 for r in rows], color=[gcol[r["group"]] for r in rows])
@@ -523,7 +554,11 @@ def fig_probes(probes: dict):
         if ch is not None: ax.axhline(ch, ls="--", c="k", lw=1, label=f"chance {ch:.2f}")
         ax.set_xticks(range(len(rows)), [r["features"].replace("layer ", "L").replace("latent step ", "z") for r in rows],
                       rotation=70, fontsize=7)
-        ax.set_ylim(0, 1.05); ax.set_title(title); ax.set_ylabel("held-out accuracy"); ax.legend(fontsize=7); ax.grid(axis="y", alpha=.3)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(title)
+        ax.set_ylabel("held-out accuracy")
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=.3)
     return fig
 
 def fig_kd_floor(kd: dict):
@@ -537,13 +572,17 @@ def fig_kd_floor(kd: dict):
             ax.plot(kd["steps"], P[:, j], alpha=.25, c=ln.get_color())
             ps = kd["table"][j]["plateau_step"]
             if ps is not None: ax.axvline(ps, c=ln.get_color(), ls=":", lw=1)
-        ax.set_yscale("log"); ax.legend(fontsize=7)
-    ax.set_title("KD residual per layer (smoothed; dotted: plateau)"); ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    ax.set_title("KD residual per layer (smoothed; dotted: plateau)")
+    ax.set_xlabel("step")
     ax = axs[1]
     for k, v in kd["losses"].items():
         ln, = ax.plot(v["steps"], smooth(v["values"]), label=k)
         if v["plateau_step"] is not None: ax.axvline(v["plateau_step"], c=ln.get_color(), ls=":", lw=1)
-    ax.set_yscale("log"); ax.set_xlabel("step"); ax.set_title("losses (metrics.jsonl)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_title("losses (metrics.jsonl)")
     if kd["losses"]: ax.legend(fontsize=7)
     return fig
 
@@ -583,7 +622,8 @@ def _findings(rep: dict) -> list[str]:
     for t, name in (("value", "the changed value"), ("var", "which variable changed")):
         b = (pb.get("best") or {}).get(t)
         if b and "teacher" in b:
-            lat = b.get("latent", {}); stu = b.get("student", {})
+            lat = b.get("latent", {})
+            stu = b.get("student", {})
             out.append(f"Probing {name}: best latent vector {_pct(lat.get('accuracy'))} ({lat.get('features')}), best student "
                        f"anchor {_pct(stu.get('accuracy'))} ({stu.get('features')}), teacher {_pct(b['teacher']['accuracy'])} "
                        f"({b['teacher']['features']}); chance {_pct(pb['targets'][t]['chance'])}.")
@@ -688,10 +728,12 @@ def load_report(path) -> dict:
 
 def write_report(rep: dict, out) -> Path:
     "Write `diagnosis.md`, `report.json` and the figures' PNGs to `out`; returns the path of `diagnosis.md`."
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(rep, indent=1, default=str))
     for name, fig in diagnostics_figures(rep).items(): fig.savefig(out / f"{name}.png", dpi=110)
-    p = out / "diagnosis.md"; p.write_text(render_markdown(rep))
+    p = out / "diagnosis.md"
+    p.write_text(render_markdown(rep))
     return p
 
 # %% ../nbs/22_diagnose.ipynb #389046f3
@@ -756,10 +798,12 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
            "n": len(test), "date": time.strftime("%Y-%m-%d %H:%M"), "modes": {}}
     recs = {}
     if usage is True:   # the intact run of the usage test is the latent student's evaluation too
-        lm, ltok = LatentModel.load(model, device=dev); lm.eval()
+        lm, ltok = LatentModel.load(model, device=dev)
+        lm.eval()
         usage = latent_usage(lm, ltok, test, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
     if isinstance(usage, dict) and "records" in usage:
-        usage = dict(usage); save_records({"records": usage.pop("records")}, out / "latent.records.jsonl")
+        usage = dict(usage)
+        save_records({"records": usage.pop("records")}, out / "latent.records.jsonl")
     rep["usage"] = usage if isinstance(usage, dict) else {"error": "disabled (--no_usage)"}
     for mode, path in (("explicit", teacher), ("latent", model), ("no-trace", notrace)):
         found = find_records(mode, dirs, ids, path) if dirs else None
@@ -795,7 +839,9 @@ def _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, m
     if cfg.get("teacher"):
         if not Path(cfg["teacher"]).exists():
             return {"error": f"the run's frozen KD teacher {cfg['teacher']} (config.json 'teacher') does not exist here"}
-        kd_teacher, _ = load_model(cfg["teacher"], device=dev); kd_teacher.eval(); tname = f"frozen teacher `{cfg['teacher']}`"
+        kd_teacher, _ = load_model(cfg["teacher"], device=dev)
+        kd_teacher.eval()
+        tname = f"frozen teacher `{cfg['teacher']}`"
     train = load_traced(train_rows, probe_train, progress=progress)
     try:
         st_tr = collect_states(lm, tok, train, teacher=kd_teacher, batch_size=batch_size, max_len=max_len, progress=progress, desc="states train")
@@ -825,7 +871,8 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--fresh", action="store_true", help="evaluate again even when records exist")
     ap.add_argument("--no_probes", action="store_true", help="skip the latent probes")
     ap.add_argument("--no_usage", action="store_true", help="skip the latent-usage counterfactuals (shuffled, zeroed, ... latents)")
-    ap.add_argument("--batch_size", type=int, default=32); ap.add_argument("--max_new_tokens", type=int, default=384)
+    ap.add_argument("--batch_size", type=int, default=32)
+    ap.add_argument("--max_new_tokens", type=int, default=384)
     ap.add_argument("--max_len", type=int, default=384, help="longest prompt+trace used for the probes")
     ap.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when available)")
     a = ap.parse_args(sys.argv[1:] if argv is None else list(map(str, argv)))

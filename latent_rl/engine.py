@@ -43,7 +43,9 @@ def log0(acc, *a, **k):
 # %% ../nbs/15_engine.ipynb #d14a702d
 class StepModule(nn.Module):
     "The unit an engine wraps: `root(fn, *args)` runs `fn(*args)` inside one forward of the module (and its hooks)."
-    def __init__(self, module: nn.Module): super().__init__(); self.module = module
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
     def forward(self, fn, *args, **kwargs): return fn(*args, **kwargs)
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
@@ -149,10 +151,16 @@ def gathered_weights(module: nn.Module):
     """Every FSDP2 layer of `module` gathered for the block, then freed: for generation, where ranks decode different
     numbers of tokens, so gathering per call would leave collectives unmatched. A no-op when nothing is sharded."""
     units = [m for m in module.modules() if hasattr(m, "latent_rl_reshard")]
-    for m in units: m.set_reshard_after_forward(False, recurse=False); m.latent_rl_held = True; m.unshard()
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.latent_rl_held = True
+        m.unshard()
     try: yield
     finally:
-        for m in units: m.reshard(); m.set_reshard_after_forward(m.latent_rl_reshard, recurse=False); m.latent_rl_held = False
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(m.latent_rl_reshard, recurse=False)
+            m.latent_rl_held = False
 
 # %% ../nbs/15_engine.ipynb #b7bd8089
 def _reshard_frozen(layer, *_):
@@ -180,7 +188,9 @@ def param_checksum(params, acc, sharded: bool) -> list[float]:
     different shards, so they report the sum over all shards (one all-reduce)."""
     t = torch.stack([local_tensor(p.detach()).double().sum() for p in params]).sum().reshape(1)        # [1]
     if sharded and acc.num_processes > 1:
-        t = t.to(acc.device); torch.distributed.all_reduce(t); return [float(t)] * acc.num_processes
+        t = t.to(acc.device)
+        torch.distributed.all_reduce(t)
+        return [float(t)] * acc.num_processes
     g = acc.gather(t.to(acc.device)).cpu() if acc.num_processes > 1 else t
     if not bool((g == g[0]).all()): raise RuntimeError(f"parameters differ across ranks after training: checksums {g.tolist()}")
     return g.tolist()
@@ -222,13 +232,17 @@ def added_peak_mb(fn, device=None) -> tuple[object, float]:
     """`fn()` and the peak memory it added over what was in use before, in MB: CUDA allocations, or on Linux the
     resident set (its high-water mark is reset first, so later `peak_memory_mb` readings start again from here)."""
     if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device); base = torch.cuda.memory_allocated(device); torch.cuda.reset_peak_memory_stats(device)
-        out = fn(); return out, (torch.cuda.max_memory_allocated(device) - base) / 2**20
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = fn()
+        return out, (torch.cuda.max_memory_allocated(device) - base) / 2**20
     try:
         with open("/proc/self/clear_refs", "w") as fh: fh.write("5")
         base = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) / 1024
     except (OSError, StopIteration): return fn(), float("nan")
-    out = fn(); return out, peak_memory_mb() - base
+    out = fn()
+    return out, peak_memory_mb() - base
 
 def sum_over_ranks(values: list[float], acc) -> list[float]:
     "Each value summed over processes (one all-reduce), e.g. the tokens a global batch scores."

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .trace import prompt_text, parse_trace, same_value, row_prompt
+from .trace import parse_trace, same_value, row_prompt
 from .tokens import encode, foreign_special
 from .generate import generate_text, generate_latent
 from .corpus import load_rows, trace_and_fill
@@ -108,7 +108,8 @@ def results_table(results: dict[str, dict], title: str = "") -> str:
 def save_records(result: dict, path):
     "Write `result['records']` (one JSON object per line) to `path`; returns the path."
     if "records" not in result: raise ValueError(f"save_records({path}): the result has no 'records' (not an `evaluate` result?)")
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
         for r in result["records"]: fh.write(json.dumps(r) + "\n")
@@ -154,10 +155,12 @@ def load_eval_rows(path, limit: int = 0, progress: bool = True) -> list[dict]:
 def load_policy(path, max_new_tokens: int = 384, dtype="fp32", device="cpu"):
     "`(tok, generate_fn, kind)` for a model directory; kind is 'latent' or 'text'."
     if LatentModel.is_latent_dir(path):
-        lm, tok = LatentModel.load(path, dtype=dtype, device=device); lm.eval()
+        lm, tok = LatentModel.load(path, dtype=dtype, device=device)
+        lm.eval()
         fn = lambda prompts: generate_latent(lm, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=max_new_tokens)
         return tok, fn, "latent"
-    model, tok = load_model(path, dtype=dtype, device=device); model.eval()
+    model, tok = load_model(path, dtype=dtype, device=device)
+    model.eval()
     fn = lambda prompts: generate_text(model, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=max_new_tokens)
     return tok, fn, "text"
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from .trace import prompt_text, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, row_prompt
+from .trace import LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, row_prompt
 from .tokens import encode, trace_token_ids, find_spans, IGNORE_INDEX
 from .losses import generalized_jsd_from_hidden, sft_loss
 from .logprobs import token_logprobs
@@ -40,7 +40,9 @@ def dataset_completion(tok, row: dict, kind: str) -> dict:
     ids = trace_token_ids(tok)
     comp, lat, prev = [], [], 0
     for i, j in find_spans(t, ids[LINE_SEP], ids[ACTION_SEP]):
-        comp += t[prev:i + 1]; lat.append(len(comp) - 1); prev = j       # keep up to <|line_sep|>, resume at <|action_sep|>
+        comp += t[prev:i + 1]
+        lat.append(len(comp) - 1)
+        prev = j       # keep up to <|line_sep|>, resume at <|action_sep|>
     comp += t[prev:]
     return {"prompt": p, "completion": comp, "latent_at": lat, "row": row}
 
@@ -51,11 +53,17 @@ def resample_overlong(idx: list[int], fits, n: int, seed: int, step: int, max_ro
     stream = torch.randperm(n, generator=torch.Generator().manual_seed((seed + 1) * 1_000_003 + step)).tolist()
     out, used, pos = [], set(idx), 0
     for i in idx:
-        if fits(i): out.append(i); continue
+        if fits(i):
+            out.append(i)
+            continue
         for _ in range(max_rounds):
             if pos >= len(stream): break
-            c = stream[pos]; pos += 1
-            if c not in used and fits(c): out.append(c); used.add(c); break
+            c = stream[pos]
+            pos += 1
+            if c not in used and fits(c):
+                out.append(c)
+                used.add(c)
+                break
         else:
             raise ValueError(f"truncation_strategy='delete'{where}: no example short enough after {max_rounds} draws from "
                              f"the resample stream (seed {seed + 1}, step {step}); raise max_len or filter the data")
@@ -240,11 +248,14 @@ def _fill(self: GKDStep, step: int) -> None:
     on = self.cycle_coin(steps[0])
     mine = {s: [dict(self.data[i], idx=i) for i in self.batch(s)[acc.process_index::W]] for s in steps}
     if on: self.sample(steps, mine)
-    self.buffer.clear(); self.buffer.update({s: (on, mine[s]) for s in steps}); self.calls.clear()
+    self.buffer.clear()
+    self.buffer.update({s: (on, mine[s]) for s in steps})
+    self.calls.clear()
     latent = self.policy.kind == "latent"
     counts = sum_over_ranks([sampled_mask([x["completion"] for x in mine[s]], [x["latent_at"] for x in mine[s]]
                                           if latent else None).sum() for s in steps], acc)
-    self.token_counts.clear(); self.token_counts.update({s: max(1.0, c) for s, c in zip(steps, counts)})
+    self.token_counts.clear()
+    self.token_counts.update({s: max(1.0, c) for s, c in zip(steps, counts)})
 
 def _sample(self: GKDStep, steps: list[int], mine: dict) -> None:
     "On-policy: the student completes every item of the cycle (the engine synced to the current weights first)."
@@ -255,14 +266,17 @@ def _sample(self: GKDStep, steps: list[int], mine: dict) -> None:
     keys = [row_key(cfg.seed, s, it["idx"]) for s in steps for it in mine[s]]          # (seed, step, example)
     policy.module.eval()
     if self.engine is not None:
-        ts = time.time(); self.engine.sync(policy.lm); self.timing["sync_s"] += time.time() - ts
+        ts = time.time()
+        self.engine.sync(policy.lm)
+        self.timing["sync_s"] += time.time() - ts
         ro = self.engine.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys)
     else:
         with gathered_weights(policy.module): ro = policy.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, keys=keys)
     policy.module.train()
     for it, c, la in zip(flat, ro.completion_ids, ro.latent_at):
         it.update(completion=c, latent_at=la if policy.kind == "latent" else [])
-    self.timing["gen_s"] += time.time() - t0; self.generations += 1
+    self.timing["gen_s"] += time.time() - t0
+    self.generations += 1
 
 # %% ../nbs/19_gkd.ipynb #d2ce4ee7
 GKDStep.cycle_coin, GKDStep.fill, GKDStep.sample = _cycle_coin, _fill, _sample
@@ -296,7 +310,9 @@ def _state(self: GKDStep) -> dict:   # rows are restored from the data on resume
             "token_counts": dict(self.token_counts)}
 
 def _load_state(self: GKDStep, st: dict) -> None:
-    self.buffer.clear(); self.token_counts.clear(); self.token_counts.update(st.get("token_counts", {}))
+    self.buffer.clear()
+    self.token_counts.clear()
+    self.token_counts.update(st.get("token_counts", {}))
     for s, (on, items) in st.get("buffer", {}).items():
         self.buffer[s] = (on, [dict(it, row=self.data[it["idx"]]["row"]) for it in items])
 
@@ -308,7 +324,8 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     "GKD: returns `{out}/final` (a model directory of the student's kind)."
     if cfg.truncation_strategy not in ("delete", "keep"):
         raise ValueError(f"GKDConfig.truncation_strategy must be 'delete' or 'keep', got {cfg.truncation_strategy!r}")
-    acc = setup(cfg.seed); write_config(cfg, acc)
+    acc = setup(cfg.seed)
+    write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     lora_student(cfg, policy.lm, policy.module)
     if cfg.lora_r and cfg.use_vllm: raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from .trace import prompt_text, row_prompt
+from .trace import row_prompt
 from .tokens import encode
 from .losses import grpo_loss, group_advantages
 from .policy import Policy, sampled_mask, make_rollout_engine
@@ -182,7 +182,9 @@ def _rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
     cfg, policy = self.cfg, self.policy
     keys, P = [row_key(cfg.seed, s, i, j) for s, i, j in flat], [self.prompts[i] for _, i, _ in flat]
     if self.engine is not None and sync:
-        ts = time.time(); self.engine.sync(policy.lm); self.timing["sync_s"] += time.time() - ts
+        ts = time.time()
+        self.engine.sync(policy.lm)
+        self.timing["sync_s"] += time.time() - ts
     t0 = time.time()
     if self.engine is not None:
         ro = self.engine.generate(P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, eos_id=policy.eos_id,
@@ -244,12 +246,15 @@ GRPOStep.rollouts, GRPOStep.rewards, GRPOStep.advantages, GRPOStep.resample = _r
 # %% ../nbs/20_grpo.ipynb #7dcfd544
 def _keep(self: GRPOStep, steps: list[int], groups: list[list[dict]]) -> None:
     "The cycle's samples, per step, and each step's sampled-token count over all ranks (forced tokens excluded)."
-    self.buffer.clear(); self.calls.clear()
+    self.buffer.clear()
+    self.calls.clear()
     for s in steps: self.buffer[s] = [x for g in groups if g[0]["step"] == s for x in g]
     counts = sum_over_ranks([sum(len(x["completion"]) - len(x["latent_at"]) for x in self.buffer[s]) for s in steps]
                             + [sum(len(x.get("latent_lp", ())) for x in self.buffer[s]) for s in steps], self.acc)
-    self.token_counts.clear(); self.token_counts.update(zip(steps, counts[:len(steps)]))
-    self.latent_counts.clear(); self.latent_counts.update(zip(steps, counts[len(steps):]))
+    self.token_counts.clear()
+    self.token_counts.update(zip(steps, counts[:len(steps)]))
+    self.latent_counts.clear()
+    self.latent_counts.update(zip(steps, counts[len(steps):]))
 
 def _take(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
     """This micro-batch's samples: whole groups of the loop's `part` prompts (the buffer follows the data order; with
@@ -270,7 +275,8 @@ def _state(self: GRPOStep) -> dict:
 
 def _load_state(self: GRPOStep, st: dict) -> None:
     for name in ("buffer", "token_counts", "latent_counts"):
-        getattr(self, name).clear(); getattr(self, name).update(st.get(name, {}))
+        getattr(self, name).clear()
+        getattr(self, name).update(st.get(name, {}))
 
 GRPOStep.state, GRPOStep.load_state = _state, _load_state
 
@@ -351,7 +357,8 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     if cfg.kl_beta < 0: raise ValueError(f"GRPOConfig.kl_beta must be >= 0, got {cfg.kl_beta}")
     if cfg.latent_sigma < 0: raise ValueError(f"GRPOConfig.latent_sigma must be >= 0, got {cfg.latent_sigma}")
     reward_fn = weighted(cfg.rewards)
-    acc = setup(cfg.seed); write_config(cfg, acc)
+    acc = setup(cfg.seed)
+    write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     stochastic_latents(cfg, policy)
     lora_student(cfg, policy.lm, policy.module)

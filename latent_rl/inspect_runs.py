@@ -176,7 +176,10 @@ def _byte_decoder() -> dict:
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
     for b in range(256):
-        if b not in bs: bs.append(b); cs.append(256 + n); n += 1
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
     return {chr(c): b for b, c in zip(bs, cs)}
 
 _BYTES = _byte_decoder()
@@ -209,7 +212,9 @@ def completion_lines(tokens: list[str], latent_at=()) -> list[str]:
         if i in at: pieces.append(_MARK)
     lines, k = [], 0
     for f in _frames(detok("".join(pieces))):
-        while _MARK in f: k += 1; f = f.replace(_MARK, f"[latent {k}]", 1)
+        while _MARK in f:
+            k += 1
+            f = f.replace(_MARK, f"[latent {k}]", 1)
         lines.append(f)
     return lines
 
@@ -233,7 +238,9 @@ def in_kernel() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 def to_png(fig: Figure, dpi: int = 100) -> bytes:
-    buf = io.BytesIO(); fig.savefig(buf, format="png", dpi=dpi); return buf.getvalue()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
 
 def show(fig: Figure, dpi: int = 100):
     "Display a figure in a notebook (as a PNG)."
@@ -247,8 +254,10 @@ def panel(fig: Figure, gid: str):
     raise KeyError(f"no panel {gid!r}; panels: {[a.get_gid() for a in fig.axes]}")
 
 def save_figure(fig: Figure, path, dpi: int = 110) -> Path:
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi); return path
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
 
 # %% ../nbs/23_inspect.ipynb #d0f6241f
 class Inspector:
@@ -278,7 +287,8 @@ class Inspector:
         if in_kernel():
             from IPython.display import Image, display
             with self.out:
-                self.out.clear_output(wait=True); display(Image(to_png(self._fig)))
+                self.out.clear_output(wait=True)
+                display(Image(to_png(self._fig)))
         return self._fig
 
     def widget(self):
@@ -342,14 +352,19 @@ def plot_metrics(run_dir, rows: list[dict] | None = None) -> Figure:
     units = {"sft": "CE loss (nats)", "codi": "loss (CE: nats; KD: smooth-L1)", "gkd": "loss (JSD, CE: nats)",
              "grpo": "clipped policy-gradient loss"}
     have = [(g, units.get(kind, lab) if g == "loss" else lab, keys) for g, lab, keys in have]
-    nc = min(3, len(have)); nr = math.ceil(len(have) / nc)
+    nc = min(3, len(have))
+    nr = math.ceil(len(have) / nc)
     fig = Figure(figsize=(5 * nc, 3.2 * nr), layout="constrained")
     for i, (g, lab, keys) in enumerate(have):
         ax = fig.add_subplot(nr, nc, i + 1, gid=g)
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
             ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=k)
-        ax.set_xlabel("optimizer step"); ax.set_ylabel(lab); ax.set_title(g.replace("_", " ")); ax.grid(alpha=0.3); _int_steps(ax)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(lab)
+        ax.set_title(g.replace("_", " "))
+        ax.grid(alpha=0.3)
+        _int_steps(ax)
         if g == "lr": ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
         if len(keys) > 1: ax.legend(fontsize=7)
     fig.suptitle(f"{Path(run_dir).name} ({kind}): metrics over {len(rows)} logged steps")
@@ -371,7 +386,10 @@ class AlignmentInspector(Inspector):
         self.steps, self.kind = steps_of(self.rows), run_kind(self.run)
         self.metrics = read_metrics(self.run) if (self.run / "metrics.jsonl").exists() else []
         if update:
-            self._hold = True; self.slider.max = self.steps[-1]; self._hold = False; self.update()
+            self._hold = True
+            self.slider.max = self.steps[-1]
+            self._hold = False
+            self.update()
 
     def figure(self, step: int | None = None) -> Figure:
         s = nearest(self.steps, step)
@@ -388,11 +406,17 @@ class AlignmentInspector(Inspector):
         ax.scatter(np.where(np.isfinite(x[lk]), x[lk], 0.0), np.nan_to_num(y[lk], nan=0.0, posinf=0.0, neginf=0.0), s=30,
                    marker="x", color="tab:red", label=f"masked placeholder leaks (n={int(lk.sum())})")
         ax.axline((0, 0), slope=1, color="k", lw=0.8, ls="--", label="y = x")
-        ax.set_xlabel(f"{other} log-prob (nats)"); ax.set_ylabel(f"{mine} log-prob (nats)")
-        ax.set_title(f"{mine} vs {other} log-prob, step {s}"); ax.legend(fontsize=7, loc="upper left"); ax.grid(alpha=0.3)
-        d = (y - x)[m]; d = d[np.isfinite(d)]
+        ax.set_xlabel(f"{other} log-prob (nats)")
+        ax.set_ylabel(f"{mine} log-prob (nats)")
+        ax.set_title(f"{mine} vs {other} log-prob, step {s}")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+        d = (y - x)[m]
+        d = d[np.isfinite(d)]
         ah.hist(d, bins=40, color="tab:blue")
-        ah.set_xlabel("logp - logp_inf (nats)"); ah.set_ylabel("scored tokens"); ah.set_title(f"differences at step {s}")
+        ah.set_xlabel("logp - logp_inf (nats)")
+        ah.set_ylabel("scored tokens")
+        ah.set_title(f"differences at step {s}")
         ah.text(0.98, 0.97, f"mean {st['mean']:+.3g}\nmean |.| {st['abs_mean']:.3g}\nmax |.| {st['abs_max']:.3g}\n"
                 f"n {st['n']}\nmasked {st['masked']}, leaks {st['leaks']}", transform=ah.transAxes, ha="right", va="top",
                 family="monospace", fontsize=8, bbox=dict(fc="white", alpha=0.8))
@@ -402,8 +426,12 @@ class AlignmentInspector(Inspector):
         lm = [(r["step"] - METRICS_STEP_OFFSET, r["align_abs_mean"]) for r in self.metrics if isinstance(r.get("align_abs_mean"), (int, float))]
         if lm: at.plot(*zip(*lm), ls="--", color="0.4", label="align_abs_mean (metrics)")
         at.axvline(s, color="tab:red", lw=0.8)
-        at.set_xlabel("step"); at.set_ylabel("|logp - logp_inf| (nats)"); at.set_title("alignment over steps")
-        at.legend(fontsize=7); at.grid(alpha=0.3); _int_steps(at)
+        at.set_xlabel("step")
+        at.set_ylabel("|logp - logp_inf| (nats)")
+        at.set_title("alignment over steps")
+        at.legend(fontsize=7)
+        at.grid(alpha=0.3)
+        _int_steps(at)
         fig.suptitle(f"{self.run.name}: logprob alignment ({self.kind})")
         return fig
 
@@ -424,7 +452,10 @@ class ClipInspector(Inspector):
         self.steps = steps_of(self.rows) or [s - METRICS_STEP_OFFSET for s in steps_of([r for r in self.metrics if "ratio_mean" in r])]
         if not self.steps: raise ValueError(f"{self.run}: neither logprobs.jsonl rows nor ratio metrics to inspect")
         if update:
-            self._hold = True; self.slider.max = self.steps[-1]; self._hold = False; self.update()
+            self._hold = True
+            self.slider.max = self.steps[-1]
+            self._hold = False
+            self.update()
 
     def stats(self) -> tuple[list[int], list[dict]]:
         "Per recorded step, `clip_stats` of its tokens."
@@ -448,10 +479,17 @@ class ClipInspector(Inspector):
         for key, mk in (("clip_frac_low", "v"), ("clip_frac_high", "^")):
             pts = [(r["step"] - METRICS_STEP_OFFSET, r[key]) for r in self.metrics if isinstance(r.get(key), (int, float))]
             if pts: ac.plot(*zip(*pts), ls="--", marker=mk, color="0.4", label=f"{key} (metrics)")
-        ar.axhspan(lo, hi, color="0.9", zorder=0, label=f"clip band [{lo:g}, {hi:g}]"); ar.axhline(1, color="k", lw=0.6)
-        ar.set_xlabel("step"); ar.set_ylabel("ratio exp(logp - logp_inf)"); ar.set_title("mean ratio by advantage sign")
-        ac.set_xlabel("step"); ac.set_ylabel("fraction of scored tokens"); ac.set_title("clipped fraction (solid: gradient cut)")
-        for a in (ar, ac): a.legend(fontsize=7); a.grid(alpha=0.3)
+        ar.axhspan(lo, hi, color="0.9", zorder=0, label=f"clip band [{lo:g}, {hi:g}]")
+        ar.axhline(1, color="k", lw=0.6)
+        ar.set_xlabel("step")
+        ar.set_ylabel("ratio exp(logp - logp_inf)")
+        ar.set_title("mean ratio by advantage sign")
+        ac.set_xlabel("step")
+        ac.set_ylabel("fraction of scored tokens")
+        ac.set_title("clipped fraction (solid: gradient cut)")
+        for a in (ar, ac):
+            a.legend(fontsize=7)
+            a.grid(alpha=0.3)
         _int_steps(ar, ac)
         s = nearest(self.steps, step)
         rows = [r for r in self.rows if r["step"] == s]
@@ -468,7 +506,9 @@ class ClipInspector(Inspector):
                     transform=ah.transAxes, ha="right", va="top", family="monospace", fontsize=8, bbox=dict(fc="white", alpha=0.8))
             ah.legend(fontsize=7, loc="upper left")
         else: ah.text(0.5, 0.5, "no logprobs.jsonl rows at this step", ha="center", transform=ah.transAxes)
-        ah.set_xlabel("ratio exp(logp - logp_inf)"); ah.set_ylabel("scored tokens"); ah.set_title(f"ratio histogram at step {s}")
+        ah.set_xlabel("ratio exp(logp - logp_inf)")
+        ah.set_ylabel("scored tokens")
+        ah.set_title(f"ratio histogram at step {s}")
         fig.suptitle(f"{self.run.name}: GRPO ratios and clipping (eps_low={self.eps_low:g}, eps_high={self.eps_high:g})")
         return fig
 
@@ -502,7 +542,8 @@ def latent_states(lm, tok, example: dict, topk: int = 5) -> dict:
     native = "return_states" in _insp.signature(codi_forward).parameters
     caught, hook = [], None
     if not native: hook = lm.prj.register_forward_hook(lambda m, i, o: caught.append(o.detach()))
-    was = lm.training; lm.eval()
+    was = lm.training
+    lm.eval()
     try:
         with torch.no_grad(): o = codi_forward(lm, [example], opts, **({"return_states": True} if native else {}))
     finally:
@@ -530,7 +571,8 @@ class AnchorInspector(Inspector):
         self.model, self.rows_src, self.topk, self.max_examples = model, rows, topk, max_examples
         self.cfg = read_config(self.run) if self.run else {}
         self.max_len = max_len if max_len is not None else self.cfg.get("max_len")
-        self._lm = self._tok = None; self._live, self._rows = {}, {}
+        self._lm = self._tok = None
+        self._live, self._rows = {}, {}
         self.refresh(False)
         self.slider = _steps_slider(self.steps) if self.steps else W.IntSlider(value=0, min=0, max=0, description="step", disabled=True)
         self.example = W.Dropdown(options=self.ids_at(self.slider.value), description="example", layout=W.Layout(width="260px"))
@@ -549,7 +591,10 @@ class AnchorInspector(Inspector):
             raise ValueError(f"{self.run / 'kd_anchors.jsonl'}: no anchor records (pass model= to compute them live)")
         self.steps = steps_of(self.records)
         if update and self.steps:
-            self._hold = True; self.slider.max = self.steps[-1]; self._hold = False; self.update()
+            self._hold = True
+            self.slider.max = self.steps[-1]
+            self._hold = False
+            self.update()
 
     def ids_at(self, step) -> list:
         "Example ids of the record at (the step nearest) `step`; without records, the first rows' ids."
@@ -607,7 +652,8 @@ class AnchorInspector(Inspector):
         lines, spans = trace_lines(row["trace"]) if row else ([f"(the row of {ex_id} was not found: pass rows=)"], [])
         live = source == "live"
         if live:
-            L = self.live(ex_id); dist, layers = L["dist"], L["layers"]
+            L = self.live(ex_id)
+            dist, layers = L["dist"], L["layers"]
             unit, src = "smooth-L1 distance", "live forward"
         else:
             if not self.records: raise ValueError("no kd_anchors.jsonl records: use source='live'")
@@ -628,8 +674,10 @@ class AnchorInspector(Inspector):
         if len(spans) == A: labs = [f"{k + 1}: {spans[k][:26]}" for k in range(A)]
         elif A == 1 and spans: labs = [f"{len(spans)} (last): {spans[-1][:20]}"]
         else: labs = [str(k + 1) for k in range(A)]
-        ah.set_yticks(range(A), labs, fontsize=MIN_PT); ah.set_xticks(range(len(layers)), layers, fontsize=MIN_PT)
-        ah.set_xlabel("layer (hidden_states index; 0 = embeddings)"); ah.set_ylabel("anchor (span: source line)")
+        ah.set_yticks(range(A), labs, fontsize=MIN_PT)
+        ah.set_xticks(range(len(layers)), layers, fontsize=MIN_PT)
+        ah.set_xlabel("layer (hidden_states index; 0 = embeddings)")
+        ah.set_ylabel("anchor (span: source line)")
         ah.set_title(f"student-teacher distance at each anchor ({src})", fontsize=10)
         al = fig.add_subplot(gs[1, 1], gid="layers")
         if self.records:
@@ -643,8 +691,11 @@ class AnchorInspector(Inspector):
             if s is not None: al.axvline(s, color="tab:red", lw=0.8)
             al.legend(fontsize=MIN_PT, ncol=2 if len(lay) > 6 else 1)
         else: al.text(0.5, 0.5, "no kd_anchors.jsonl records", ha="center", transform=al.transAxes)
-        al.set_xlabel("step (record of the step's first micro-batch)"); al.set_ylabel(f"mean {unit}")
-        al.set_title("KD distance per layer over steps (all recorded anchors)", fontsize=10); al.grid(alpha=0.3); _int_steps(al)
+        al.set_xlabel("step (record of the step's first micro-batch)")
+        al.set_ylabel(f"mean {unit}")
+        al.set_title("KD distance per layer over steps (all recorded anchors)", fontsize=10)
+        al.grid(alpha=0.3)
+        _int_steps(al)
         if live:
             lp, lt = L["lens_p"], L["lens_tokens"]
             K, st, k = lp.shape
@@ -688,13 +739,18 @@ class RolloutViewer(Inspector):
         self.steps = steps_of(self.rows)
         self.n_groups = max(int(r["group"]) for r in self.rows) + 1
         if update:
-            self._hold = True; self.slider.max = self.steps[-1]; self.group.max = self.n_groups - 1; self._hold = False; self.update()
+            self._hold = True
+            self.slider.max = self.steps[-1]
+            self.group.max = self.n_groups - 1
+            self._hold = False
+            self.update()
 
     def figure(self, step: int | None = None, group: int = 0) -> Figure:
         s = nearest(self.steps, step)
         at = [r for r in self.rows if r["step"] == s]
         rec = min(at, key=lambda r: (abs(r["group"] - group), r["group"]))
-        S = rec["samples"]; G = len(S)
+        S = rec["samples"]
+        G = len(S)
         hs = 0.16 * (self.max_lines + 2.5)
         fig = Figure(figsize=(14, 2.8 + hs * G), layout="constrained")
         gs = fig.add_gridspec(1 + G, 2, height_ratios=[2.8] + [hs] * G, width_ratios=[1, 1.2])
@@ -709,8 +765,10 @@ class RolloutViewer(Inspector):
                      fmt="%+.2f", fontsize=7)
         ab.axhline(0, color="k", lw=0.6)
         ab.set_xticks(x, [f"{i}{' ok' if q.get('correct') is True else ''}" for i, q in enumerate(S)])
-        ab.set_xlabel("sample (ok = correct return value)"); ab.set_ylabel("reward / advantage (group-normalised)")
-        ab.set_title(f"group {rec['group']} at step {s}: mean reward {np.mean(R):.2f}, std {np.std(R):.2f}"); ab.legend(fontsize=7)
+        ab.set_xlabel("sample (ok = correct return value)")
+        ab.set_ylabel("reward / advantage (group-normalised)")
+        ab.set_title(f"group {rec['group']} at step {s}: mean reward {np.mean(R):.2f}, std {np.std(R):.2f}")
+        ab.legend(fontsize=7)
         for i, q in enumerate(S):
             a = fig.add_subplot(gs[1 + i, :], gid=f"sample{i}")
             lines = completion_lines(q["tokens"], q.get("latent_at", ())) if "tokens" in q else _frames(q["text"])

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .trace import LATENT_START, LATENT_END, LINE_SEP, ACTION_SEP
 from .tokens import IGNORE_INDEX, trace_token_ids
@@ -63,7 +62,8 @@ class LatentModel(nn.Module):
 
     def save(self, path, tok=None, state_dict: dict | None = None):
         "A directory HF loads as a normal model, plus `projector.pt` and `latent_spec.json` (of `state_dict` when given)."
-        path = Path(path); path.mkdir(parents=True, exist_ok=True)
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
         sd = state_dict or {}
         part = lambda pre: {k[len(pre):]: v for k, v in sd.items() if k.startswith(pre)} or None
         self.model.save_pretrained(path, state_dict=part("model."))
@@ -96,7 +96,8 @@ class LatentModel(nn.Module):
         "Start the projector's output at the token embeddings' scale: LayerNorm gain/shift = their per-dim std/mean."
         E = self.model.get_input_embeddings().weight.float()                          # [V, H]
         ln = self.prj[-1]
-        ln.weight.copy_(E.std(0)); ln.bias.copy_(E.mean(0))
+        ln.weight.copy_(E.std(0))
+        ln.bias.copy_(E.mean(0))
         return self
 
     def set_noise(self, sigma: float, learn: bool = False):
@@ -135,10 +136,17 @@ def pack_phases(examples: list[dict], spec: LatentSpec, allow_empty: bool = Fals
         ends = [i + 1 for i, _ in sp] + [len(T)]
         for k in range(len(sp) + 1):
             toks, idx = [], []
-            if k == 0: toks += P; idx += [-1] * len(P)
-            else: toks.append(spec.latent_end_id); idx.append(-1)
-            toks += T[starts[k]:ends[k]]; idx += list(range(starts[k], ends[k]))
-            if k < len(sp): toks.append(spec.latent_start_id); idx.append(-1)
+            if k == 0:
+                toks += P
+                idx += [-1] * len(P)
+            else:
+                toks.append(spec.latent_end_id)
+                idx.append(-1)
+            toks += T[starts[k]:ends[k]]
+            idx += list(range(starts[k], ends[k]))
+            if k < len(sp):
+                toks.append(spec.latent_start_id)
+                idx.append(-1)
             out[k][b] = (toks, idx)
     return out
 
@@ -319,7 +327,8 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
     pend = None                                                                       # a block's last latent step, run with the next phase
     for k in range(K + 1):
         ids, m, ti, lab, lens = _phase_batch([phases[k][b] for b in range(B)], dev)
-        r.n_real += sum(len(phases[k][b][0]) for b in range(B)); r.n_run += ids.numel()
+        r.n_real += sum(len(phases[k][b][0]) for b in range(B))
+        r.n_run += ids.numel()
         p_ids = pos[:, None] + torch.arange(ids.shape[1], device=dev)[None]          # [B, L]
         inp = ids
         if k >= 1 and ss_coins[:, k].any():
@@ -336,14 +345,17 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
         hs = [x[:, off:] for x in out.hidden_states] if need_hs else None             # per layer [B, L, H]
         if pend is not None:
             if latent_states: lat_hs.append(torch.stack([x[:, 0] for x in out.hidden_states], 1))   # [B, L+1, H]
-            cols.append(pend[2]); pend = None
+            cols.append(pend[2])
+            pend = None
         cols.append(m)
         rows_b, rows_t = bi[:, None].expand_as(tgt)[sel], tgt[sel]
         r.pred_mask[rows_b, rows_t] = True
         if ce or return_logprobs:
             lp = token_logprobs(hid, head, lab, 1.0, chunk_size)                      # [B, L]
             w = sel.float() if token_weight is None else token_weight[bi[:, None], tgt.clamp(min=0)] * sel  # [B, L]
-            r.ce_sum = r.ce_sum - (lp * w).sum(1); r.ce_cnt = r.ce_cnt + w.sum(1); r.n_scored += int(sel.sum())
+            r.ce_sum = r.ce_sum - (lp * w).sum(1)
+            r.ce_cnt = r.ce_cnt + w.sum(1)
+            r.n_scored += int(sel.sum())
             if return_logprobs: r.trace_lp[rows_b, rows_t] = lp.detach()[sel]
         if return_hidden: pred_parts.append((rows_b, rows_t, hid[sel]))
         if at is not None and at.any():
@@ -353,7 +365,8 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
         pos = pos + lens
         if k == K: break
         has = (n_sp > k).long()[:, None]                                              # [B, 1] rows with latent block k
-        r.n_real += S * sum(len(e["spans"]) > k for e in examples); r.n_run += S * B
+        r.n_real += S * sum(len(e["spans"]) > k for e in examples)
+        r.n_run += S * B
         h = hid[bi, (lens - 1).clamp(min=0)]                                          # [B, H] state at <|latent_start|>
         for j in range(S):
             z = lm.prj(h)                                                             # [B, H]
@@ -361,13 +374,15 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
                 z = torch.where(f.ge(0)[:, None], lm.embed(f.clamp(min=0)), z)
             lat.append(z)
             if j == S - 1:                        # its output feeds no latent: it runs as column 0 of the next phase's call
-                pend, pos = (z, pos, has), pos + has[:, 0]; break
+                pend, pos = (z, pos, has), pos + has[:, 0]
+                break
             out = body(inputs_embeds=z[:, None], attention_mask=torch.cat(cols + [has], 1), position_ids=pos[:, None],
                        use_cache=True, output_hidden_states=latent_states, **cache_kw(body, cache))
             r.calls += 1
             cache, h = out_cache(out), out.last_hidden_state[:, 0]
             if latent_states: lat_hs.append(torch.stack([x[:, 0] for x in out.hidden_states], 1))   # [B, L+1, H]
-            cols.append(has); pos = pos + has[:, 0]
+            cols.append(has)
+            pos = pos + has[:, 0]
     return _finish_pass(r, B, K, S, Tmax, W, lat if return_latents else None, lat_hs, at_parts, pred_parts if return_hidden else None)
 
 # %% ../nbs/07_latent.ipynb #2d3ffed8
@@ -402,7 +417,9 @@ def phase_groups(examples: list[dict], spec: LatentSpec, call_cost: float = CALL
             c = best[i] + (j - i) * (sum(longest) + S * Kg) + call_cost * (Kg * S + 1)
             if c < best[j]: best[j], cut[j] = c, i
     groups, j = [], B
-    while j: groups.append(order[cut[j]:j]); j = cut[j]
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
     return groups[::-1]
 
 # %% ../nbs/07_latent.ipynb #891ab839
@@ -422,7 +439,8 @@ def _slice_rows(kw: dict, g: list[int], K: int, T: int) -> dict:
 def _merge_passes(parts: list[StudentPass], groups: list[list[int]], K: int, T: int) -> StudentPass:
     "One `StudentPass` in batch order from the passes of `groups` (rows missing a span or token padded as lockstep pads)."
     order = torch.tensor([b for g in groups for b in g])
-    inv = torch.empty_like(order); inv[order] = torch.arange(len(order))
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(len(order))
     cat = lambda xs: torch.cat(xs)[inv.to(xs[0].device)]
     r = StudentPass(cat([p.ce_sum for p in parts]), cat([p.ce_cnt for p in parts]), [], sum(p.calls for p in parts),
                     n_scored=sum(p.n_scored for p in parts), n_real=sum(p.n_real for p in parts),
@@ -602,7 +620,8 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
                         (opts.recon, "recon", lambda: recon_loss(lm, examples, sp.latents, chunk_size))):
         if not w: continue
         l, m = fn()
-        loss = loss + w * l; metrics[f"{name}_loss"] = l.item()
+        loss = loss + w * l
+        metrics[f"{name}_loss"] = l.item()
     metrics["loss"] = loss.item()
     out = CodiOutput(loss, metrics, dist, valid, layers, sp.trace_lp)
     if return_states:

@@ -5,7 +5,6 @@
 # %% ../nbs/05_logprobs.ipynb #27f0d850
 from __future__ import annotations
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 # %% auto #0

@@ -43,7 +43,8 @@ def rng_state() -> dict:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 def set_rng_state(s: dict):
-    random.setstate(s["python"]); torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
 
 # %% ../nbs/16_loop.ipynb #21d66cd4
@@ -132,9 +133,14 @@ def lock_run_dir(out) -> None:
     fh = open(out / ".lock", "a+")
     try: fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        fh.seek(0); pid = fh.read().strip() or "unknown"; fh.close()
+        fh.seek(0)
+        pid = fh.read().strip() or "unknown"
+        fh.close()
         raise RunDirBusy(f"{out} is in use by another run (pid {pid}): wait for it to finish, or choose another --out") from None
-    fh.seek(0); fh.truncate(); fh.write(f"{os.getpid()}\n"); fh.flush()
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
     _LOCKS[str(out)] = fh
 
 def release_run_dir(out) -> None:
@@ -151,7 +157,8 @@ def config_changes(old: dict, new: dict) -> dict:
 
 def _prepare(cfg) -> None:
     "Rank 0's checks: lock, stale temporaries, a previous run (overwrite / resume with the same config), `config.json`."
-    out = Path(cfg.out); lock_run_dir(out)
+    out = Path(cfg.out)
+    lock_run_dir(out)
     for p in [*(out / "checkpoints").glob(".tmp-step-*"), out / ".final-tmp"]: shutil.rmtree(p, ignore_errors=True)
     old = [p for p in [*(out / f for f in RECORD_FILES), out / "checkpoints", out / "final", out / "config_changes.jsonl"] if p.exists()]
     new = json.loads(json.dumps(asdict(cfg)))
@@ -200,8 +207,11 @@ def bucket_groups(keys: list[int], batch_size: int, min_batches: int = 4) -> lis
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     groups, cur, last = [], [], None
     for i in order:
-        if cur and keys[i] != last and len(cur) >= min_batches * batch_size: groups.append(cur); cur = []
-        cur.append(i); last = keys[i]
+        if cur and keys[i] != last and len(cur) >= min_batches * batch_size:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+        last = keys[i]
     if cur:
         if groups and len(cur) < min_batches * batch_size: groups[-1] += cur
         else: groups.append(cur)
@@ -240,7 +250,8 @@ class PolicyStage(Stage):
     """A stage that trains a `latent_rl.policy.Policy` (GKD, GRPO): it saves a model directory of the policy's kind
     (LoRA: merged, with the trained weights beside it for a resume) and loads a checkpoint's weights back in place."""
     def save(self, path, state_dict=None):
-        self.policy.save(path, export_state(self.module, state_dict)); save_lora(self.module, path, state_dict)
+        self.policy.save(path, export_state(self.module, state_dict))
+        save_lora(self.module, path, state_dict)
     def load_weights(self, path):
         if lora_scale(self.module) is not None: return load_lora(self.module, path)
         self.policy.load_weights_from(path)
@@ -268,9 +279,13 @@ class StopRequest:
             self.prev = signal.signal(signal.SIGINT, self._handle)
     def close(self):
         "Give Ctrl-C its previous meaning back."
-        if self.prev is not None: signal.signal(signal.SIGINT, self.prev); self.prev = None
+        if self.prev is not None:
+            signal.signal(signal.SIGINT, self.prev)
+            self.prev = None
     def _handle(self, *_):
-        if self.flag: signal.signal(signal.SIGINT, signal.default_int_handler); raise KeyboardInterrupt
+        if self.flag:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
         self.flag = True
         print("\nCtrl-C: stopping after this step and writing a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
     def requested(self, acc) -> bool:
@@ -290,8 +305,10 @@ def resume_run(stage: Stage, eng: Engine, opt, sched) -> int:
     elif eng.sharded and eng.wrapped:
         raise CheckpointError(f"checkpoint {path} holds whole weights (written with --strategy ddp): resume it with ddp")
     else:
-        stage.load_weights(path / "model"); opt.load_state_dict(st["optimizer"])
-    sched.load_state_dict(st["scheduler"]); set_rng_state(st["rng"])
+        stage.load_weights(path / "model")
+        opt.load_state_dict(st["optimizer"])
+    sched.load_state_dict(st["scheduler"])
+    set_rng_state(st["rng"])
     per_rank = st.get("stage_state_by_rank") or [{}] * acc.num_processes     # each rank's own (its rollout buffer)
     if any(per_rank) and len(per_rank) != acc.num_processes:
         raise CheckpointError(f"checkpoint {path} was written by {len(per_rank)} processes and holds their rollout "
@@ -309,7 +326,8 @@ def write_checkpoint(stage: Stage, eng: Engine, opt, sched, step: int) -> None:
              "config": asdict(cfg), "stage_state_by_rank": stage_state}
     if not eng.sharded:
         if acc.is_main_process: save_checkpoint(cfg.out, step, stage.save, {**state, "optimizer": opt.state_dict()})
-        acc.wait_for_everyone(); return
+        acc.wait_for_everyone()
+        return
     if acc.is_main_process: checkpoint_tmp(cfg.out, step, fresh=True)
     acc.wait_for_everyone()                     # rank 0's added peak is recorded: a shard, never the whole state
     _, state["save_peak_mb"] = added_peak_mb(lambda: save_shards(eng, opt, checkpoint_tmp(cfg.out, step) / "shards"), acc.device)
@@ -329,7 +347,8 @@ def train_step(stage: Stage, eng: Engine, step: int, idx: list[int], amp) -> tup
             with amp: loss, m = eng.root(stage.micro_loss, step, mine[a * micro:(a + 1) * micro], idx)
             (loss * eng.world).backward()          # DDP and FSDP2 average over ranks; our losses are global-batch sums
             eng.reshard()
-        ms.append(m); t += time.time() - tm
+        ms.append(m)
+        t += time.time() - tm
     return ms, t
 
 def step_record(ms: list[dict], extra: dict, t_micro: float) -> dict:
@@ -376,10 +395,13 @@ def train_loop(stage: Stage, progress: bool = True) -> dict:
     try:
         for step in range(start, cfg.steps):
             ts = time.time()
-            idx = stage.batch(step); stage.begin(step)
+            idx = stage.batch(step)
+            stage.begin(step)
             ms, t_micro = train_step(stage, eng, step, idx, amp)
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
             last = m = reduce_metrics(step_record(ms, stage.metrics(step), t_micro), acc)
             m_step = time.time() - ts
             for k in ("gen_s", "teacher_s", "train_s", "sync_s"):
@@ -392,7 +414,8 @@ def train_loop(stage: Stage, progress: bool = True) -> dict:
             if step + 1 < cfg.steps and (stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
                 write_checkpoint(stage, eng, opt, sched, step + 1)
             if stopping:
-                bar.close(); log0(acc, f"stopped at step {step + 1}: checkpoint written; --resume continues from it")
+                bar.close()
+                log0(acc, f"stopped at step {step + 1}: checkpoint written; --resume continues from it")
                 raise KeyboardInterrupt
         bar.close()
     finally: stop.close()
@@ -409,10 +432,12 @@ def finish_run(stage: Stage, summary: dict, engine: Engine | None = None) -> Pat
     summary = {"processes": acc.num_processes, **summary}
     sd = full_state_dict(engine) if engine is not None else None
     if acc.is_main_process:
-        tmp = out / ".final-tmp"; shutil.rmtree(tmp, ignore_errors=True)
+        tmp = out / ".final-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
         stage.save(tmp) if sd is None else stage.save(tmp, state_dict=sd)
         (tmp / "training_summary.json").write_text(json.dumps(summary, indent=1, default=float))
-        shutil.rmtree(final, ignore_errors=True); os.replace(tmp, final)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
         RunRecord(out).log(event="done", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
     acc.wait_for_everyone()
     release_run_dir(out)
@@ -455,7 +480,9 @@ def wandb_settings(cfg, stage: str) -> dict | None:
     if mode in ("disabled", "off", ""): return None
     out = Path(cfg.out).resolve()
     rid = (out / "wandb_id").read_text().strip() if cfg.resume and (out / "wandb_id").exists() else None
-    if rid is None: rid = uuid.uuid4().hex[:12]; (out / "wandb_id").write_text(rid)
+    if rid is None:
+        rid = uuid.uuid4().hex[:12]
+        (out / "wandb_id").write_text(rid)
     return dict(project=os.environ.get("WANDB_PROJECT") or "latent_rl", entity=os.environ.get("WANDB_ENTITY") or None,
                 group=os.environ.get("WANDB_RUN_GROUP") or out.parent.name, name=out.name, id=rid, resume="allow",
                 job_type=stage, config=asdict(cfg), mode=mode, dir=str(out))

@@ -186,7 +186,8 @@ class TeacherOutput:
         vals, ids = [], []
         for i in range(0, flat.shape[0], chunk_size):
             v, j = torch.log_softmax(flat[i:i + chunk_size].to(_compute_dtype(flat.dtype)), -1).topk(k, -1)
-            vals.append(v); ids.append(j)
+            vals.append(v)
+            ids.append(j)
         shp = tuple(logits.shape[:-1]) + (k,)
         return cls(topk_logprobs=torch.cat(vals).reshape(shp), topk_ids=torch.cat(ids).reshape(shp), labels=labels)
 
@@ -288,7 +289,9 @@ class _JSDFromHidden(torch.autograd.Function):
             fold = b is None and h.dtype == cd and cap is None       # fold 1/T into the [C, H] side
             hc = h[sl] / T if fold and T != 1 else h[sl]
             zs = _raw_logits(hc, W, b, cd)                           # [C, V]
-            if cap is not None: th = zs.div_(cap).tanh_(); zs = th * cap   # soft cap; th kept for its derivative
+            if cap is not None:
+                th = zs.div_(cap).tanh_()
+                zs = th * cap   # soft cap; th kept for its derivative
             per_tok[sl], d = _jsd_chunk(zs, zt.index_select(0, idx[sl]).to(cd), beta, T, need_h or need_W or need_b,
                                         student_tempered=fold)
             if cap is not None and d is not None: d.mul_(th.square_().neg_().add_(1))   # ⊙ (1 - tanh²)
@@ -420,7 +423,9 @@ class _ChunkedLogsumexp(torch.autograd.Function):
         for i in range(0, h.shape[0], ctx.chunk_size):
             sl = slice(i, i + ctx.chunk_size)
             d = _raw_logits(h[sl], W, b, cd)                         # [C, V]
-            if ctx.cap is not None: th = d.div_(ctx.cap).tanh_(); d = th * ctx.cap
+            if ctx.cap is not None:
+                th = d.div_(ctx.cap).tanh_()
+                d = th * ctx.cap
             d.sub_(lse[sl].unsqueeze(1)).exp_().mul_(g[sl].to(cd).unsqueeze(1))   # g * softmax
             if ctx.cap is not None: d.mul_(th.square_().neg_().add_(1))         # ⊙ (1 - tanh²)
             if need_h: gh[sl] = d.to(h.dtype) @ W

@@ -68,7 +68,8 @@ def load_model(name_or_path, tok=None, dtype="fp32", device="cpu", attn_implemen
     kw = {"dtype": resolve_dtype(dtype)}
     if attn_implementation: kw["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(p, **kw)
-    check_vocab(tok, model, p); check_head(model, p)
+    check_vocab(tok, model, p)
+    check_head(model, p)
     add_trace_tokens(tok, model)
     return model.to(device), tok
 
@@ -134,7 +135,8 @@ class Head:
 # %% ../nbs/04_models.ipynb #967170ca
 def lm_head(model) -> Head:
     "The `Head` of an HF causal LM (peft wrappers unwrapped): output matrix, bias, logit scale and soft cap."
-    m = unwrap(model); out, cfg = m.get_output_embeddings(), m.config.get_text_config()
+    m = unwrap(model)
+    out, cfg = m.get_output_embeddings(), m.config.get_text_config()
     num = lambda k: v if isinstance(v := getattr(cfg, k, None), (int, float)) and v else None   # else: check_head judges
     scale, cap = (num("logit_scale") or 1.0) / (num("logits_scaling") or 1.0), num("final_logit_softcapping")
     return Head(out.weight, getattr(out, "bias", None), float(scale), float(cap) if cap else None)
@@ -142,7 +144,8 @@ def lm_head(model) -> Head:
 @torch.no_grad()
 def check_head(model, where: str = ""):
     "Refuse a model whose own logits `lm_head(model).logits(last hidden state)` does not reproduce (on three tokens)."
-    m = unwrap(model); head = lm_head(m)
+    m = unwrap(model)
+    head = lm_head(m)
     ids = torch.arange(3, device=head.weight.device)[None]                         # [1, 3]
     out = m(input_ids=ids, output_hidden_states=True, use_cache=False)
     z, ref = head.logits(out.hidden_states[-1]).float(), out.logits.float()         # [1, 3, V] each

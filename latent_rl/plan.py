@@ -4,7 +4,7 @@
 
 # %% ../nbs/26_plan.ipynb #bb7f3ae9
 from __future__ import annotations
-import argparse, json, math
+import argparse, json
 from dataclasses import dataclass, asdict, fields, replace
 from pathlib import Path
 import torch
@@ -37,7 +37,8 @@ def model_config(name_or_path: str):
     from transformers import AutoConfig
     key = str(name_or_path).lower().split("/")[-1]
     if key in MODEL_CONFIGS:
-        d = dict(MODEL_CONFIGS[key]); return AutoConfig.for_model(d.pop("model_type"), **d)
+        d = dict(MODEL_CONFIGS[key])
+        return AutoConfig.for_model(d.pop("model_type"), **d)
     p = Path(name_or_path)
     if p.is_file(): return AutoConfig.for_model(**json.loads(p.read_text()))
     return AutoConfig.from_pretrained(str(name_or_path))
@@ -173,7 +174,9 @@ def plan(pc: PlanConfig, shape: ModelShape | None = None, teacher: ModelShape | 
     if out["fits"]: return out
     for flag, change in CHANGES:
         q = change(pc)
-        if q is not None and total(q) <= pc.gpu_mem: out["fix"] = {"changes": [flag], "total_gb": total(q)}; return out
+        if q is not None and total(q) <= pc.gpu_mem:
+            out["fix"] = {"changes": [flag], "total_gb": total(q)}
+            return out
     q, done = pc, []
     for _ in range(6):                       # cumulatively, in order, each only if it helps; the micro-batch and GPUs may repeat
         for flag, change in CHANGES:
@@ -210,7 +213,8 @@ def plan_command(argv: list[str] | None = None) -> dict:
                   {"int": int, "float": float}.get(str(f.type), str), default=f.default)
         ap.add_argument(f"--{f.name}", *([f"--{f.name.replace('_', '-')}"] if "_" in f.name else []), dest=f.name, **kw)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    a = vars(ap.parse_args(argv)); as_json = a.pop("json")
+    a = vars(ap.parse_args(argv))
+    as_json = a.pop("json")
     pc = PlanConfig(**a)
     if pc.stage not in STAGES: raise ValueError(f"--stage must be one of {', '.join(STAGES)}, got {pc.stage!r}")
     res = plan(pc)

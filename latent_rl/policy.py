@@ -6,7 +6,6 @@
 from __future__ import annotations
 import json, os, sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,7 +93,9 @@ class Policy:
         "Save as a model directory of this policy's kind (the weights of `state_dict` when given: gathered FSDP2 shards)."
         path = Path(path)
         if self.kind == "latent": self.model.save(path, self.tok, state_dict)
-        else: self.model.save_pretrained(path, state_dict=state_dict); self.tok.save_pretrained(path)
+        else:
+            self.model.save_pretrained(path, state_dict=state_dict)
+            self.tok.save_pretrained(path)
         return path
 
     def load_weights_from(self, path):
@@ -161,9 +162,11 @@ def _replay_inputs(lm: LatentModel, prompts, completions, latent_at, latents):
     for p, c, la in zip(prompts, completions, latent_at or [[] for _ in prompts]):
         ids, pr, blocks = list(p), [], set(la)
         for n, t in enumerate(c):
-            pr.append(len(ids) - 1); ids.append(t)
+            pr.append(len(ids) - 1)
+            ids.append(t)
             if n in blocks: ids += [sp.latent_start_id] + [-1] * S + [sp.latent_end_id]
-        seqs.append(ids); pred.append(pr)
+        seqs.append(ids)
+        pred.append(pr)
     B, L, N = len(seqs), max(map(len, seqs)), max(1, max(map(len, completions)))
     ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs], device=dev)                      # [B, L]
     am = (torch.arange(L, device=dev)[None] < torch.tensor([len(s) for s in seqs], device=dev)[:, None]).long()
@@ -223,8 +226,11 @@ def layer_chunks(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[t
     key, cur = None, []
     for name, t in weights:
         k = next((".".join(name.split(".")[:i + 1]) for i, s in enumerate(name.split(".")) if s.isdigit()), None)
-        if cur and k != key: yield cur; cur = []
-        key = k; cur.append((name, t))
+        if cur and k != key:
+            yield cur
+            cur = []
+        key = k
+        cur.append((name, t))
     if cur: yield cur
 
 # %% ../nbs/10_policy.ipynb #d3c2fb07
@@ -262,10 +268,14 @@ def ensure_dist_env():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
         os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
-    os.environ.setdefault("RANK", "0"); os.environ.setdefault("WORLD_SIZE", "1"); os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s: s.bind(("127.0.0.1", 0)); os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 # %% ../nbs/10_policy.ipynb #8f36df4f
 def _as_rollout(prompts, comps: list[list[int]], lps: list[list[float]], temperature: float, eos_id: int) -> Rollout:
@@ -304,7 +314,9 @@ class VLLMEngine:
                                  seed=seed, max_model_len=max_model_len, sleep=sleep, world_size=world)
         self.llm = LLM(**kw)
         self.max_model_len, self.weights_loaded = kw["max_model_len"], True
-        if sleep: self.llm.sleep(level=2); self.weights_loaded = False     # level 2: weights are re-sent by sync()
+        if sleep:
+            self.llm.sleep(level=2)
+            self.weights_loaded = False     # level 2: weights are re-sent by sync()
 
     @property
     def in_process(self) -> bool:
@@ -326,7 +338,8 @@ def _sync(self: VLLMEngine, model: nn.Module):
             raise RuntimeError("VLLMEngine.sync with V1 multiprocessing on sends a function to the workers: set "
                                "VLLM_ALLOW_INSECURE_SERIALIZATION=1 before creating the engine (or VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         for chunk in layer_chunks(named_weights(model)):
-            buf = io.BytesIO(); torch.save({n: t.cpu() for n, t in chunk}, buf)
+            buf = io.BytesIO()
+            torch.save({n: t.cpu() for n, t in chunk}, buf)
             self.llm.collective_rpc(_load_chunk, args=(buf.getvalue(),))
     self.llm.reset_prefix_cache()                # cached KV was computed with the old weights
     self.weights_loaded = True
@@ -338,13 +351,16 @@ def _generate(self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: fl
     prompts, seeds = [list(p) for p in prompts], list(seeds) if seeds is not None else [None] * len(prompts)
     n_mine = len(prompts)
     if self.tp_group is not None:                # every rank of a TP group runs the group's prompts; each keeps its own slice
-        got = [None] * self.tp; torch.distributed.all_gather_object(got, (prompts, seeds), group=self.tp_group)
+        got = [None] * self.tp
+        torch.distributed.all_gather_object(got, (prompts, seeds), group=self.tp_group)
         prompts, seeds = [p for g in got for p in g[0]], [s for g in got for s in g[1]]
     if self.sleep: self.llm.wake_up(tags=["kv_cache"])
     sps = [SamplingParams(temperature=max(temperature, 0.0), max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[eos_id],
                           seed=None if s is None else int(s) % 2**31) for s in seeds]
     outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-    if self.sleep: self.llm.sleep(level=2); self.weights_loaded = False
+    if self.sleep:
+        self.llm.sleep(level=2)
+        self.weights_loaded = False
     comp = [list(o.outputs[0].token_ids) for o in outs]
     lps = [[d[t].logprob for t, d in zip(c, o.outputs[0].logprobs)] for c, o in zip(comp, outs)]
     if self.tp_group is not None:
@@ -448,12 +464,17 @@ def serve_rollouts(argv=None):
     "`latent-rl serve-rollouts --model PATH`: `vllm serve` set up for rollouts (weight sync over NCCL) and teachers (`--max-logprobs`)."
     import argparse, importlib.util
     ap = argparse.ArgumentParser(prog="latent-rl serve-rollouts", description=serve_rollouts.__doc__)
-    ap.add_argument("--model", required=True); ap.add_argument("--host", default="127.0.0.1"); ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--name", default=None); ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9); ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--max-logprobs", type=int, default=20, help="a teacher's top-k (HTTPTeacher checks it)")
     ap.add_argument("--max-model-len", type=int, default=0)
-    ap.add_argument("--api-key", default=os.environ.get("LATENT_RL_API_KEY")); ap.add_argument("--no-auth", action="store_true")
+    ap.add_argument("--api-key", default=os.environ.get("LATENT_RL_API_KEY"))
+    ap.add_argument("--no-auth", action="store_true")
     ap.add_argument("--print", action="store_true", help="print the command instead of running it")
     a, extra = ap.parse_known_args(argv)
     try: warn = check_exposure(a.host, a.api_key, a.no_auth)
@@ -462,7 +483,9 @@ def serve_rollouts(argv=None):
                                   tensor_parallel_size=a.tensor_parallel_size, max_logprobs=a.max_logprobs,
                                   max_model_len=a.max_model_len or None, api_key=a.api_key, extra=extra)
     shown = " ".join(c if c != a.api_key else "$LATENT_RL_API_KEY" for c in cmd).replace(sys.executable, "python")
-    if a.print: print(" ".join(f"{k}={v}" for k, v in env.items()), shown); return cmd
+    if a.print:
+        print(" ".join(f"{k}={v}" for k, v in env.items()), shown)
+        return cmd
     if warn: print(warn + " (the weight-sync routes are not covered by --api-key: keep the port on a private network)", flush=True)
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit(f"latent-rl serve-rollouts: vLLM is not installed in {sys.executable}: pip install 'latent_rl[vllm]' "

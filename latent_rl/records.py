@@ -39,4 +39,5 @@ def trim_records(out, step: int):
         if not p.exists(): continue
         keep = [r for r in RunRecord.read(p) if "step" in r and r["step"] < step + base]
         tmp = p.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep)); os.replace(tmp, p)
+        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep))
+        os.replace(tmp, p)

@@ -5,7 +5,7 @@
 # %% ../nbs/09_serve.ipynb #affe65f6
 from __future__ import annotations
 import asyncio, hmac, ipaddress, json, os, queue, threading, time, traceback
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +37,8 @@ class ServerLimits:
 class HTTPError(Exception):
     "An answer to the client: status, message, and the request field it concerns (vLLM's error shape)."
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-        super().__init__(message); self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
     def body(self) -> dict:
         kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeout",
                 413: "PayloadTooLarge", 503: "ServiceUnavailable"}.get(self.status, "Error")
@@ -99,12 +100,15 @@ def _say(msg: str): print(msg, flush=True)
 @torch.no_grad()
 def score_sequences(model, seqs: list[list[int]], k: int, max_batch_tokens: int = 16_384, chunk: int = 1024) -> list[dict]:
     "Per sequence `{top_v [L-1, k], top_i, actual [L-1], rank [L-1], next}`: batched, right-padded forwards of at most `max_batch_tokens`."
-    head = lm_head(model); W = head.weight
+    head = lm_head(model)
+    W = head.weight
     out: list[dict | None] = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))                 # similar lengths share a batch
     groups, cur = [], []
     for i in order:
-        if cur and len(seqs[i]) * (len(cur) + 1) > max_batch_tokens: groups.append(cur); cur = []
+        if cur and len(seqs[i]) * (len(cur) + 1) > max_batch_tokens:
+            groups.append(cur)
+            cur = []
         cur.append(i)
     if cur: groups.append(cur)
     for g in groups:
@@ -120,7 +124,10 @@ def score_sequences(model, seqs: list[list[int]], k: int, max_batch_tokens: int 
                 lp = torch.log_softmax(head.logits(h[r, a:min(n - 1, a + chunk)]).float(), -1)            # [c, V]
                 y = s[a + 1:a + 1 + lp.shape[0], None]                                                       # [c, 1]
                 v, j = lp.topk(max(k, 1), -1)
-                tv.append(v); ti.append(j); act.append(lp.gather(1, y)[:, 0]); rk.append((lp > lp.gather(1, y)).sum(-1) + 1)
+                tv.append(v)
+                ti.append(j)
+                act.append(lp.gather(1, y)[:, 0])
+                rk.append((lp > lp.gather(1, y)).sum(-1) + 1)
             nxt = int(head.logits(h[r, n - 1]).argmax())
             cat = lambda xs, shape: torch.cat(xs) if xs else torch.zeros(shape)
             out[i] = {"top_v": cat(tv, (0, max(k, 1))), "top_i": cat(ti, (0, max(k, 1))).long(), "actual": cat(act, (0,)),
@@ -161,8 +168,11 @@ class Batcher:
         while tokens < self.lim.max_batch_tokens:
             try: j = self.q.get(timeout=max(0.0, end - time.monotonic()))
             except queue.Empty: break
-            if j is None: self._stop.set(); break
-            jobs.append(j); tokens += sum(map(len, j["seqs"]))
+            if j is None:
+                self._stop.set()
+                break
+            jobs.append(j)
+            tokens += sum(map(len, j["seqs"]))
         return jobs
 
     def _run(self):
@@ -192,7 +202,9 @@ class Batcher:
         return {"id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()), "model": self.name,
                 "choices": choices, "usage": {"prompt_tokens": sum(map(len, job["seqs"])), "completion_tokens": len(job["seqs"])}}
 
-    def start(self): self.thread.start(); return self
+    def start(self):
+        self.thread.start()
+        return self
     def stop(self):
         self._stop.set()
         try: self.q.put_nowait(None)
@@ -264,7 +276,9 @@ class TeacherServer:
                 self._handle, self.host, self.port, limit=self.lim.max_header_bytes, backlog=1024))
             self.server_address = self._server.sockets[0].getsockname()[:2]
         except OSError as e:
-            self._error = e; self._ready.set(); return
+            self._error = e
+            self._ready.set()
+            return
         self._ready.set()
         self.loop.run_forever()
         self._server.close()
@@ -274,7 +288,8 @@ class TeacherServer:
     def shutdown(self):
         self.batcher.stop()
         if self._thread and self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop); self._thread.join(10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
 
     def models(self) -> dict:   # the served name only: never a local path
         return {"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "latent_rl", "vocab_size": self.vocab,
@@ -371,8 +386,10 @@ def serve_teacher(argv=None):
     import argparse
     d = ServerLimits()
     ap = argparse.ArgumentParser(prog="latent-rl serve-teacher", description=serve_teacher.__doc__)
-    ap.add_argument("--model", required=True); ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000); ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--name", default=None, help="served model name (default: the model directory's name, never its path)")
     ap.add_argument("--api-key", default=os.environ.get("LATENT_RL_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1/* "
                     "(default $LATENT_RL_API_KEY); needed for a non-loopback --host")

@@ -60,10 +60,13 @@ def sft_batch_loss(model, examples, pad_id) -> tuple[torch.Tensor, dict]:
 @torch.no_grad()
 def eval_loss(model, examples, pad_id, batch_size=64) -> float:
     "Token-mean CE of `model` on SFT examples."
-    was = model.training; model.eval(); tot, n = 0.0, 0
+    was = model.training
+    model.eval()
+    tot, n = 0.0, 0
     for i in range(0, len(examples), batch_size):
         loss, m = sft_batch_loss(model, examples[i:i + batch_size], pad_id)
-        tot += loss.item() * m["n_tokens"]; n += m["n_tokens"]
+        tot += loss.item() * m["n_tokens"]
+        n += m["n_tokens"]
     model.train(was)
     return tot / max(n, 1)
 
@@ -87,7 +90,8 @@ class SFTStep(Stage):
         return loss * m["n_tokens"] / sum(self.n_lab[i] for i in idx), {"loss": loss.item(), "tokens": m["tokens"]}
 
     def save(self, d, state_dict=None):   # LoRA: the merged model, and the adapters for a resume
-        self.module.save_pretrained(d, state_dict=export_state(self.module, state_dict)); self.tok.save_pretrained(d)
+        self.module.save_pretrained(d, state_dict=export_state(self.module, state_dict))
+        self.tok.save_pretrained(d)
         save_lora(self.module, d, state_dict)
     def load_weights(self, d):
         if lora_scale(self.module) is not None: return load_lora(self.module, d)
@@ -107,7 +111,8 @@ def sft_examples(cfg: SFTConfig, tok, acc, progress: bool = True) -> tuple[list[
 def run_sft(cfg: SFTConfig, progress: bool = True) -> Path:
     "Train; returns the path of the final model directory (`{out}/final`)."
     if cfg.mode not in ("trace", "answer"): raise ValueError(f"SFTConfig.mode must be 'trace' or 'answer', got {cfg.mode!r}")
-    acc = setup(cfg.seed); write_config(cfg, acc)
+    acc = setup(cfg.seed)
+    write_config(cfg, acc)
     model, tok = build_or_load(cfg)
     lora_student(cfg, model, model)
     model.to(acc.device)

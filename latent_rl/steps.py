@@ -131,7 +131,8 @@ def generate_multiplication(count: int, n: int = 4, m: int = 4, seed: int = 0, e
         a, b = rng.randrange(10 ** (n - 1), 10 ** n), rng.randrange(10 ** (m - 1), 10 ** m)
         r = parse_step_line(multiplication_line(a, b, n, m), id=f"mult{n}x{m}-{seed}-{len(rows)}")
         if r["question"] in seen: continue
-        seen.add(r["question"]); rows.append(r)
+        seen.add(r["question"])
+        rows.append(r)
     return rows
 
 # %% ../nbs/01_steps.ipynb #62748990
@@ -150,7 +151,8 @@ def step_line(row: dict) -> str:
 
 def save_step_lines(rows, path) -> Path:
     "Write step rows as implicit-CoT lines (atomically), e.g. generated multiplication training data."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(step_line(r) + "\n" for r in rows), encoding="utf-8")
     tmp.replace(path)

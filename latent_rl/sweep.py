@@ -94,7 +94,8 @@ def run_one(g: Grid, run: dict, seed: int, rows: list[dict], progress: bool = Tr
     if summ.exists(): row["train_s"] = json.loads(summ.read_text()).get("train_seconds", t_train)
     t0 = time.time()
     if LatentModel.is_latent_dir(final):
-        lm, tok = LatentModel.load(final); lm.eval()
+        lm, tok = LatentModel.load(final)
+        lm.eval()
         u = latent_usage(lm, tok, rows, variants=tuple(g.usage), max_new_tokens=g.max_new_tokens, seed=seed, progress=progress)
         row.update(accuracy=u["accuracy"]["mean"], ci=[u["accuracy"]["lo"], u["accuracy"]["hi"]], usage=u["variants"],
                    collapse=u["collapse"], used=u["used"], verdict=u["verdict"], correct="".join("01"[r["correct"]] for r in u["records"]))
@@ -107,7 +108,8 @@ def run_one(g: Grid, run: dict, seed: int, rows: list[dict], progress: bool = Tr
 # %% ../nbs/24_sweep.ipynb #b5061da7
 def sweep(g: Grid, progress: bool = True, only: list[str] | None = None) -> list[dict]:
     "Run every (run, seed) of `g` not yet in `OUT/results.jsonl` (or only the runs named in `only`); return all rows."
-    out = Path(g.out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(g.out)
+    out.mkdir(parents=True, exist_ok=True)
     res = out / "results.jsonl"
     done = {(r["name"], r["seed"]) for r in RunRecord.read(res)} if res.exists() else set()
     todo = [(r, s) for r in g.runs for s in r.get("seeds", g.seeds) if (r["name"], s) not in done and (not only or r["name"] in only)]

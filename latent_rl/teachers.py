@@ -4,9 +4,8 @@
 
 # %% ../nbs/11_teachers.ipynb #987f352f
 from __future__ import annotations
-import json, os, re, threading, time, urllib.error, urllib.request
+import json, os, re, time, urllib.error, urllib.request
 from dataclasses import dataclass
-from contextlib import nullcontext
 
 import torch
 from .tokens import IGNORE_INDEX
@@ -59,7 +58,8 @@ def hidden_to_output(h: torch.Tensor, head: Head, mask: torch.Tensor, topk: int 
     flat, vals, ids = h.reshape(B * N, H), [], []
     for i in range(0, B * N, chunk):
         v, j = torch.log_softmax(head.logits(flat[i:i + chunk]).float(), -1).topk(topk, -1)   # [c, k]
-        vals.append(v); ids.append(j)
+        vals.append(v)
+        ids.append(j)
     return TeacherOutput(topk_logprobs=torch.cat(vals).view(B, N, topk), topk_ids=torch.cat(ids).view(B, N, topk), labels=lab)
 
 # %% ../nbs/11_teachers.ipynb #403b41b7
@@ -75,7 +75,8 @@ class ModelTeacher(Teacher):
         self.policy, self.topk = Policy(model, tok, "text"), topk
     @classmethod
     def load(cls, path, topk=None, dtype="fp32", device="cpu"):
-        m, tok = load_model(path, dtype=dtype, device=device); return cls(m, tok, topk)
+        m, tok = load_model(path, dtype=dtype, device=device)
+        return cls(m, tok, topk)
     def vocab(self): return self.policy.tok.get_vocab()
     def n_logits(self): return self.policy.head_weight.shape[0]
     @torch.no_grad()
@@ -168,7 +169,8 @@ class ExplicitTraceTeacher(Teacher):
         self.spec = spec or LatentSpec.from_tokenizer(tok)
     @classmethod
     def load(cls, path, topk=None, dtype="fp32", device="cpu", max_locals: int = 48):
-        m, tok = load_model(path, dtype=dtype, device=device); return cls(m, tok, topk=topk, max_locals=max_locals)
+        m, tok = load_model(path, dtype=dtype, device=device)
+        return cls(m, tok, topk=topk, max_locals=max_locals)
     def vocab(self): return self.tok.get_vocab()
     def n_logits(self): return lm_head_weight(self.model).shape[0]
     def score(self, batch):
@@ -248,7 +250,8 @@ class HTTPTeacher(Teacher):
                                                 "prompt_logprobs": k})
         ch = sorted(res["choices"], key=lambda c: c["index"])
         if len(ch) != B: raise TeacherUnavailable(f"HTTP teacher {self.url}: {len(ch)} choices for {B} prompts")
-        lp = torch.full((B, N, k), float("-inf")); ids = torch.zeros(B, N, k, dtype=torch.long)
+        lp = torch.full((B, N, k), float("-inf"))
+        ids = torch.zeros(B, N, k, dtype=torch.long)
         for b, (c, p, comp) in enumerate(zip(ch, batch.prompts, batch.completions)):
             plp = c.get("prompt_logprobs")
             if plp is None or len(plp) != len(p) + len(comp):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
-from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, prompt_text, parse_trace, row_prompt
+from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, parse_trace, row_prompt
 from .trace import special_token_in, special_in_frames
 from .corpus import build_corpus, build_heldout, save_rows
 
@@ -126,7 +126,8 @@ def find_spans(trace_ids: Sequence[int], line_sep_id: int, action_sep_id: int) -
             j = i + 1
             while j < n and trace_ids[j] != action_sep_id: j += 1
             if j == n: raise ValueError(f"<|line_sep|> at {i} has no following <|action_sep|>")
-            spans.append((i, j)); i = j
+            spans.append((i, j))
+            i = j
         i += 1
     return spans
 
@@ -158,7 +159,8 @@ def _char_targets(trace: str) -> tuple[list, list]:
         j = trace.find(ACTION_SEP, i)
         if j < 0: break
         ch = [m for m in _LOCAL.finditer(trace, i, j) if m.group(2) != ".."]
-        values.append(ch[-1].span(2) if ch else None); i = j
+        values.append(ch[-1].span(2) if ch else None)
+        i = j
     return values, [m.span(1) for m in _ANSWER.finditer(trace)]
 
 def resolved_locals(trace: str) -> list[dict]:
@@ -188,7 +190,8 @@ _PER_SPAN = ("spans", "value_tok", "recon_ids")
 
 def latent_subset(ex: dict, k: int, from_start: bool = False) -> dict:
     "`ex` with only `k` (≥ 1) of its spans latent: the last `k`, or the first `k` with `from_start`."
-    n = len(ex["spans"]); k = max(1, min(k, n))
+    n = len(ex["spans"])
+    k = max(1, min(k, n))
     sl = slice(0, k) if from_start else slice(n - k, n)
     return {**ex, **{key: ex[key][sl] for key in _PER_SPAN if key in ex}}
 
@@ -223,7 +226,8 @@ def build_data(out, n: int = 12000, level: str = "easy", seed: int = 0, vocab: i
         splits["heldout"] = build_heldout(heldout, level, seed, exclude={r["code"] for v in splits.values() for r in v}, progress=progress)
         save_rows(splits["heldout"], out / "corpus" / "heldout.jsonl")
         meta = json.loads((out / "corpus" / "meta.json").read_text())
-        meta["sizes"]["heldout"] = heldout; meta["heldout_seed"] = seed + 1000
+        meta["sizes"]["heldout"] = heldout
+        meta["heldout_seed"] = seed + 1000
         (out / "corpus" / "meta.json").write_text(json.dumps(meta, indent=1))
     train_tokenizer([row_prompt(r) + r["trace"] for r in splits["train"]], vocab, out / "tokenizer")
     return splits

@@ -435,16 +435,25 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
     prog += [(JEQ, "deny", 0, nr) for nr in sorted(set(_X86_64_DENY.values()))]
     prog.append((RET, 0, 0, ALLOW))
     labels = {}
-    labels["clone"] = len(prog); prog += [(LD, 0, 0, 16), (JSET, "allow", "deny", _CLONE_THREAD)]  # threads only
-    labels["self"] = len(prog); prog += [(LD, 0, 0, 16), (JEQ, "allow", "deny", 0)]    # prlimit64 of pid 0 only
-    labels["prctl"] = len(prog); prog += [(LD, 0, 0, 16), (JEQ, "deny", "allow", _PR_SET_DUMPABLE)]  # stays undumpable
-    labels["fcntl"] = len(prog); prog += [(LD, 0, 0, 24), *[(JEQ, "deny", 0, c) for c in _FCNTL_DENY],
+    labels["clone"] = len(prog)
+    prog += [(LD, 0, 0, 16), (JSET, "allow", "deny", _CLONE_THREAD)]  # threads only
+    labels["self"] = len(prog)
+    prog += [(LD, 0, 0, 16), (JEQ, "allow", "deny", 0)]    # prlimit64 of pid 0 only
+    labels["prctl"] = len(prog)
+    prog += [(LD, 0, 0, 16), (JEQ, "deny", "allow", _PR_SET_DUMPABLE)]  # stays undumpable
+    labels["fcntl"] = len(prog)
+    prog += [(LD, 0, 0, 24), *[(JEQ, "deny", 0, c) for c in _FCNTL_DENY],
                                           (JEQ, "setfl", "allow", _F_SETFL)]        # its command: args[1]
-    labels["setfl"] = len(prog); prog += [(LD, 0, 0, 32), (JSET, "deny", "allow", _O_ASYNC)]      # F_SETFL without O_ASYNC
-    labels["ioctl"] = len(prog); prog += [(LD, 0, 0, 24), *[(JEQ, "deny", 0, c) for c in _IOCTL_DENY], (RET, 0, 0, ALLOW)]
-    labels["allow"] = len(prog); prog.append((RET, 0, 0, ALLOW))
-    labels["deny"] = len(prog); prog.append((RET, 0, 0, ERRNO | errno.EPERM))
-    labels["enosys"] = len(prog); prog.append((RET, 0, 0, ERRNO | errno.ENOSYS))  # clone3: libc falls back to clone
+    labels["setfl"] = len(prog)
+    prog += [(LD, 0, 0, 32), (JSET, "deny", "allow", _O_ASYNC)]      # F_SETFL without O_ASYNC
+    labels["ioctl"] = len(prog)
+    prog += [(LD, 0, 0, 24), *[(JEQ, "deny", 0, c) for c in _IOCTL_DENY], (RET, 0, 0, ALLOW)]
+    labels["allow"] = len(prog)
+    prog.append((RET, 0, 0, ALLOW))
+    labels["deny"] = len(prog)
+    prog.append((RET, 0, 0, ERRNO | errno.EPERM))
+    labels["enosys"] = len(prog)
+    prog.append((RET, 0, 0, ERRNO | errno.ENOSYS))  # clone3: libc falls back to clone
     out = bytearray()
     for i, (code, jt, jf, k) in enumerate(prog):
         jt, jf = (labels[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
@@ -598,7 +607,8 @@ def _empty_dir(top: str, seconds: float | None = None) -> bool:
     try: back = os.open(".", os.O_RDONLY | os.O_DIRECTORY)   # the caller's working directory, restored at the end
     except OSError: back = None
     try:
-        os.chmod(top, 0o700); os.chdir(top)              # ours (as is all in it): we may list and delete in it
+        os.chmod(top, 0o700)
+        os.chdir(top)              # ours (as is all in it): we may list and delete in it
         while budget > 0:
             budget -= 1
             if end is not None and not budget % 64 and time.monotonic() > end: return False
@@ -615,9 +625,13 @@ def _empty_dir(top: str, seconds: float | None = None) -> bool:
                             break
                 except FileNotFoundError: pass
             if sub is not None:                              # empty it first, then come back for it
-                os.chmod(sub, 0o700); os.chdir(sub); depth += 1
+                os.chmod(sub, 0o700)
+                os.chdir(sub)
+                depth += 1
             elif depth == 0: return True
-            else: os.chdir(".."); depth -= 1
+            else:
+                os.chdir("..")
+                depth -= 1
         return False
     except OSError: return False
     finally:
@@ -679,7 +693,8 @@ def _zygote(cfg: dict, sock, seccomp) -> None:
                     sock.close()
                     _child_main(cfg, rfd, wfd, seccomp)
                 finally: os._exit(70)
-            os.close(rfd); os.close(wfd)
+            os.close(rfd)
+            os.close(wfd)
             sock.send(struct.pack("<q", pid))
             st = os.waitpid(pid, 0)[1]                           # the server ends the child once its row is done
             sock.send(struct.pack("<qq", pid, st))
@@ -692,7 +707,9 @@ def _fork_zygote(cfg: dict, seccomp):
     import socket
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if (pid := os.fork()) == 0:
-        try: a.close(); _zygote(cfg, b, seccomp)
+        try:
+            a.close()
+            _zygote(cfg, b, seccomp)
         finally: os._exit(70)
     b.close()
     return a, pid
@@ -729,12 +746,16 @@ def _serve_one(cfg: dict, req: dict, zygote) -> tuple[dict, bytes]:
     root, workdir, t0 = cfg["scratch"], cfg["workdir"], time.monotonic()
     try: os.mkdir(workdir, 0o700)
     except OSError:                                          # the last child left something behind: start clean
-        try: _empty_dir(root, cfg["cleanup_s"]); os.mkdir(workdir, 0o700)
+        try:
+            _empty_dir(root, cfg["cleanup_s"])
+            os.mkdir(workdir, 0o700)
         except OSError as e: return {"seq": req.get("seq"), "status": "error", "why": f"scratch: {e}"[:200], "n": 0}, b""
     rr, rw = os.pipe()
     sr, sw = os.pipe()
     try: socket.send_fds(zygote, [b"c"], [rr, sw])
-    finally: os.close(rr); os.close(sw)
+    finally:
+        os.close(rr)
+        os.close(sw)
     pid, st = _zygote_recv(zygote, "<q", 10.0)[0], None
     try:
         try:                                                 # the child reads it all before anything else
@@ -781,7 +802,9 @@ def _server_main(cfg: dict):
         try: __import__(m)
         except Exception: pass
     import site, gc                                                  # -S: the builtins `site` adds, not its paths
-    site.setquit(); site.setcopyright(); site.sethelper()
+    site.setquit()
+    site.setcopyright()
+    site.sethelper()
     cfg["prctl"] = prctl = _harden_server()
     prog = seccomp_program() if cfg["seccomp"] and prctl else None
     seccomp = _seccomp_installer(prog, prctl) if prog else None
@@ -792,10 +815,13 @@ def _server_main(cfg: dict):
     scratch = _scratch_state(cfg["scratch"])
     _server_limits(cfg)
     for _ in range(3): json.dumps(trace_inprocess("def f(x):\n    return [x]", "1", _render=False).frames[0].locals)
-    gc.collect(); gc.freeze()                                        # children share the zygote's pages untouched
+    gc.collect()
+    gc.freeze()                                        # children share the zygote's pages untouched
     zsock, ssock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if os.fork() != 0:                                               # PID 1: the zygote, before any row arrives
-        os.close(rfd); os.close(wfd); ssock.close()
+        os.close(rfd)
+        os.close(wfd)
+        ssock.close()
         _zygote(cfg, zsock, seccomp)
     zsock.close()
     if prctl is not None: prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG: the server dies with the zygote
@@ -820,7 +846,9 @@ def _probe_facts(req: dict) -> dict:
     "What a confined child can see and do (for `sandbox_report`); runs in place of a program, without the audit hook."
     import resource
     def attempt(fn):
-        try: fn(); return "allowed"
+        try:
+            fn()
+            return "allowed"
         except OSError as e: return f"refused ({errno.errorcode.get(e.errno, e.errno)})"
     def fork():
         if os.fork() == 0: os._exit(0)
@@ -830,7 +858,9 @@ def _probe_facts(req: dict) -> dict:
             with open(p, "w") as fh: fh.write("x")
     def sysctl():
         for p in ("/proc/sys/fs/lease-break-time", "/proc/sys/kernel/hostname", "/proc/sys/vm/overcommit_memory"):
-            if os.path.exists(p): os.close(os.open(p, os.O_WRONLY)); return
+            if os.path.exists(p):
+                os.close(os.open(p, os.O_WRONLY))
+                return
     def dev_chmod():
         fd = os.open("/dev/null", os.O_RDONLY)
         try: os.fchmod(fd, os.fstat(fd).st_mode & 0o7777)   # its own mode: a change that changes nothing
@@ -1104,7 +1134,8 @@ def sandbox_status(refresh: bool = False) -> dict:
             if st["available"] and not root_jails_allowed():          # never root outside unless asked for
                 st.update(available=False, reason=f"run as root, and jails cannot start as an unprivileged uid ({why}); "
                           f"run latent-rl as an ordinary user, or set {ROOT_ENV}=1 to start them as root anyway")
-    _STATUS.clear(); _STATUS.update(st)
+    _STATUS.clear()
+    _STATUS.update(st)
     return dict(st)
 
 def sandbox_notice(unsafe: bool | None = None) -> str | None:
@@ -1144,7 +1175,9 @@ class _Jail:
                                                    env={} if jailed else dict(_JAIL_ENV), start_new_session=True)
         if jailed:                       # a copy of trace.py, not a bind: the jail's mount table names no path of yours
             with open(_trace_py(), "rb") as src, tempfile.TemporaryFile() as code:
-                code.write(src.read()); code.flush(); code.seek(0)
+                code.write(src.read())
+                code.flush()
+                code.seek(0)
                 argv = _jail_argv(_bwrap(), cfg["scratch_mb"], code.fileno()) + py
                 try:
                     if sandbox_status().get("drop_uid"):        # started by root: as a fresh uid, in a pids cgroup
@@ -1409,7 +1442,9 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
 
     def finish(i, res):
         nonlocal done
-        out.append((i, res)); done += 1; bar.update(1)
+        out.append((i, res))
+        done += 1
+        bar.update(1)
 
     def start_failed(why):
         "A jail did not start: back off; after `_START_TRIES` in a row the next row is answered with the reason, and"
@@ -1445,7 +1480,8 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
                     i, req = queue.popleft()
                     try: seq = w.send(req)
                     except OSError:
-                        queue.appendleft((i, req)); drop(w, "sandbox server died")
+                        queue.appendleft((i, req))
+                        drop(w, "sandbox server died")
                         break
                     if not w.jobs: w.deadline = self._deadline(now)
                     w.jobs.append((i, seq, req))
@@ -1459,21 +1495,29 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
                 w = fds[fd]
                 try: msgs = w.read(self.max_result_bytes)
                 except (OSError, _ProtocolError) as e:
-                    drop(w, f"sandbox protocol error ({e})"); continue
+                    drop(w, f"sandbox protocol error ({e})")
+                    continue
                 if msgs is None:                                   # the server is gone
                     if not w.ready: start_failed(w.stderr_tail())
-                    drop(w, f"sandbox server died (exit code {w.p.poll()})"); continue
+                    drop(w, f"sandbox server died (exit code {w.p.poll()})")
+                    continue
                 for head, payload in msgs:
                     if not w.ready:
-                        if head.get("ready") is not True: drop(w, None); break
+                        if head.get("ready") is not True:
+                            drop(w, None)
+                            break
                         w.ready, w.info, boot_fails, lost = True, head, 0, 0
                     elif not w.jobs or head.get("seq") != w.jobs[0][1]:
-                        drop(w, "sandbox protocol error (an answer to no request)"); break
+                        drop(w, "sandbox protocol error (an answer to no request)")
+                        break
                     elif head.get("status") == "retry":             # its scratch was broken: a new server, once
                         i, _, req = w.jobs.popleft()
-                        queue.extendleft(reversed([(j, r) for j, _, r in w.jobs])); w.jobs.clear()
+                        queue.extendleft(reversed([(j, r) for j, _, r in w.jobs]))
+                        w.jobs.clear()
                         if i in retried: finish(i, _result(ids[i], False, f"sandbox: {_clean_reason(str(head.get('why')))}", [], None))
-                        else: retried.add(i); queue.appendleft((i, req))
+                        else:
+                            retried.add(i)
+                            queue.appendleft((i, req))
                         drop(w, None)
                         break
                     else:
@@ -1524,7 +1568,8 @@ def trace_rows(rows,                                # dicts with `code`, `input`
 
 def trace_one(code: str, input: str, **kw) -> TraceResult:
     "Trace one program in the sandbox."
-    kw.setdefault("workers", 1); kw.setdefault("progress", False)
+    kw.setdefault("workers", 1)
+    kw.setdefault("progress", False)
     return trace_rows([{"code": code, "input": input}], **kw)[0]
 
 # %% ../nbs/00_trace.ipynb #21a9fd1b

@@ -4,7 +4,7 @@
 
 # %% ../nbs/29_train.ipynb #2ff42ef7
 from __future__ import annotations
-import argparse, json, os, re, sys, time
+import argparse, os, re, sys, time
 from pathlib import Path
 from .trace import UNSAFE_ENV, THREAT_MODEL, sandbox_report, trace_file, SandboxUnavailable, sandbox_notice
 from .tokens import build_data, DATA_DEFAULTS
@@ -59,8 +59,10 @@ PENDING: dict[str, int] = {}   # commands announced but not implemented yet -> t
 
 def cmd_data(argv):
     ap = argparse.ArgumentParser(prog="latent-rl data", description="Build the traced program corpus and the local tokenizer.")
-    ap.add_argument("--out", default="data"); ap.add_argument("--n", type=int, default=DATA_DEFAULTS["n"], help="candidate programs")
-    ap.add_argument("--level", default=DATA_DEFAULTS["level"], help="corpus difficulty: easy, medium or hard (latent_rl.corpus.LEVELS)"); ap.add_argument("--seed", type=int, default=DATA_DEFAULTS["seed"])
+    ap.add_argument("--out", default="data")
+    ap.add_argument("--n", type=int, default=DATA_DEFAULTS["n"], help="candidate programs")
+    ap.add_argument("--level", default=DATA_DEFAULTS["level"], help="corpus difficulty: easy, medium or hard (latent_rl.corpus.LEVELS)")
+    ap.add_argument("--seed", type=int, default=DATA_DEFAULTS["seed"])
     ap.add_argument("--vocab", type=int, default=DATA_DEFAULTS["vocab"], help="tokenizer vocabulary size")
     ap.add_argument("--heldout", type=int, default=None,
                     help="extra held-out programs (heldout.jsonl), disjoint by text from train/val/test (default n/5; 0: none)")
@@ -92,9 +94,12 @@ def _peak_rss_mb() -> float:
 
 def cmd_trace(argv):
     ap = argparse.ArgumentParser(prog="latent-rl trace", description="Trace a CRUXEval-format JSONL file in the sandbox.")
-    ap.add_argument("rows"); ap.add_argument("-o", "--out", required=True)
-    ap.add_argument("--timeout", type=float, default=2.0); ap.add_argument("--mem_mb", type=int, default=1024)
-    ap.add_argument("--max_frames", type=int, default=10_000); ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("rows")
+    ap.add_argument("-o", "--out", required=True)
+    ap.add_argument("--timeout", type=float, default=2.0)
+    ap.add_argument("--mem_mb", type=int, default=1024)
+    ap.add_argument("--max_frames", type=int, default=10_000)
+    ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--resume", action="store_true", help="continue a killed run from OUT.partial (same rows and options)")
     a = ap.parse_args(argv)
     rows = load_rows(a.rows)
@@ -121,8 +126,10 @@ def cmd_eval(argv):
                                  "lines in a .txt, GSM8K's .jsonl): text models decode traces or answers, latent students "
                                  "decode with latent blocks; the predicted value is read from the RETURN frame and compared.")
     ap.add_argument("--model", action="append", required=True, help="model dir (repeatable); NAME=PATH to label it")
-    ap.add_argument("--rows", default="data/corpus/test.jsonl"); ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--batch_size", type=int, default=32); ap.add_argument("--max_new_tokens", type=int, default=384)
+    ap.add_argument("--rows", default="data/corpus/test.jsonl")
+    ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--batch_size", type=int, default=32)
+    ap.add_argument("--max_new_tokens", type=int, default=384)
     ap.add_argument("--out", default="runs/eval", help="directory for per-example records (NAME.records.jsonl)")
     a = ap.parse_args(argv)
     rows = load_eval_rows(a.rows, a.limit)
@@ -144,7 +151,8 @@ def cmd_bench(argv):
 def cmd_demo(argv):
     ap = argparse.ArgumentParser(prog="latent-rl demo", description="The whole pipeline on a tiny model on the CPU.")
     ap.add_argument("--from-scratch", action="store_true", help="retrain the teacher and the no-trace baseline instead of using data/")
-    ap.add_argument("--out", default="runs/demo"); ap.add_argument("--data", default="data")
+    ap.add_argument("--out", default="runs/demo")
+    ap.add_argument("--data", default="data")
     ap.add_argument("--limit", type=int, default=0, help="evaluate on at most this many held-out programs")
     ap.add_argument("--figures", default="figures", help="where the figures go")
     ap.add_argument("--recipe", default="cpu-tiny", help="recipe of the CODI, GKD and GRPO stages")
@@ -176,7 +184,8 @@ def cmd_mult(argv):
     ap.add_argument("--digits", default="4x4", help="NxM: digits of the two factors")
     ap.add_argument("--count", type=int, default=79_000, help="training lines (OUT/train.txt)")
     ap.add_argument("--val", type=int, default=200, help="held-out-loss lines (OUT/val.txt)")
-    ap.add_argument("--seed", type=int, default=1); ap.add_argument("--out", default="runs/mult4")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default="runs/mult4")
     ap.add_argument("--exclude", default=None, help="step file whose pairs are left out (default: shared/data/icot's)")
     a = ap.parse_args(argv)
     if not re.fullmatch(r"[1-9]x[1-9]", a.digits): raise ValueError(f"--digits must look like 4x4, got {a.digits!r}")
@@ -209,7 +218,8 @@ def run_command(cmd: str, rest: list[str], debug: bool = False) -> int:
     the sandbox cannot start returns 1 with what to do; Ctrl-C returns 130."""
     try: COMMANDS[cmd](rest)
     except SandboxUnavailable as e:
-        print(f"latent-rl {cmd}: {e}", file=sys.stderr); return 1
+        print(f"latent-rl {cmd}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"latent-rl {cmd}: interrupted; checkpoints already written are kept (--resume continues from the last one)",
               file=sys.stderr)
@@ -233,7 +243,8 @@ PIPELINE = """latent_rl: train a model that reasons in latent blocks (CODI), the
 
 def main(argv: list[str] | None = None):
     argv = sandbox_flag(list(sys.argv[1:] if argv is None else argv))
-    debug = "--debug" in argv; argv = [a for a in argv if a != "--debug"]
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(PIPELINE)
         print("usage: latent-rl {" + ",".join(list(COMMANDS) + list(PENDING)) + "} ...\n\n"

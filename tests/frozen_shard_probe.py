@@ -24,7 +24,9 @@ out = {"whole_bytes": whole, "after_shard": gathered()}
 with torch.no_grad(): model(ids)
 out["after_forward"] = gathered()
 with gathered_weights(model):
-    with torch.no_grad(): model(ids); model(ids)
+    with torch.no_grad():
+        model(ids)
+        model(ids)
     out["inside_gathered_weights"] = gathered()
 out["after_gathered_weights"] = gathered()
 if acc.is_main_process: Path(sys.argv[1]).write_text(json.dumps(out))

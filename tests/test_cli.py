@@ -42,7 +42,8 @@ def test_bad_rows_name_file_line_and_field(tmp_path):
 def test_unknown_config_field_is_refused(tmp_path, tiny_data):
     p = run_cli("sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--stepz", "3", check=False)
     assert p.returncode != 0 and "stepz" in p.stderr
-    cfg = tmp_path / "c.toml"; cfg.write_text('lr = 0.01\nbogus = 1\n')
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('lr = 0.01\nbogus = 1\n')
     p = run_cli("sft", "--recipe", "none", "--config", cfg, check=False)
     assert p.returncode != 0 and "bogus" in p.stderr and "c.toml" in p.stderr
 
@@ -51,7 +52,8 @@ def test_sft_then_eval(tiny_data, tmp_path):
             "--val", tiny_data / "corpus/val.jsonl", "--size", "nano", "--steps", 6, "--batch_size", 8,
             "--save_every", 3, "--log_every", 2, "--out", tmp_path / "run")
     run = tmp_path / "run"
-    cfg = json.loads((run / "config.json").read_text()); assert cfg["steps"] == 6
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["steps"] == 6
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6] and all(r["loss"] > 0 for r in rows if "loss" in r)
     assert (run / "checkpoints" / "step-3" / "COMPLETE").exists() and (run / "final" / "config.json").exists()
@@ -69,13 +71,15 @@ def test_sft_resume_continues_exactly(tiny_data, tmp_path):
               "--size", "nano", "--batch_size", 8, "--save_every", 3, "--log_every", 1]
     run_cli(*common, "--steps", 6, "--out", tmp_path / "full", env=one)
     run_cli(*common, "--steps", 6, "--out", tmp_path / "part", "--save_every", 3, env=one)
-    import shutil; shutil.rmtree(tmp_path / "part" / "final")
+    import shutil
+    shutil.rmtree(tmp_path / "part" / "final")
     # pretend the run died after step 3: keep only the step-3 checkpoint, then resume
     for p in (tmp_path / "part" / "checkpoints").glob("step-*"):
         if p.name != "step-3": shutil.rmtree(p)
     run_cli(*common, "--steps", 6, "--out", tmp_path / "part", "--resume", env=one)
     from safetensors.torch import load_file
-    a = load_file(tmp_path / "full" / "final" / "model.safetensors"); b = load_file(tmp_path / "part" / "final" / "model.safetensors")
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "part" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
 
 def test_bench_prints_table_and_json(tmp_path):
@@ -83,7 +87,8 @@ def test_bench_prints_table_and_json(tmp_path):
     if find_cruxeval() is None: pytest.skip("cruxeval_dev.jsonl not found (set LATENT_RL_CRUXEVAL or provide shared/data/cruxeval)")
     p = run_cli("trace", "--quick", "--json", tmp_path / "b.json", module="latent_rl.bench")
     assert "| mode | programs | seconds | programs_per_s |" in p.stdout
-    d = json.loads((tmp_path / "b.json").read_text()); assert d["name"] == "trace" and d["rows"]
+    d = json.loads((tmp_path / "b.json").read_text())
+    assert d["name"] == "trace" and d["rows"]
 
 def test_every_announced_command_exists():
     from latent_rl.train import COMMANDS, PENDING
@@ -115,7 +120,8 @@ def _sft_args(tiny_data, out, *more):
                                       ("max_len = 0\n", "field 'max_len' must be ≥ 1, got 0"),
                                       ("[SFTconfig]\nsteps = 3\n", "unknown section(s) ['SFTconfig']")])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, text, msg):
-    cfg = tmp_path / "c.toml"; cfg.write_text(text)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text)
     p = run_cli("sft", "--recipe", "none", "--config", cfg, "--out", tmp_path / "run", check=False)
     assert p.returncode == 2 and f"c.toml: {msg}" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "run" / "final").exists()
@@ -153,13 +159,15 @@ def test_second_run_on_one_out_is_refused(tiny_data, tmp_path):
         p = run_cli(*_sft_args(tiny_data, out, "--steps", 2, "--resume"), check=False)
         assert p.returncode == 2 and f"in use by another run (pid {first.pid})" in p.stderr, p.stderr[-2000:]
     finally:
-        first.kill(); first.wait()
+        first.kill()
+        first.wait()
 
 def test_truncated_newest_checkpoint_falls_back_exactly(tiny_data, tmp_path):
     one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     run_cli(*_sft_args(tiny_data, tmp_path / "full", "--steps", 9, "--save_every", 3), env=one)
     run_cli(*_sft_args(tiny_data, tmp_path / "part", "--steps", 9, "--save_every", 3), env=one)
-    import shutil; shutil.rmtree(tmp_path / "part" / "final")
+    import shutil
+    shutil.rmtree(tmp_path / "part" / "final")
     st = tmp_path / "part" / "checkpoints" / "step-6" / "model" / "model.safetensors"
     st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])              # the newest checkpoint, truncated
     (tmp_path / "part" / "checkpoints" / ".tmp-step-9-123").mkdir()       # and an interrupted write's leftovers
@@ -167,7 +175,8 @@ def test_truncated_newest_checkpoint_falls_back_exactly(tiny_data, tmp_path):
     assert "model.safetensors has" in p.stdout + p.stderr and "resumed from" in p.stdout + p.stderr
     assert not (tmp_path / "part" / "checkpoints" / ".tmp-step-9-123").exists()
     from safetensors.torch import load_file
-    a = load_file(tmp_path / "full" / "final" / "model.safetensors"); b = load_file(tmp_path / "part" / "final" / "model.safetensors")
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "part" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
 
 def test_empty_training_file_and_trace_to_a_directory(tiny_data, tmp_path):
@@ -198,7 +207,8 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(tiny_data, tmp_path):
     assert len(ck) == 1 and 3 <= int(ck[0].name.split("-")[1]) < 30 and "checkpoint written" in out + err
     run_cli(*args(tmp_path / "part", "--resume"), env=one)
     from safetensors.torch import load_file
-    a = load_file(tmp_path / "full" / "final" / "model.safetensors"); b = load_file(tmp_path / "part" / "final" / "model.safetensors")
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "part" / "final" / "model.safetensors")
     assert all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
 
 def test_wandb_offline_honours_env_and_resume_continues_the_run(tiny_data, tmp_path):
@@ -206,7 +216,8 @@ def test_wandb_offline_honours_env_and_resume_continues_the_run(tiny_data, tmp_p
     out = tmp_path / "grp" / "run"
     run_cli(*_sft_args(tiny_data, out, "--steps", 4, "--save_every", 2, "--wandb", "disabled"), env=env)
     rid = (out / "wandb_id").read_text().strip()
-    import shutil; shutil.rmtree(out / "final")
+    import shutil
+    shutil.rmtree(out / "final")
     run_cli(*_sft_args(tiny_data, out, "--steps", 4, "--save_every", 2, "--wandb", "disabled", "--resume"), env=env)
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.endswith(rid) for r in runs), runs      # the same W&B run, continued

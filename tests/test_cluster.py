@@ -3,14 +3,18 @@ sharded, and resharded onto another process count), corrupt checkpoints are name
 import json, math, os, shutil, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
-from conftest import run_cli, ROOT
+from conftest import ROOT
 
 TEACHER = ROOT / "data" / "teacher"
 ROWS = ROOT / "data" / "corpus" / "train.jsonl"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
 
 def free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
 
 def launch(nproc, *args, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
@@ -78,7 +82,8 @@ def kill_after_checkpoint(cmd_args, out, step, nproc=1):
     for _ in range(3000):
         if target.exists() or p.poll() is not None: break
         time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL); p.wait()
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
     assert p.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {p.stderr.read()[-2000:]}"
     assert not (Path(out) / "final").exists()
 
@@ -103,7 +108,8 @@ def test_fsdp_sigkill_resume_and_reshard(tiny_data, tmp_path):
     assert len(list((ck / "shards").glob("*.distcp"))) == 2                              # one file per rank
     launch(2, *args, "--out", tmp_path / "part", "--resume")
     assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
-    shutil.copytree(tmp_path / "part", tmp_path / "one"); shutil.rmtree(tmp_path / "one" / "final")
+    shutil.copytree(tmp_path / "part", tmp_path / "one")
+    shutil.rmtree(tmp_path / "one" / "final")
     shutil.rmtree(tmp_path / "one" / "checkpoints" / "step-4")
     launch(1, *args, "--out", tmp_path / "one", "--resume")                               # resharded onto 1 process
     loss = lambda d: {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "step" in r}

@@ -51,7 +51,8 @@ def test_diagnose_refuses_what_is_not_a_run(tmp_path):
     from latent_rl.diagnose import main
     with pytest.raises(SystemExit, match="does not exist"): main([tmp_path / "nope"])
     with pytest.raises(SystemExit, match="neither a CODI run directory"): main([tmp_path])
-    (tmp_path / "final").mkdir(); (tmp_path / "final" / "latent_spec.json").write_text("{}")
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "latent_spec.json").write_text("{}")
     with pytest.raises(SystemExit, match="--notrace"): main([tmp_path, "--notrace", tmp_path / "missing"])
 
 # ---------------------------------------------------------------- latent usage on students that provably do / do not use latents
@@ -68,7 +69,8 @@ class Oracle:
         vals = sorted({r["output"] for r in rows})
         self.code = dict(zip(vals, torch.randn(len(vals), H, generator=torch.Generator().manual_seed(0))))
     def __call__(self, prompts, latent_fn=None, return_latents=False):
-        rs = [self.rows[tuple(p)] for p in prompts]; n = [r["n_line_frames"] for r in rs]
+        rs = [self.rows[tuple(p)] for p in prompts]
+        n = [r["n_line_frames"] for r in rs]
         Z = torch.stack([self.code[r["output"]] for r in rs])[:, None].repeat(1, max(n), 1)     # [B, blocks, H]
         if latent_fn:
             Z = torch.stack([latent_fn(Z[:, k], torch.full((len(rs),), k), torch.zeros(len(rs), dtype=torch.long))
@@ -78,7 +80,8 @@ class Oracle:
             z = Z[b, :n[b]]
             said = min(self.code, key=lambda v: (self.code[v] - z[-1]).norm()) if self.uses else r["output"]
             text = re.sub(r"<\|line_sep\|>\{[^}]*\}", "<|line_sep|>", r["trace"]).replace(json.dumps(r["output"]), json.dumps(said))
-            comp.append(encode(self.tok, text)); lats.append(z[:, None])
+            comp.append(encode(self.tok, text))
+            lats.append(z[:, None])
         return Rollout([list(p) for p in prompts], comp, [[0.0] * len(c) for c in comp], latents=lats)
 
 def test_latent_usage_tells_users_from_ignorers(tiny_data):

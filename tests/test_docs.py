@@ -20,7 +20,8 @@ def site():
 
 
 def page_facts(page, path: Path) -> dict:
-    page.goto(path.as_uri()); page.wait_for_load_state("load")
+    page.goto(path.as_uri())
+    page.wait_for_load_state("load")
     return {"text": page.inner_text("article"),
             "images": page.eval_on_selector_all("article img", "els => els.filter(e => e.complete && e.naturalWidth > 0).length"),
             "nav": page.inner_text("nav.md-nav--primary").split("\n")}
@@ -33,7 +34,8 @@ def test_site_renders_index_and_lessons_with_figures(site):
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = b.new_page()
         idx, diag, losses = (page_facts(page, site / f"{n}.html") for n in ("index", "22_diagnose", "06_losses"))
-        page.set_viewport_size({"width": 1600, "height": 1000}); page.goto((site / "index.html").as_uri())
+        page.set_viewport_size({"width": 1600, "height": 1000})
+        page.goto((site / "index.html").as_uri())
         overflow = page.eval_on_selector_all("article pre, article pre > code",            # the pipeline, the commands
                                              "els => Math.max(...els.map(e => e.scrollWidth - e.clientWidth))")
         b.close()

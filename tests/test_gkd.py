@@ -1,6 +1,5 @@
 "GKD stage: the coin, buffering, the SFT term, a fresh self-teacher, vocabulary and length checks, the HTTP teacher."
-import json, math, os, signal, socket, subprocess, sys, time
-from pathlib import Path
+import math, os, socket, subprocess, sys, time
 import pytest, torch
 from conftest import run_cli, ROOT, TEACHER, ROWS, ONE, rows_of, steps_of
 
@@ -69,7 +68,8 @@ def test_vocabulary_mismatch_refused(tmp_path, tiny_data):
     from latent_rl.models import load_tokenizer, build_tiny
     tok = load_tokenizer(tiny_data / "tokenizer")
     m = build_tiny(tok, "nano")
-    m.save_pretrained(tmp_path / "other"); tok.save_pretrained(tmp_path / "other")
+    m.save_pretrained(tmp_path / "other")
+    tok.save_pretrained(tmp_path / "other")
     p = gkd(tmp_path / "run", "--teacher", tmp_path / "other", "--steps", 1, check=False)
     assert p.returncode != 0 and "vocabulary mismatch" in p.stderr
 
@@ -82,7 +82,11 @@ def test_delete_and_resample_is_bounded(tmp_path):
     assert all(lens[i] <= 10 for i in out) and len(out) == 10
 
 def free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
 
 @pytest.fixture
 def server():
@@ -93,12 +97,16 @@ def server():
     url = f"http://127.0.0.1:{port}"
     from latent_rl.teachers import HTTPTeacher
     for _ in range(120):
-        try: HTTPTeacher(url, retries=0, timeout=2).models(); break
+        try:
+            HTTPTeacher(url, retries=0, timeout=2).models()
+            break
         except Exception: time.sleep(0.5)
     else:
-        proc.kill(); raise RuntimeError("serve-teacher did not start: " + proc.stdout.read())
+        proc.kill()
+        raise RuntimeError("serve-teacher did not start: " + proc.stdout.read())
     yield url, proc
-    proc.kill(); proc.wait()
+    proc.kill()
+    proc.wait()
 
 def test_http_topk_equals_local(server):
     url, _ = server
@@ -127,7 +135,8 @@ def test_http_teacher_killed_mid_run(server, tmp_path):
         if ck.exists() and any(p.name.startswith("step-") for p in ck.iterdir()): break
         if run.poll() is not None: break
         time.sleep(0.2)
-    proc.kill(); proc.wait()
+    proc.kill()
+    proc.wait()
     out, _ = run.communicate(timeout=300)
     assert run.returncode != 0, out[-2000:]
     assert "retry 1/2" in out and "failed after 3 attempts" in out, out[-3000:]
@@ -178,7 +187,8 @@ def test_privileged_teacher_reads_another_prompt_and_checks_counts():
     priv, plain = PrivilegedTeacher(m, tok, hint).score(b), ModelTeacher(m, tok).score(b)
     assert priv.shape == plain.shape and (priv.logits[b.mask] - plain.logits[b.mask]).abs().max() > 1e-3
     short = min(range(2), key=lambda i: len(C[i]))
-    mask = sampled_mask(C); mask[short, len(C[short])] = True          # the student scores a padding position too
+    mask = sampled_mask(C)
+    mask[short, len(C[short])] = True          # the student scores a padding position too
     bad = ScoreBatch(P, C, mask, rows=rows)
     with pytest.raises(ValueError, match="tokens per row"):
         PrivilegedTeacher(m, tok, hint).score(bad)

@@ -65,24 +65,31 @@ def test_vllm_rollout_logprobs_match_training(colocated, T):
 def test_vllm_weight_sync_changes_outputs(colocated):
     pol, eng = colocated
     P, seeds = _prompts(pol, 4), [0, 1, 2, 3]
-    eng.sync(pol.lm); before = eng.generate(P, max_new_tokens=32, temperature=1.0, eos_id=pol.eos_id, seeds=seeds)
+    eng.sync(pol.lm)
+    before = eng.generate(P, max_new_tokens=32, temperature=1.0, eos_id=pol.eos_id, seeds=seeds)
     saved = {k: v.clone() for k, v in pol.lm.state_dict().items()}
     with torch.no_grad():
         for p in pol.lm.parameters(): p.add_(torch.randn_like(p) * 0.05)
-    eng.sync(pol.lm); moved = eng.generate(P, max_new_tokens=32, temperature=1.0, eos_id=pol.eos_id, seeds=seeds)
+    eng.sync(pol.lm)
+    moved = eng.generate(P, max_new_tokens=32, temperature=1.0, eos_id=pol.eos_id, seeds=seeds)
     assert moved.completion_ids != before.completion_ids or moved.logprobs != before.logprobs
     assert _worst(pol, P, moved, 1.0) <= 1e-4                      # the engine follows the perturbed weights exactly
     pol.lm.load_state_dict(saved)
-    eng.sync(pol.lm); again = eng.generate(P, max_new_tokens=32, temperature=1.0, eos_id=pol.eos_id, seeds=seeds)
+    eng.sync(pol.lm)
+    again = eng.generate(P, max_new_tokens=32, temperature=1.0, eos_id=pol.eos_id, seeds=seeds)
     assert again.completion_ids == before.completion_ids           # same weights, same seeds: the same samples
 
 @cuda
 @needs_vllm
 def test_vllm_sleep_releases_memory_and_wakes(colocated):
     pol, eng = colocated
-    torch.cuda.synchronize(); free_asleep = torch.cuda.mem_get_info()[0]     # generate() leaves it asleep (level 2)
-    eng.llm.wake_up(); torch.cuda.synchronize(); free_awake = torch.cuda.mem_get_info()[0]
-    eng.llm.sleep(level=2); eng.weights_loaded = False
+    torch.cuda.synchronize()
+    free_asleep = torch.cuda.mem_get_info()[0]     # generate() leaves it asleep (level 2)
+    eng.llm.wake_up()
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    eng.llm.sleep(level=2)
+    eng.weights_loaded = False
     print(f"sleep releases {(free_asleep - free_awake) / 2**30:.2f} GiB")
     assert free_asleep - free_awake > 2**28                          # the KV cache (0.2 of the card) at least
     with pytest.raises(RuntimeError, match="sync"): eng.generate(_prompts(pol, 1), max_new_tokens=4, temperature=1.0, eos_id=pol.eos_id)
@@ -97,7 +104,10 @@ def test_vllm_server_round_trip(tmp_path):
     from latent_rl.policy import Policy, VLLMServerEngine
     from latent_rl.teachers import HTTPTeacher, ModelTeacher, ScoreBatch
     from latent_rl.policy import sampled_mask
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
     two = torch.cuda.device_count() >= 2
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": "1"} if two else {})}
     log = open(tmp_path / "server.log", "w")
@@ -107,7 +117,9 @@ def test_vllm_server_round_trip(tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
-            try: urllib.request.urlopen(url + "/health", timeout=2); break
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
             except Exception:
                 assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
                 time.sleep(0.5)
@@ -131,7 +143,8 @@ def test_vllm_server_round_trip(tmp_path):
             assert _worst(pol, P, moved, 0.7) <= 1e-4                 # the server now samples from the halved weights
         else: print("one GPU: NCCL cannot join two processes on one device, so the server-mode weight sync needs 2 GPUs (skipped)")
     finally:
-        proc.terminate(); proc.wait(60)
+        proc.terminate()
+        proc.wait(60)
 
 BF16 = r'''
 import json, sys, torch

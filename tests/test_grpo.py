@@ -1,6 +1,5 @@
 "GRPO: alignment of replayed and rollout logprobs (text and latent, T 0.7 and 1.0), zero-advantage steps, the stage."
 import json
-from pathlib import Path
 import pytest, torch
 from conftest import run_cli, ROOT, TEACHER, ROWS, ONE, rows_of, steps_of
 
@@ -34,7 +33,8 @@ def test_zero_advantage_step_changes_no_weight(tmp_path):
     assert all(r["frac_reward_zero_std"] == 1 and r["loss"] == 0 and r["grad_norm"] == 0 for r in s)
     assert all(v == v for r in s for v in r.values() if isinstance(v, float))            # no NaN anywhere
     from latent_rl.models import load_model
-    a, _ = load_model(TEACHER); b, _ = load_model(tmp_path / "final")
+    a, _ = load_model(TEACHER)
+    b, _ = load_model(tmp_path / "final")
     for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()): assert torch.equal(x, y), k
 
 @pytest.mark.parametrize("kind", ["text", "latent"])

@@ -45,7 +45,8 @@ def test_token_logprobs_with_a_full_head(scale, cap, bias):
     h = torch.randn(3, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
     W = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
     b = torch.randn(11, dtype=torch.float64, generator=g).requires_grad_() if bias else None
-    lab = torch.randint(0, 11, (3, 5), generator=g); lab[0, :2] = -100
+    lab = torch.randint(0, 11, (3, 5), generator=g)
+    lab[0, :2] = -100
     T, up = torch.tensor([1.0, 0.7, 1.3]), torch.randn(3, 5, dtype=torch.float64, generator=g)
     up[1, 1] = 0.0                                                       # a row without gradient (skipped in backward)
     hd, ps = Head(W, b, scale, cap), [x for x in (h, W, b) if x is not None]
@@ -67,7 +68,8 @@ def test_jsd_from_hidden_with_a_full_head(scale, cap, bias, kind):
     W = torch.randn(13, 6, dtype=torch.float64, generator=g, requires_grad=True)
     b = torch.randn(13, dtype=torch.float64, generator=g).requires_grad_() if bias else None
     zt = torch.randn(2, 4, 13, dtype=torch.float64, generator=g) * 2
-    mask = torch.ones(2, 4, dtype=torch.bool); mask[0, 0] = False
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[0, 0] = False
     teacher = TeacherOutput(logits=zt) if kind == "full" else TeacherOutput.topk_from_logits(zt, 4)
     hd, ps = Head(W, b, scale, cap), [x for x in (h, W, b) if x is not None]
     for beta in (0.0, 0.5, 1.0):
@@ -91,7 +93,8 @@ def test_head_paths_match_the_models_own_logits(name):
     lp = token_logprobs(h, hd, lab, chunk_size=3)
     assert torch.allclose(lp, ref, atol=1e-5)
     params = list(m.get_output_embeddings().parameters())                 # gradients reach the head as through the model
-    ga = torch.autograd.grad(lp.sum(), params, retain_graph=True); gb = torch.autograd.grad(ref.sum(), params)
+    ga = torch.autograd.grad(lp.sum(), params, retain_graph=True)
+    gb = torch.autograd.grad(ref.sum(), params)
     assert all(torch.allclose(a, c, atol=1e-4) for a, c in zip(ga, gb))
     teacher = TeacherOutput(logits=torch.randn_like(out.logits))
     j1, _ = generalized_jsd_from_hidden(h, hd, teacher, beta=0.5)
@@ -129,8 +132,10 @@ def test_codi_with_a_full_head_equals_the_reference(name, kd):
     assert abs(out.loss.item() - ref.item()) < 1e-4 * max(1.0, abs(ref.item())), (out.loss.item(), ref.item())
     for k in ("student_loss", "kd_loss", "teacher_loss"): assert out.metrics[k] == pytest.approx(ref_m[k], rel=1e-4, abs=1e-5), k
     ps = [p for p in lm.parameters()]
-    ga = torch.autograd.grad(out.loss, ps, allow_unused=True); gr = torch.autograd.grad(ref, ps, allow_unused=True)
+    ga = torch.autograd.grad(out.loss, ps, allow_unused=True)
+    gr = torch.autograd.grad(ref, ps, allow_unused=True)
     for a, c in zip(ga, gr):
         if a is None and c is None: continue
-        a = torch.zeros_like(c) if a is None else a; c = torch.zeros_like(a) if c is None else c
+        a = torch.zeros_like(c) if a is None else a
+        c = torch.zeros_like(a) if c is None else c
         assert (a - c).norm() <= 1e-4 * max(c.norm(), 1e-8) + 1e-6

@@ -32,7 +32,9 @@ def write_run(run: Path, kind="grpo", steps=(0, 1, 2), groups=2, G=4, seed=0, ep
             samples = []
             for k in range(G):
                 lpi = -rng.exponential(1.0, T)
-                mask = np.ones(T, int); mask[1] = 0; lpi[1] = 0.0 if kind == "grpo" else lpi[1]   # forced token after the latent block
+                mask = np.ones(T, int)
+                mask[1] = 0
+                lpi[1] = 0.0 if kind == "grpo" else lpi[1]   # forced token after the latent block
                 lp = lpi + rng.normal(0, 0.1 * (s + 1), T)
                 lps.append({"step": s, "micro": 0, "row": g * G + k, "tokens": TRACE_TOKENS, "logp": lp.tolist(),
                             "logp_inf": lpi.tolist(), "mask": mask.tolist(), "adv": float(A[k]), "reward": float(R[k]),
@@ -89,7 +91,8 @@ def test_readers_skip_partial_lines_and_name_bad_fields(grpo_run, tmp_path):
     assert len(read_logprobs(grpo_run, step=2)) == 8 and len(read_rollouts(grpo_run, step=0)) == 2
     assert run_kind(grpo_run) == "grpo"
     with pytest.raises(FileNotFoundError, match="kd_anchors.jsonl: not found"): read_anchors(grpo_run)
-    bad = tmp_path / "bad"; bad.mkdir()
+    bad = tmp_path / "bad"
+    bad.mkdir()
     _jsonl(bad / "rollouts.jsonl", [{"step": 1, "group": 0}])
     with pytest.raises(ValueError, match=r"rollouts.jsonl: row 1: missing field\(s\) 'samples'"): read_rollouts(bad)
     _jsonl(bad / "kd_anchors.jsonl", [{"step": 0, "ids": ["a", "b"], "layers": [1], "dist": [[[0.1]]]}])
@@ -187,7 +190,8 @@ def test_plot_run_and_cli(grpo_run, tmp_path):
     p = run_cli(grpo_run, "--out", tmp_path / "figs", module="latent_rl.inspect_runs")
     assert sorted(x.name for x in (tmp_path / "figs").iterdir()) == ["alignment.png", "clip.png", "metrics.png", "rollouts.png"]
     assert str(tmp_path / "figs" / "clip.png") in p.stdout
-    empty = tmp_path / "empty"; empty.mkdir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
     p = run_cli(empty, module="latent_rl.inspect_runs", check=False)
     assert p.returncode != 0 and "metrics.jsonl: not found" in p.stderr
     with pytest.raises(SystemExit, match="no such run directory"): main([str(tmp_path / "nope")])

@@ -68,7 +68,7 @@ def as_user(cmd, uid, home):
 
 @needs_jail
 @as_root
-def test_hostile_suite_as_an_ordinary_user(host):
+def test_hostile_suite_as_an_ordinary_user(host):   # noqa: F811 (the fixture imported above)
     "Every attack, through `latent-rl trace` run by an unprivileged uid (bwrap in its own user namespace, as on a"
     "workstation): exit 0, every row answered, every plain row right, no secret anywhere."
     if T.root_launcher_problem(): pytest.skip(T.root_launcher_problem())
@@ -193,7 +193,8 @@ def test_a_killed_trace_run_resumes_to_the_same_output(tmp_path):
     end = time.monotonic() + 120
     while time.monotonic() < end and (not partial.exists() or len(partial.read_bytes().splitlines()) < 15):
         time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL); p.wait()
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
     done = len(partial.read_bytes().splitlines()) - 1
     assert 10 <= done < 40 and not out.exists(), done
     r = run_cli("trace", src, "-o", out, "--workers", 2, "--resume")

@@ -14,13 +14,15 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (Debian: a
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture
 def lab(tmp_path):
     "A JupyterLab server over a copy of the notebook (its data/ linked to the repository's), the project's kernel installed."
-    work = tmp_path / "work"; (work / "nbs").mkdir(parents=True)
+    work = tmp_path / "work"
+    (work / "nbs").mkdir(parents=True)
     (work / "data").symlink_to(ROOT / "data")
     shutil.copy(ROOT / "nbs" / "23_inspect.ipynb", work / "nbs")
     jp = tmp_path / "jupyter"
@@ -35,7 +37,8 @@ def lab(tmp_path):
                          env=env, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(120):
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close(); break
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
         except OSError: time.sleep(0.5)
     try: yield f"http://127.0.0.1:{port}/lab/tree/23_inspect.ipynb?token={token}", work
     finally:
@@ -56,7 +59,8 @@ def prompts_of(page) -> list[str]:
 
 def diagnosis(page, work: Path, why: str) -> str:
     "What a failing run leaves to read: the page's dialogs and kernel status, a screenshot, the server log's tail."
-    shot = work.parent / "lab.png"; page.screenshot(path=str(shot))
+    shot = work.parent / "lab.png"
+    page.screenshot(path=str(shot))
     dialogs = page.eval_on_selector_all(".jp-Dialog", "els => els.map(e => e.textContent)")
     status = page.eval_on_selector_all(".jp-Notebook-ExecutionIndicator", "els => els.map(e => e.dataset.status)")
     kernel = page.eval_on_selector_all(".jp-KernelName, .jp-Toolbar-kernelName", "els => els.map(e => e.textContent)")
@@ -80,7 +84,8 @@ def run_all(page, work: Path, attempts: int = 3):
                 if any(p != "[ ]:" for p in prompts_of(page)): return
                 assert page.locator(".jp-Dialog >> text=Select Kernel").count() == 0, diagnosis(page, work, "asked for a kernel")
                 time.sleep(1)
-        page.keyboard.press("Escape"); time.sleep(5)
+        page.keyboard.press("Escape")
+        time.sleep(5)
     raise AssertionError(diagnosis(page, work, f"Run All Cells started no cell in {attempts} attempts"))
 
 
@@ -108,7 +113,8 @@ def test_run_all_of_23_inspect_has_no_error_and_a_slider_redraws(lab):
         assert sliders.count() >= 4, sliders.count()                       # the four live inspectors
         img = page.locator(".widget-output img").first
         before = img.get_attribute("src")
-        sliders.first.focus(); page.keyboard.press("ArrowLeft")
+        sliders.first.focus()
+        page.keyboard.press("ArrowLeft")
         page.wait_for_function("s => { const i = document.querySelector('.widget-output img'); return i && i.src !== s }",
                                arg=before, timeout=60_000)                 # the figure redrew
         assert "Traceback" not in outputs_text(page)
@@ -119,7 +125,8 @@ def test_run_all_of_23_inspect_has_no_error_and_a_slider_redraws(lab):
 
 def middle(locator) -> float:
     "Vertical centre of an element on the page (px)."
-    b = locator.bounding_box(); return b["y"] + b["height"] / 2
+    b = locator.bounding_box()
+    return b["y"] + b["height"] / 2
 
 
 def check_anchor_inspector(page, work: Path):

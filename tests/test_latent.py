@@ -4,9 +4,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen2Config, AutoModelForCausalLM, DynamicCache
+from transformers import Qwen2Config, AutoModelForCausalLM
 
-from latent_rl.latent import LatentModel, LatentSpec, CodiOptions, codi_forward, kd_layer_indices
+from latent_rl.latent import LatentModel, LatentSpec, CodiOptions, codi_forward
 from latent_rl.models import cache_kw, out_cache
 from latent_rl.bench import ref_forward     # the per-example reference (the seed's algorithm): the oracle
 
@@ -23,8 +23,12 @@ def make_example(rng, n_spans, prompt_len):
     P = [rng.randrange(1, 30) for _ in range(prompt_len)]
     T, spans = [rng.randrange(1, 30) for _ in range(rng.randrange(1, 4))], []
     for _ in range(n_spans):
-        i = len(T); T.append(LSEP); T += [rng.randrange(1, 30) for _ in range(rng.randrange(1, 5))]
-        j = len(T); T.append(ASEP); T += [rng.randrange(1, 30) for _ in range(rng.randrange(1, 4))]
+        i = len(T)
+        T.append(LSEP)
+        T += [rng.randrange(1, 30) for _ in range(rng.randrange(1, 5))]
+        j = len(T)
+        T.append(ASEP)
+        T += [rng.randrange(1, 30) for _ in range(rng.randrange(1, 4))]
         spans.append((i, j))
     T.append(EOT)
     return {"prompt_ids": P, "trace_ids": T, "spans": spans}
@@ -58,7 +62,8 @@ def test_batched_equals_reference(case, call_cost):
     else: assert out.metrics["model_calls"] > K * case["steps"] + 1 and out.metrics["pad_ratio"] < 1.01   # groups: no padding
     for a, b in zip(gb, gr):
         if a is None and b is None: continue
-        a = torch.zeros_like(b) if a is None else a; b = torch.zeros_like(a) if b is None else b
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
         assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-8) + 1e-7, ((a - b).norm(), b.norm())
 
 @pytest.mark.parametrize("depths", [(2, 3), (4, 6)])                    # (student, frozen teacher) layers
@@ -70,7 +75,8 @@ def test_frozen_teacher_of_another_depth_is_distilled_at_its_own_layers(kd_layer
     out = codi_forward(lm, exs, opts, teacher=teacher, return_states=True)
     ref_loss, ref_m = ref_forward(lm, exs, opts, teacher)
     assert abs(out.loss.item() - ref_loss.item()) < 1e-5 and abs(out.metrics["kd_loss"] - ref_m["kd_loss"]) < 1e-5
-    e = exs[0]; full = torch.tensor(e["prompt_ids"] + e["trace_ids"])[None]
+    e = exs[0]
+    full = torch.tensor(e["prompt_ids"] + e["trace_ids"])[None]
     hs = teacher(input_ids=full, output_hidden_states=True).hidden_states
     want = (-1,) if kd_layers is None else kd_layers                       # resolved on the teacher's own layers
     pos = len(e["prompt_ids"]) + e["spans"][0][1]
@@ -82,7 +88,8 @@ def test_scheduled_sampling_equals_reference():
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
     exs = batch(3)
     K = max(len(e["spans"]) for e in exs)
-    coins = torch.zeros(len(exs), K + 1, dtype=torch.bool); coins[0, 1] = coins[1, 2] = coins[1, 3] = coins[2, 1] = True
+    coins = torch.zeros(len(exs), K + 1, dtype=torch.bool)
+    coins[0, 1] = coins[1, 2] = coins[1, 3] = coins[2, 1] = True
     opts = CodiOptions(ss_p=0.5)
     out = codi_forward(lm, exs, opts, ss_coins=coins)
     ref_loss, _ = ref_forward(lm, exs, opts, None, coins=coins)   # coins[b, k]: text segment k of example b
@@ -120,7 +127,9 @@ def student_format(ex):
     "Drop each span's locals: the text a latent policy writes; spans become (i, i+1)."
     T, out, spans, prev = ex["trace_ids"], [], [], 0
     for i, j in ex["spans"]:
-        out += T[prev:i + 1]; spans.append((len(out) - 1, len(out))); prev = j
+        out += T[prev:i + 1]
+        spans.append((len(out) - 1, len(out)))
+        prev = j
     out += T[prev:]
     return {"prompt_ids": ex["prompt_ids"], "trace_ids": out, "spans": spans}
 
@@ -175,8 +184,10 @@ def test_sliding_window_models_are_refused():
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2)).train()
     exs = batch(4)
-    a = codi_forward(lm, exs, CodiOptions()); ga = torch.autograd.grad(a.loss, list(lm.parameters()), allow_unused=True)
-    b = codi_forward(lm, exs, CodiOptions(grad_ckpt=True)); gb = torch.autograd.grad(b.loss, list(lm.parameters()), allow_unused=True)
+    a = codi_forward(lm, exs, CodiOptions())
+    ga = torch.autograd.grad(a.loss, list(lm.parameters()), allow_unused=True)
+    b = codi_forward(lm, exs, CodiOptions(grad_ckpt=True))
+    gb = torch.autograd.grad(b.loss, list(lm.parameters()), allow_unused=True)
     assert abs(a.loss.item() - b.loss.item()) < 1e-6
     for x, y in zip(ga, gb):
         if x is not None: assert torch.allclose(x, y, atol=1e-6)
@@ -207,7 +218,10 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
         o = model(inputs_embeds=emb(prompt[None]), use_cache=True)
         cache, prev = out_cache(o), o.logits[:, -1]
         segs, pv = [], 0
-        for k, (i, j) in enumerate(ex["spans"]): segs.append(("text", pv, i + 1)); segs.append(("latent", k, None)); pv = j
+        for k, (i, j) in enumerate(ex["spans"]):
+            segs.append(("text", pv, i + 1))
+            segs.append(("latent", k, None))
+            pv = j
         segs.append(("text", pv, len(trace)))
         lps, ws = [], []
         for kind, a, b in segs:
@@ -222,15 +236,24 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
                         z = emb(trace[min(vt[0] - 1 + q, len(trace) - 1)])[None, None]
                     zs.append(z[0, 0])
                     o = body(inputs_embeds=z, use_cache=True, output_hidden_states=True, **cache_kw(body, cache))
-                    cache, h = out_cache(o), o.last_hidden_state[:, -1:]; hs.append(torch.stack([x[0, 0] for x in o.hidden_states]))
+                    cache, h = out_cache(o), o.last_hidden_state[:, -1:]
+                    hs.append(torch.stack([x[0, 0] for x in o.hidden_states]))
                 vt = ex["value_tok"][a]
-                if vt and opts.value_kd_at == "predict": sv.append((1, hs[-1])); tv.append(T_at(vt[0] - 1))
+                if vt and opts.value_kd_at == "predict":
+                    sv.append((1, hs[-1]))
+                    tv.append(T_at(vt[0] - 1))
                 if vt and opts.value_kd_at == "sequence":
-                    for q in range(S): sv.append((1 if q == 0 else 0, hs[q])); tv.append(T_at(min(vt[0] - 1 + q, len(trace) - 1)))
+                    for q in range(S):
+                        sv.append((1 if q == 0 else 0, hs[q]))
+                        tv.append(T_at(min(vt[0] - 1 + q, len(trace) - 1)))
                 if vt and opts.value_kd_at == "tokens":
-                    for q in range(min(S, len(vt))): sv.append((0, hs[q])); tv.append(T_at(vt[q]))
+                    for q in range(min(S, len(vt))):
+                        sv.append((0, hs[q]))
+                        tv.append(T_at(vt[q]))
                 if vt and opts.value_kd_at == "embed":
-                    for q in range(S): sv.append((0, zs[q])); tv.append(E[trace[vt[q] if q < len(vt) else min(vt[-1] + 1, len(trace) - 1)]])
+                    for q in range(S):
+                        sv.append((0, zs[q]))
+                        tv.append(E[trace[vt[q] if q < len(vt) else min(vt[-1] + 1, len(trace) - 1)]])
                 dec = torch.cat([emb(torch.tensor([lm.spec.latent_start_id])), torch.stack(zs), emb(torch.tensor([lm.spec.latent_end_id])),
                                  emb(torch.tensor(ex["recon_ids"][a] + [lm.spec.action_sep_id]))])[None]
                 dl = model(inputs_embeds=dec).logits[0, S + 1:-1]
@@ -239,13 +262,17 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
                 cache, prev = out_cache(o), model.lm_head(o.last_hidden_state[:, -1])
                 continue
             ids = trace[a:b]
-            lps.append(F.log_softmax(prev, -1)[0, ids[0]][None]); ws.append(a)
+            lps.append(F.log_softmax(prev, -1)[0, ids[0]][None])
+            ws.append(a)
             o = model(inputs_embeds=emb(ids[None]), use_cache=True, output_hidden_states=True, **cache_kw(model, cache))
             cache = out_cache(o)
             if len(ids) > 1:
-                lps.append(F.log_softmax(o.logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]); ws.extend(range(a + 1, b))
+                lps.append(F.log_softmax(o.logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0])
+                ws.extend(range(a + 1, b))
                 for t in ex["answer_tok"]:
-                    if a < t < b: sa.append(torch.stack([x[0, t - 1 - a] for x in o.hidden_states])); ta.append(T_at(t - 1))
+                    if a < t < b:
+                        sa.append(torch.stack([x[0, t - 1 - a] for x in o.hidden_states]))
+                        ta.append(T_at(t - 1))
             prev = o.logits[:, -1]
         w = torch.tensor([opts.answer_weight if t in ex["answer_tok"] else 1.0 for t in ws])
         ces.append(-(torch.cat(lps) * w).sum() / w.sum())
@@ -298,7 +325,8 @@ def test_latent_objectives_equal_reference(obj, steps, call_cost):
     gr = torch.autograd.grad(ref_total, params, allow_unused=True)
     for a, b in zip(gb, gr):
         if a is None and b is None: continue
-        a = torch.zeros_like(b) if a is None else a; b = torch.zeros_like(a) if b is None else b
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
         assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-8) + 1e-7, ((a - b).norm(), b.norm())
 
 def test_objectives_refuse_examples_without_targets():

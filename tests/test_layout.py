@@ -1,5 +1,5 @@
 "The package's layout: modules import one way along the pipeline (notebook order), the CLI on top, never tests/."
-import ast, graphlib, json, re
+import ast, graphlib, re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,9 +1,8 @@
 """LoRA students (peft adapters injected in place): the final model is a plain merged HF model, resume is exact, 2-process
 FSDP2 equals 1 process, the CODI projector trains beside the adapters, GKD's adapter-off teacher is the base model."""
 import shutil
-from pathlib import Path
 import pytest, torch
-from conftest import run_cli, ROOT
+from conftest import run_cli
 from test_cluster import launch, weights, assert_close, TEACHER, ROWS, ENV
 
 pytest.importorskip("peft")
@@ -29,7 +28,8 @@ def test_sft_lora_exports_a_plain_merged_model_and_resumes_exactly(tiny_data, tm
     moved = {k for k in base if (base[k] - m.state_dict()[k]).abs().max() > 1e-7}
     assert moved and all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
                          for k in moved)                                      # only adapted projections changed
-    shutil.copytree(tmp_path / "full", tmp_path / "part"); shutil.rmtree(tmp_path / "part" / "final")
+    shutil.copytree(tmp_path / "full", tmp_path / "part")
+    shutil.rmtree(tmp_path / "part" / "final")
     shutil.rmtree(tmp_path / "part" / "checkpoints" / "step-4", ignore_errors=True)
     run_cli(*sft_args(tiny_data), "--save_every", 2, "--out", tmp_path / "part", "--resume", env=ONE)
     assert_close(sd, weights(tmp_path / "part" / "final"), 1e-6)

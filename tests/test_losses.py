@@ -324,7 +324,9 @@ def test_grpo_token_norm_is_invariant_to_micro_batching():
     hidden = torch.randn(B, S, H, generator=g)
     W0 = torch.randn(V, H, generator=g) * 0.5
     labels = torch.randint(0, V, (B, S), generator=g)
-    for b in range(B): labels[b, : b % 4] = -100; labels[b, S - (b % 3):] = -100    # uneven lengths
+    for b in range(B):
+        labels[b, : b % 4] = -100
+        labels[b, S - (b % 3):] = -100    # uneven lengths
     mask = labels != -100
     temps = torch.full((B,), 0.9)
     with torch.no_grad():

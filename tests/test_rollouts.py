@@ -1,6 +1,5 @@
 "The vLLM weight stream on CPU: FSDP2-sharded parameters (real DTensors over gloo) are gathered one at a time, in order."
 import os, socket, subprocess, sys
-import pytest, torch
 from conftest import ROOT, ONE
 
 SCRIPT = r'''
@@ -38,7 +37,10 @@ dist.destroy_process_group()                         # a clean exit: gloo's thre
 
 def test_named_weights_gathers_fsdp2_shards_one_at_a_time(tmp_path):
     (tmp_path / "s.py").write_text(SCRIPT)
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
                         str(tmp_path / "s.py")], env={**os.environ, **ONE, "ROOT": str(ROOT)}, capture_output=True, text=True,
                        timeout=300)

@@ -5,7 +5,7 @@ nothing outside the jail, leak no secret of the parent (an environment variable,
 leave the parent, its other processes and its sockets alone, and give every plain row its correct value.
 Three runs: the command line with every layer; the OS layers alone (audit hook off); the namespaces alone (audit hook
 and seccomp off, attacks on the host only). Hostile code never runs outside the jail: without one the file is skipped."""
-import json, os, signal, socket, subprocess, sys, time, uuid
+import json, os, socket, subprocess, sys, time, uuid
 from pathlib import Path
 
 import pytest
@@ -398,16 +398,26 @@ def hostile_rows(names, info):
 @pytest.fixture
 def host(tmp_path, monkeypatch):
     "The parent's world: a secret (env, file, a decoy process's argv and env), a canary file, listening sockets."
-    h = tmp_path / "host"; h.mkdir()
+    h = tmp_path / "host"
+    h.mkdir()
     (h / "secret.txt").write_text(SECRET)
     (h / "canary.txt").write_text("canary")
     monkeypatch.setenv("LATENT_RL_TEST_SECRET", SECRET)
     monkeypatch.delenv(UNSAFE_ENV, raising=False)
     decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", SECRET], env=dict(os.environ))
-    tcp = socket.socket(); tcp.bind(("127.0.0.1", 0)); tcp.listen(); tcp.setblocking(False)
-    unix = socket.socket(socket.AF_UNIX); unix.bind(str(h / "sock")); unix.listen(); unix.setblocking(False)
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen()
+    tcp.setblocking(False)
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(h / "sock"))
+    unix.listen()
+    unix.setblocking(False)
     abstract = f"\0latent_rl_{uuid.uuid4().hex}"
-    absk = socket.socket(socket.AF_UNIX); absk.bind(abstract); absk.listen(); absk.setblocking(False)
+    absk = socket.socket(socket.AF_UNIX)
+    absk.bind(abstract)
+    absk.listen()
+    absk.setblocking(False)
     info = {"host": str(h), "secret_file": str(h / "secret.txt"), "canary": str(h / "canary.txt"), "parent": os.getpid(),
             "decoy": decoy.pid, "port": tcp.getsockname()[1], "unix": str(h / "sock"), "abstract": abstract,
             "project": str(ROOT), "pwned": PWNED}
@@ -425,7 +435,8 @@ def host(tmp_path, monkeypatch):
         kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == os.getpid() and int(p) != decoy.pid]
         assert not kids, f"processes outlived the pool: {kids}"
     finally:
-        decoy.kill(); decoy.wait()
+        decoy.kill()
+        decoy.wait()
         for s in (tcp, unix, absk): s.close()
 
 
@@ -556,7 +567,8 @@ def test_refuses_without_a_jail_unless_told(monkeypatch, tmp_path):
     assert res[0].ok and res[0].value == "42"
     with TracePool(1, unsafe_no_sandbox=True) as pool: assert not pool.jailed
     assert "unavailable" in T.sandbox_notice() and "WARNING" in T.sandbox_notice(unsafe=True)
-    rows = tmp_path / "rows.jsonl"; rows.write_text(json.dumps(OK) + "\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(OK) + "\n")
     env = {"LATENT_RL_BWRAP": str(tmp_path / "no-bwrap"), UNSAFE_ENV: ""}
     p = run_cli("trace", rows, "-o", tmp_path / "o.jsonl", env=env, check=False)
     assert p.returncode == 1 and "sandbox is unavailable" in p.stderr and "--unsafe-no-sandbox" in p.stderr
@@ -603,7 +615,8 @@ def test_jail_read_rejects_malformed_frames():
     for data, ok in [(b'{"n": 3}\nabc{"n": 0}\n', True), (b"x" * 5000, False), (b"[1]\n", False), (b"{bad\n", False),
                      (b'{"n": -1}\n', False), (b'{"n": 999999999999}\n', False), (b'{"n": "3"}\n', False)]:
         r, w = os.pipe()
-        os.write(w, data); os.close(w)
+        os.write(w, data)
+        os.close(w)
         try:
             if ok: assert T._jail_read(Fake(r), 1 << 20) == [({"n": 3}, b"abc"), ({"n": 0}, b"")]
             else:

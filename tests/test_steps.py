@@ -1,6 +1,5 @@
 """Issue 29: the step-structured benchmarks (multiplication, GSM8k-Aug) through the same stages as the code traces."""
 import json
-from pathlib import Path
 
 import pytest
 

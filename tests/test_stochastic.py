@@ -43,7 +43,7 @@ def test_latent_term_moves_mu_toward_rewarded_noise(sign):
     from latent_rl.generate import generate_latent
     pol, G = _toy(), 64
     u = torch.nn.functional.normalize(torch.randn(32), dim=0)
-    comp, la = [12, 80, 81, 13, 1], [1]                          # one block after index 1, the same text in every sample
+    comp = [12, 80, 81, 13, 1]                                   # one block after index 1, the same text in every sample
     greedy = lambda: generate_latent(pol.model, [[5, 6, 7]], eos_id=1, pad_id=0, forced=[comp], return_latents=True,
                                      noise=pol.model.noise).latents[0].reshape(-1)         # temperature 0: μ
     mu0 = greedy()

@@ -27,7 +27,8 @@ def untied(tmp_path_factory):
     m, tok = load_model(ROOT / "data" / "notrace")
     m.config.tie_word_embeddings = False
     m.lm_head.weight = torch.nn.Parameter(m.model.embed_tokens.weight.detach().clone())
-    m.save_pretrained(d); tok.save_pretrained(d)
+    m.save_pretrained(d)
+    tok.save_pretrained(d)
     gen = json.loads((d / "generation_config.json").read_text())
     (d / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, "top_k": 3, "top_p": 0.5,
                                                           "repetition_penalty": 1.3}))
@@ -94,7 +95,8 @@ def test_weight_sync_moves_the_engine_and_restoring_restores_it(colocated):
     moved = eng.generate(P, max_new_tokens=32, temperature=1.0, eos_id=pol.eos_id, seeds=seeds)
     assert moved.completion_ids != before.completion_ids or moved.logprobs != before.logprobs
     assert _worst(pol, P, moved, 1.0) <= 1e-4                         # the whole model synced, head included
-    pol.lm.load_state_dict(saved); eng.sync(pol.lm)
+    pol.lm.load_state_dict(saved)
+    eng.sync(pol.lm)
     back = eng.generate(P, max_new_tokens=32, temperature=1.0, eos_id=pol.eos_id, seeds=seeds)
     assert back.completion_ids == before.completion_ids
     assert max(abs(a - b) for x, y in zip(back.logprobs, before.logprobs) for a, b in zip(x, y)) <= 1e-5
@@ -126,7 +128,11 @@ def test_gkd_with_colocated_vllm(tmp_path, untied):
     assert s[-1]["generations"] == 2
 
 def _free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
 
 def test_serve_rollouts_over_http(tmp_path, untied):
     """`latent-rl serve-rollouts` (started from this interpreter, no `vllm` script on PATH): rollouts whose logprobs equal
@@ -145,7 +151,9 @@ def test_serve_rollouts_over_http(tmp_path, untied):
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(900):
-            try: urllib.request.urlopen(url + "/health", timeout=2); break
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
             except Exception:
                 assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
                 time.sleep(0.5)
@@ -167,4 +175,5 @@ def test_serve_rollouts_over_http(tmp_path, untied):
         assert (h.topk_logprobs[b.mask][:, 0] - l.topk_logprobs[b.mask][:, 0]).abs().max() < 1e-4
         with pytest.raises(TeacherUnavailable, match="--max-logprobs 16"): HTTPTeacher(url, topk=16, retries=0).score(b)
     finally:
-        proc.terminate(); proc.wait(60)
+        proc.terminate()
+        proc.wait(60)
