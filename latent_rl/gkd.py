@@ -22,6 +22,7 @@ from .records import RunRecord
 from .config import ConfigError, VLLMConfig, teacher_dtype
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
 from .loop import PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student, generation_cycle, drain
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['gkd_coin', 'dataset_completion', 'resample_overlong', 'value_mask', 'gkd_loss', 'GKDConfig', 'make_teacher',
@@ -233,7 +234,8 @@ class GKDStep(PolicyStage):
         return loss * m["n_tokens"] / self.token_counts[step], m              # token mean over the whole global batch
 
 # %% ../nbs/19_gkd.ipynb #b61117b5
-def _cycle_coin(self: GKDStep, c0: int) -> bool:
+@patch
+def cycle_coin(self: GKDStep, c0: int) -> bool:
     "The cycle's coin; a pure function of (seed, step), checked equal on every rank (one scalar)."
     on = gkd_coin(self.cfg.seed, c0, self.cfg.lmbda)
     if self.acc.num_processes > 1:
@@ -241,7 +243,8 @@ def _cycle_coin(self: GKDStep, c0: int) -> bool:
         if not bool((g == g[0]).all()): raise RuntimeError(f"GKD coin differs across ranks at step {c0}: {g.tolist()}")
     return on
 
-def _fill(self: GKDStep, step: int) -> None:
+@patch
+def fill(self: GKDStep, step: int) -> None:
     "The generation cycle holding `step`: its coin, this rank's items for each of its steps, sampled when on-policy."
     cfg, acc, W = self.cfg, self.acc, self.acc.num_processes
     steps = generation_cycle(step, cfg.steps_per_generation, cfg.steps)
@@ -257,7 +260,8 @@ def _fill(self: GKDStep, step: int) -> None:
     self.token_counts.clear()
     self.token_counts.update({s: max(1.0, c) for s, c in zip(steps, counts)})
 
-def _sample(self: GKDStep, steps: list[int], mine: dict) -> None:
+@patch
+def sample(self: GKDStep, steps: list[int], mine: dict) -> None:
     "On-policy: the student completes every item of the cycle (the engine synced to the current weights first)."
     t0, cfg, policy = time.time(), self.cfg, self.policy
     flat = [it for s in steps for it in mine[s]]
@@ -278,11 +282,9 @@ def _sample(self: GKDStep, steps: list[int], mine: dict) -> None:
     self.timing["gen_s"] += time.time() - t0
     self.generations += 1
 
-# %% ../nbs/19_gkd.ipynb #d2ce4ee7
-GKDStep.cycle_coin, GKDStep.fill, GKDStep.sample = _cycle_coin, _fill, _sample
-
 # %% ../nbs/19_gkd.ipynb #8c816303
-def _take(self: GKDStep, step: int, part: list[int]) -> tuple[bool, list[dict]]:
+@patch
+def take(self: GKDStep, step: int, part: list[int]) -> tuple[bool, list[dict]]:
     "This micro-batch's items from the buffer (they must be the loop's `part`: the buffer follows the data order)."
     on, mine = self.buffer[step]
     a = self.calls[step] = self.calls.get(step, -1) + 1                              # micro-batch number within the step
@@ -291,7 +293,8 @@ def _take(self: GKDStep, step: int, part: list[int]) -> tuple[bool, list[dict]]:
         raise RuntimeError(f"GKD buffer out of step with the training loop at step {step}, micro-batch {a}")
     return on, items
 
-def _score(self: GKDStep, items: list[dict]):
+@patch
+def score(self: GKDStep, items: list[dict]):
     "The teacher's view of the items (scored when used: a self-teacher sees the current weights)."
     t0 = time.time()
     P, C, LA = [x["prompt"] for x in items], [x["completion"] for x in items], [x["latent_at"] for x in items]
@@ -302,22 +305,22 @@ def _score(self: GKDStep, items: list[dict]):
     self.timing["teacher_s"] += time.time() - t0
     return out
 
-def _metrics(self: GKDStep, step: int) -> dict:
+@patch
+def metrics(self: GKDStep, step: int) -> dict:
     return dict(drain(self.timing), generations=float(self.generations))
 
-def _state(self: GKDStep) -> dict:   # rows are restored from the data on resume (not pickled)
+@patch
+def state(self: GKDStep) -> dict:   # rows are restored from the data on resume (not pickled)
     return {"buffer": {s: (on, [{k: v for k, v in it.items() if k != "row"} for it in items]) for s, (on, items) in self.buffer.items()},
             "token_counts": dict(self.token_counts)}
 
-def _load_state(self: GKDStep, st: dict) -> None:
+@patch
+def load_state(self: GKDStep, st: dict) -> None:
     self.buffer.clear()
     self.token_counts.clear()
     self.token_counts.update(st.get("token_counts", {}))
     for s, (on, items) in st.get("buffer", {}).items():
         self.buffer[s] = (on, [dict(it, row=self.data[it["idx"]]["row"]) for it in items])
-
-GKDStep.take, GKDStep.score, GKDStep.metrics, GKDStep.state, GKDStep.load_state = _take, _score, _metrics, _state, _load_state
-
 
 # %% ../nbs/19_gkd.ipynb #84216c56
 def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:

@@ -21,6 +21,7 @@ from .config import ConfigError, VLLMConfig
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
 from .loop import (PolicyStage, train_loop, finish_run, write_config, load_traced, lora_student, generation_cycle, drain,
                             batch_indices)
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'reward_rise', 'throughput_summary', 'stochastic_latents',
@@ -177,7 +178,8 @@ class GRPOStep(PolicyStage):
         return [samples[k:k + G] for k in range(0, len(samples), G)], metrics
 
 # %% ../nbs/20_grpo.ipynb #5b8b2e39
-def _rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
+@patch
+def rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
     "Sample every (step, prompt, sample) of `flat` from the current weights, keyed by (seed, step, prompt, sample)."
     cfg, policy = self.cfg, self.policy
     keys, P = [row_key(cfg.seed, s, i, j) for s, i, j in flat], [self.prompts[i] for _, i, _ in flat]
@@ -199,12 +201,14 @@ def _rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
     if ro is not None: self.stats["gen_tokens"] += sum(map(len, ro.completion_ids))
     return ro
 
-def _rewards(self: GRPOStep, texts: list[str], flat: list[tuple]) -> tuple[list[float], dict]:
+@patch
+def rewards(self: GRPOStep, texts: list[str], flat: list[tuple]) -> tuple[list[float], dict]:
     "The weighted verifiable rewards of the completions, and each part's values (for the metrics and records)."
     R = self.reward_fn(texts, [self.rows[i] for _, i, _ in flat])
     return R, dict(self.reward_fn.parts)
 
-def _advantages(self: GRPOStep, R: list[float], gather: bool = True) -> tuple[list[float], dict]:
+@patch
+def advantages(self: GRPOStep, R: list[float], gather: bool = True) -> tuple[list[float], dict]:
     """Group-relative advantages; `adv_scale = batch` divides by the std over every rank's rewards, as on one process
     (`gather`; a dynamic-sampling round, whose ranks sample different numbers of groups, uses its own rank's)."""
     Rt, G = torch.tensor(R, dtype=torch.float64), self.cfg.group_size
@@ -216,7 +220,8 @@ def _advantages(self: GRPOStep, R: list[float], gather: bool = True) -> tuple[li
 
 def _has_signal(group: list[dict]) -> bool: return len({x["reward"] for x in group}) > 1
 
-def _resample(self: GRPOStep, steps: list[int], mine: dict, groups: list[list[dict]]) -> list[list[dict]]:
+@patch
+def resample(self: GRPOStep, steps: list[int], mine: dict, groups: list[list[dict]]) -> list[list[dict]]:
     """Dynamic sampling (DAPO): a group whose rewards are all equal carries no signal, so up to `dynamic_sampling`
     rounds draw fresh prompts (another permutation of the data per round) until every step of the cycle has as many
     groups with signal as it has prompts; a step still short keeps some equal-reward groups (`ds_frac_kept_zero_std`).
@@ -241,10 +246,9 @@ def _resample(self: GRPOStep, steps: list[int], mine: dict, groups: list[list[di
                               ds_frac_kept_zero_std=sum(not _has_signal(g) for g in out) / n)
     return out
 
-GRPOStep.rollouts, GRPOStep.rewards, GRPOStep.advantages, GRPOStep.resample = _rollouts, _rewards, _advantages, _resample
-
 # %% ../nbs/20_grpo.ipynb #7dcfd544
-def _keep(self: GRPOStep, steps: list[int], groups: list[list[dict]]) -> None:
+@patch
+def keep(self: GRPOStep, steps: list[int], groups: list[list[dict]]) -> None:
     "The cycle's samples, per step, and each step's sampled-token count over all ranks (forced tokens excluded)."
     self.buffer.clear()
     self.calls.clear()
@@ -256,7 +260,8 @@ def _keep(self: GRPOStep, steps: list[int], groups: list[list[dict]]) -> None:
     self.latent_counts.clear()
     self.latent_counts.update(zip(steps, counts[len(steps):]))
 
-def _take(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
+@patch
+def take(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
     """This micro-batch's samples: whole groups of the loop's `part` prompts (the buffer follows the data order; with
     dynamic sampling the buffer's own prompts fill the micro-batch's `len(part)` slots)."""
     G = self.cfg.group_size
@@ -266,25 +271,26 @@ def _take(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
     if not ok: raise RuntimeError(f"GRPO rollout buffer out of step with the training loop at step {step}, micro-batch {a}")
     return smp
 
-def _metrics(self: GRPOStep, step: int) -> dict:
+@patch
+def metrics(self: GRPOStep, step: int) -> dict:
     return dict(drain(self.timing), **self.cycle_metrics)
 
-GRPOStep.keep, GRPOStep.take, GRPOStep.metrics = _keep, _take, _metrics
-def _state(self: GRPOStep) -> dict:
+@patch
+def state(self: GRPOStep) -> dict:
     return {"buffer": self.buffer, "token_counts": self.token_counts, "latent_counts": self.latent_counts}
 
-def _load_state(self: GRPOStep, st: dict) -> None:
+@patch
+def load_state(self: GRPOStep, st: dict) -> None:
     for name in ("buffer", "token_counts", "latent_counts"):
         getattr(self, name).clear()
         getattr(self, name).update(st.get(name, {}))
-
-GRPOStep.state, GRPOStep.load_state = _state, _load_state
 
 # %% ../nbs/20_grpo.ipynb #d40d518a
 def _tok_strs(tok, ids):
     return tok.convert_ids_to_tokens(list(ids)) if hasattr(tok, "convert_ids_to_tokens") else [str(i) for i in ids]
 
-def _record_logprobs(self: GRPOStep, step: int, smp: list[dict], lp: torch.Tensor, mk: torch.Tensor) -> None:
+@patch
+def record_logprobs(self: GRPOStep, step: int, smp: list[dict], lp: torch.Tensor, mk: torch.Tensor) -> None:
     "A few sequences' (training, inference) logprob pairs for the inspectors (`logprobs.jsonl`)."
     for b, x in enumerate(smp[:4]):
         L = len(x["completion"])
@@ -292,7 +298,8 @@ def _record_logprobs(self: GRPOStep, step: int, smp: list[dict], lp: torch.Tenso
                         logp_inf=list(x["logp_inf"]), mask=mk[b, :L].int().tolist(), adv=x["adv"], reward=x["reward"],
                         latent_at=x["latent_at"])
 
-def _record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
+@patch
+def record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
     "Two whole groups of the cycle with their rewards and advantages (`rollouts.jsonl`)."
     for g, grp in enumerate(groups[:2]):
         row = self.rows[grp[0]["idx"]]
@@ -300,8 +307,6 @@ def _record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
                         samples=[{"text": x["text"], "tokens": _tok_strs(self.policy.tok, x["completion"]), "reward": x["reward"],
                                   "adv": x["adv"], "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
                                   "latent_at": x["latent_at"]} for x in grp])
-
-GRPOStep.record_logprobs, GRPOStep.record_rollouts = _record_logprobs, _record_rollouts
 
 # %% ../nbs/20_grpo.ipynb #847da692
 def reward_rise(rows: list[dict], key: str = "reward_mean", frac: float = 0.1) -> dict:

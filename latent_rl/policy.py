@@ -16,6 +16,7 @@ from .logprobs import token_logprobs
 from .latent import LatentModel, grouped_student_pass, CALL_COST
 from .generate import Rollout, generate_text, generate_latent
 from .serve import check_exposure
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['NEUTRAL_SAMPLING', 'replay_examples', 'completion_labels', 'sampled_mask', 'replay_hidden', 'Policy',
@@ -325,7 +326,8 @@ class VLLMEngine:
 
 # %% ../nbs/10_policy.ipynb #1b4101f4
 @torch.no_grad()
-def _sync(self: VLLMEngine, model: nn.Module):
+@patch
+def sync(self: VLLMEngine, model: nn.Module):
     "Push `model`'s weights into the engine, one parameter (in-process) or one layer (multiprocessing) at a time."
     if self.sleep:
         if torch.cuda.is_available(): torch.cuda.empty_cache()
@@ -344,7 +346,8 @@ def _sync(self: VLLMEngine, model: nn.Module):
     self.llm.reset_prefix_cache()                # cached KV was computed with the old weights
     self.weights_loaded = True
 
-def _generate(self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None) -> Rollout:
+@patch
+def generate(self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None) -> Rollout:
     "One completion per prompt with its sampled tokens' processed logprobs; `seeds` (one per row) make samples row-keyed."
     from vllm import SamplingParams
     if not self.weights_loaded: raise RuntimeError("VLLMEngine sleeps without weights (level 2): call sync(model) before generate")
@@ -367,9 +370,6 @@ def _generate(self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: fl
         r = torch.distributed.get_rank(group=self.tp_group)
         prompts, comp, lps = (x[r * n_mine:(r + 1) * n_mine] for x in (prompts, comp, lps))
     return _as_rollout(prompts, comp, lps, temperature, eos_id)
-
-# %% ../nbs/10_policy.ipynb #b4c2fe39
-VLLMEngine.sync, VLLMEngine.generate = _sync, _generate
 
 # %% ../nbs/10_policy.ipynb #d64f1ae7
 NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,

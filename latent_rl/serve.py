@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from .models import backbone, lm_head, lm_head_weight, load_model
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['ServerLimits', 'HTTPError', 'parse_completion', 'score_sequences', 'prompt_logprobs_json', 'Batcher', 'read_head',
@@ -337,6 +338,7 @@ async def _serve_one(self: TeacherServer, reader) -> tuple[int, object, dict]:
     return status, b, {}
 
 # %% ../nbs/09_serve.ipynb #3a4333d2
+@patch
 async def _handle(self: TeacherServer, reader, writer):
     self.connections += 1
     try:
@@ -355,8 +357,6 @@ async def _handle(self: TeacherServer, reader, writer):
     finally:
         self.connections -= 1
         writer.transport.abort() if writer.transport.get_write_buffer_size() else writer.close()
-
-TeacherServer._handle = _handle
 
 # %% ../nbs/09_serve.ipynb #15521cfd
 def make_teacher_server(model, tok, name: str, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits | None = None,
