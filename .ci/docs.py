@@ -17,7 +17,8 @@ SRC, SITE = ROOT / "_docs" / "src", ROOT / "_site"
 def title(nb: dict, fallback: str) -> str:
     "The notebook's H1, else its file name."
     for c in nb["cells"]:
-        if c["cell_type"] == "markdown" and (m := re.match(r"#\s+(.+)", "".join(c["source"]).strip())): return m.group(1).strip()
+        if c["cell_type"] == "markdown" and (m := re.match(r"#\s+(.+)", "".join(c["source"]).strip())):
+            return m.group(1).strip()
     return fallback
 
 
@@ -46,7 +47,9 @@ def with_api(nb: dict, mod) -> dict:
         if c["cell_type"] != "code" or not re.match(r"\s*#\|\s*export", src) or mod is None: continue
         try: tree = ast.parse(re.sub(r"^\s*%.*$", "", src, flags=re.M))
         except SyntaxError: continue
-        names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")]
+        names = [
+            n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")
+        ]
         entries = [api_entry(getattr(mod, n), n) for n in names if hasattr(mod, n)]
         if entries: cells.append({"cell_type": "markdown", "metadata": {}, "source": "\n\n".join(entries)})
     return {**nb, "cells": cells}
@@ -64,13 +67,17 @@ def build() -> Path:
         (SRC / p.name).write_text(json.dumps(with_api(nb, mod)))
         nav.append({("Home" if p.stem == "index" else title(nb, p.stem)): p.name})
     shutil.copytree(ROOT / "figures", SRC / "figures")               # the index page shows them
-    (SRC / "extra.css").write_text(".api-entry{border-left:3px solid #6a5acd;padding-left:.8em;margin:1em 0}\n"
-                                   ".md-grid{max-width:none}.md-typeset pre>code,.md-typeset .highlight>pre{font-size:.75em}\n")   # 120-character code lines fit
+    (SRC / "extra.css").write_text(
+        ".api-entry{border-left:3px solid #6a5acd;padding-left:.8em;margin:1em 0}\n"
+        ".md-grid{max-width:none}.md-typeset pre>code,.md-typeset .highlight>pre{font-size:.75em}\n"
+    )  # 120-character code lines fit
     cfg = {"site_name": "latent_rl", "docs_dir": str(SRC), "site_dir": str(SITE), "use_directory_urls": False,
            "theme": {"name": "material", "features": ["navigation.sections"]}, "extra_css": ["extra.css"], "nav": nav,
            "plugins": [{"mkdocs-jupyter": {"execute": False, "include_source": True, "ignore_h1_titles": False}}]}
-    (SRC.parent / "mkdocs.yml").write_text(json.dumps(cfg, indent=1))   # JSON is YAML
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "-f", str(SRC.parent / "mkdocs.yml")], check=True)
+    (SRC.parent / "mkdocs.yml").write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--quiet", "-f", str(SRC.parent / "mkdocs.yml")], check=True
+    )
     return SITE / "index.html"
 
 

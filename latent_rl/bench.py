@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen2Config
 
-from .trace import find_cruxeval, _load_jsonl, sandbox_status, unsafe_allowed, TracePool, trace_inprocess, prompt_text
+from latent_rl.trace import (find_cruxeval, _load_jsonl, sandbox_status, unsafe_allowed, TracePool, trace_inprocess,
+    prompt_text)
 from .corpus import load_rows
 from .tokens import encode, sft_example, codi_example
 from .models import load_tokenizer, build_tiny, n_params, cache_kw, out_cache, backbone
@@ -60,21 +61,24 @@ def _untraced(src: str) -> str:
     "A program whose `f` runs `src` outside the tracer (compiled under another file name): loops at full speed."
     return f"def f():\n    exec(compile({src!r}, 'u', 'exec'), {{}})\n    return 1"
 
-_HOSTILE = {     # programs that try to hold a worker past their deadline or fill the parent (`def f()`, no input)
+_HOSTILE = {  # programs that try to hold a worker past their deadline or fill the parent (`def f()`, no input)
     "ignores its alarm": "import signal\ndef f():\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n    while True: pass",
     "3,000 threads": "import threading, time\ndef f():\n    threading.stack_size(32768)\n    try:\n"
-                     "        for _ in range(3000): threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
-                     "    except RuntimeError: return 'refused'",
-    "deep directory tree": _untraced("import os, time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.9:\n"
-                                     "    os.mkdir('a'); os.chdir('a')"),
-    "inode flood": _untraced("import os, time\nt, n = time.monotonic(), 0\nwhile time.monotonic() - t < 0.9:\n"
-                             "    open(f'i{n}', 'w').close(); n += 1"),
+    "        for _ in range(3000): threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
+    "    except RuntimeError: return 'refused'",
+    "deep directory tree": _untraced(
+        "import os, time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.9:\n    os.mkdir('a'); os.chdir('a')"
+    ),
+    "inode flood": _untraced(
+        "import os, time\nt, n = time.monotonic(), 0\nwhile time.monotonic() - t < 0.9:\n"
+        "    open(f'i{n}', 'w').close(); n += 1"
+    ),
     "SIGIO at the server": "import fcntl, os\ndef f():\n    r, w = os.pipe()\n    try: fcntl.fcntl(r, fcntl.F_SETOWN, 2)\n"
-                           "    except OSError: return 'refused'",
+    "    except OSError: return 'refused'",
     "5 MB value": "def f():\n    return 'a' * 5_200_000",
     "forged 14 MB reason": "import os\ndef f():\n    p = b'{\"ok\": false, \"reason\": \"' + b'\\\\u00e9' * 2_400_000 + "
-                           "b'\", \"value\": null, \"frames\": []}'\n    for fd in range(3, 64):\n"
-                           "        try: os.write(fd, p); break\n        except OSError: pass\n    os._exit(0)",
+    "b'\", \"value\": null, \"frames\": []}'\n    for fd in range(3, 64):\n"
+    "        try: os.write(fd, p); break\n        except OSError: pass\n    os._exit(0)",
     "10 GB allocation": "def f():\n    x = bytearray(10 ** 10)",
 }
 
@@ -92,10 +96,17 @@ def trace_hostile_rows(timeout: float = 1.0, grace: float = 1.0) -> list[dict]:
     out = []
     for k, name in enumerate(_HOSTILE):
         h, p = 1 + 2 * k, 2 + 2 * k
-        out.append({"attack": name, "cost_s": round(cost[h - 1], 3), "deadline_s": timeout + grace,
-                    "multiple_of_deadline": round(cost[h - 1] / (timeout + grace), 2),
-                    "row": "ok" if res[h].ok else (res[h].reason or "")[:60],
-                    "next_plain_row_s": round(cost[p - 1], 3), "next_plain_row_ok": res[p].ok and res[p].value == "[3, 6]"})
+        out.append(
+            {
+                "attack": name,
+                "cost_s": round(cost[h - 1], 3),
+                "deadline_s": timeout + grace,
+                "multiple_of_deadline": round(cost[h - 1] / (timeout + grace), 2),
+                "row": "ok" if res[h].ok else (res[h].reason or "")[:60],
+                "next_plain_row_s": round(cost[p - 1], 3),
+                "next_plain_row_ok": res[p].ok and res[p].value == "[3, 6]",
+            }
+        )
     return out
 
 # %% ../nbs/27_bench.ipynb #40a6a049
@@ -107,11 +118,28 @@ def trace_memory_rows(n: int = 300, mb: int = 5) -> list[dict]:
         for label, code, arg in ((f"{n} rows x {mb} MB value", "def f(n):\n    return 'a' * n", mb << 20),
                                  (f"{n} small rows", "def f(n):\n    return n + 1", 1)):
             src = Path(d) / "rows.jsonl"
-            src.write_text("".join(json.dumps({"id": f"r{k}", "code": code, "input": str(arg + k), "output": "0"}) + "\n"
-                                   for k in range(n)))
+            src.write_text(
+                "".join(
+                    json.dumps({"id": f"r{k}", "code": code, "input": str(arg + k), "output": "0"}) + "\n"
+                    for k in range(n)
+                )
+            )
             t0 = time.perf_counter()
-            p = subprocess.run([sys.executable, "-m", "latent_rl.train", "trace", str(src), "-o", str(Path(d) / "o.jsonl"),
-                                "--workers", "2"], capture_output=True, text=True)
+            p = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "latent_rl.train",
+                    "trace",
+                    str(src),
+                    "-o",
+                    str(Path(d) / "o.jsonl"),
+                    "--workers",
+                    "2",
+                ],
+                capture_output=True,
+                text=True,
+            )
             peak = re.search(r"parent peak memory (\d+) MB", p.stdout)
             out.append({"rows": label, "seconds": round(time.perf_counter() - t0, 1),
                         "parent_peak_mb": int(peak.group(1)) if peak else None,
@@ -127,15 +155,23 @@ def trace_bench(quick: bool = False) -> dict:
     rows = _load_jsonl(path)
     reps = 1 if quick else 5
     batch, load = rows * reps, os.getloadavg()[0]
-    def fidelity(res): return round(sum(r.ok and r.value == row["output"] for r, row in zip(res, batch)) / len(batch), 4)
+
+    def fidelity(res):
+        return round(sum(r.ok and r.value == row["output"] for r, row in zip(res, batch)) / len(batch), 4)
     def cpu():                                    # seconds of CPU: this process, and its children that have ended
         return [sum(getattr(resource.getrusage(w), a) for a in ("ru_utime", "ru_stime"))
                 for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     def row(mode, res, dt, c0):
         c = sum(cpu()) - sum(c0)
-        return {"mode": mode, "programs": len(batch), "seconds": round(dt, 3), "programs_per_s": round(len(batch) / dt, 1),
-                "cpu_ms_per_program": round(1000 * c / len(batch), 2), "fidelity": fidelity(res),
-                "mean_line_frames": round(sum(r.n_line_frames for r in res) / len(res), 1)}
+        return {
+            "mode": mode,
+            "programs": len(batch),
+            "seconds": round(dt, 3),
+            "programs_per_s": round(len(batch) / dt, 1),
+            "cpu_ms_per_program": round(1000 * c / len(batch), 2),
+            "fidelity": fidelity(res),
+            "mean_line_frames": round(sum(r.n_line_frames for r in res) / len(res), 1),
+        }
     out = []
     if sandbox_status()["available"] or unsafe_allowed():
         c0, t0 = cpu(), time.perf_counter()
@@ -146,15 +182,24 @@ def trace_bench(quick: bool = False) -> dict:
     ires = [trace_inprocess(r["code"], r["input"], id=r["id"]) for r in batch]
     out.append(row("in-process, 1 core, no sandbox", ires, time.perf_counter() - t0, c0))
     for r in out: r["vs_in_process"] = round(r["programs_per_s"] / out[-1]["programs_per_s"], 3)
-    return {"name": "trace", "rows": out,
-            "notes": (f"{len(rows)} CRUXEval dev rows x {reps}; fidelity = fraction traced ok with repr(f(input)) == output; "
-                      f"sandboxed: one fresh confined process per program, time includes starting the jails; cpu_ms_per_program "
-                      f"counts this process and the jails (all their processes); "
-                      f"{os.cpu_count()} CPUs, load average {load:.2f} at the start"
-                      + ("" if len(out) == 2 else f"; no sandboxed row: {sandbox_status()['reason']}") + "."),
-            "tables": {} if not sandbox_status()["available"] else
-                      {"hostile rows (1 worker, every layer)": trace_hostile_rows(),
-                       **({} if quick else {"parent memory": trace_memory_rows()})}}
+    return {
+        "name": "trace",
+        "rows": out,
+        "notes": (
+            f"{len(rows)} CRUXEval dev rows x {reps}; fidelity = fraction traced ok with repr(f(input)) == output; "
+            f"sandboxed: one fresh confined process per program, time includes starting the jails; cpu_ms_per_program "
+            f"counts this process and the jails (all their processes); "
+            f"{os.cpu_count()} CPUs, load average {load:.2f} at the start"
+            + ("" if len(out) == 2 else f"; no sandboxed row: {sandbox_status()['reason']}")
+            + "."
+        ),
+        "tables": {}
+        if not sandbox_status()["available"]
+        else {
+            "hostile rows (1 worker, every layer)": trace_hostile_rows(),
+            **({} if quick else {"parent memory": trace_memory_rows()}),
+        },
+    }
 
 # %% ../nbs/27_bench.ipynb #473bc88e
 BENCH_CHUNK = DEFAULT_CHUNK    # rows per chunk, the library default (tuned on CPU at V = 32768)
@@ -216,7 +261,9 @@ def _bench_step(case: str, variant: str, x: dict, sz: dict):
     elif variant == "full tensor":
         loss = _jsd_full_tensor(x["hidden"], x["W"], x["zt"], x["mask"], 0.5, 1.0)
     elif variant == "chunked":
-        loss, _ = generalized_jsd_from_hidden(x["hidden"], x["W"], TeacherOutput(logits=x["zt"]), x["mask"], chunk_size=C)
+        loss, _ = generalized_jsd_from_hidden(
+            x["hidden"], x["W"], TeacherOutput(logits=x["zt"]), x["mask"], chunk_size=C
+        )
     else:
         loss, _ = generalized_jsd_from_hidden(x["hidden"], x["W"], x["teacher"], x["mask"], chunk_size=C)
     loss.backward()
@@ -253,7 +300,8 @@ def _bench_child(spec: str):
 def _peak_cpu(jobs: list, parallel: int = 2) -> list:
     "Run each (case, variant, topk, sz) in a fresh subprocess; return the peak MB above baseline of each."
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0",
-           "PYTHONPATH": os.pathsep.join([str(Path(sys.modules["latent_rl"].__file__).resolve().parent.parent),   # no __file__
+           # no __file__
+           "PYTHONPATH": os.pathsep.join([str(Path(sys.modules["latent_rl"].__file__).resolve().parent.parent),
                                           os.environ.get("PYTHONPATH", "")])}                            # in a kernel
     code = "import sys; from latent_rl.bench import _bench_child; _bench_child(sys.argv[1])"
     out, running = [None] * len(jobs), []
@@ -308,9 +356,16 @@ def _bench(quick: bool, device: str) -> dict:
         t_base, m_base = statistics.median(times[variants[0][0]]), peaks[0]
         for (v, _), pk in zip(variants, peaks):
             t = statistics.median(times[v])
-            rows.append({"case": "logprobs+GRPO" if case == "grpo" else "generalised JSD (beta=0.5)", "variant": v,
-                         "time_ms": round(t * 1e3, 1), "peak_mb": round(pk, 1),
-                         "time_x": round(t / t_base, 3), "mem_x": round(pk / m_base, 3) if m_base > 0 else float("nan")})
+            rows.append(
+                {
+                    "case": "logprobs+GRPO" if case == "grpo" else "generalised JSD (beta=0.5)",
+                    "variant": v,
+                    "time_ms": round(t * 1e3, 1),
+                    "peak_mb": round(pk, 1),
+                    "time_x": round(t / t_base, 3),
+                    "mem_x": round(pk / m_base, 3) if m_base > 0 else float("nan"),
+                }
+            )
     targets = {("logprobs+GRPO", "chunked"): (1.2, 0.25), ("generalised JSD (beta=0.5)", "chunked"): (0.7, 0.25)}
     for r in rows:
         if (r["case"], r["variant"]) in targets:
@@ -354,7 +409,8 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
             with torch.no_grad():
                 out = teacher(input_ids=full[None], output_hidden_states=True)
             t_ce, hs = None, out.hidden_states
-        t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)  # the seed: each model's own
+        # the seed: each model's own
+        t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)
         t_kd = [hs[l][0, kd_pos].detach() for l in t_layers]
         t_logits = out.logits[0, kd_pos].detach()
         # student
@@ -385,7 +441,9 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
                 c = DynamicCache()
                 for li, ly in enumerate(cache.layers): c.update(ly.keys.detach(), ly.values.detach(), li)
                 with torch.no_grad():
-                    pred = model(inputs_embeds=emb(ids[None]), use_cache=True, **cache_kw(model, c)).logits[0].argmax(-1)
+                    pred = (
+                        model(inputs_embeds=emb(ids[None]), use_cache=True, **cache_kw(model, c)).logits[0].argmax(-1)
+                    )
                 inp = ids.clone()
                 inp[1:end] = pred[:end - 1]
             ce_logits.append(prev_logits)
@@ -415,12 +473,19 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
     n = len(examples)
     loss = opts.a * tl / n + opts.b * sl / n + opts.g * kl / n
     f = lambda x: float(x.detach()) if torch.is_tensor(x) else float(x)
-    return loss, {"student_loss": f(sl / n), "kd_loss": f(kl / n), "teacher_loss": f(tl / n) if teacher is None else 0.0}
+    return loss, {
+        "student_loss": f(sl / n),
+        "kd_loss": f(kl / n),
+        "teacher_loss": f(tl / n) if teacher is None else 0.0,
+    }
 
 # %% ../nbs/27_bench.ipynb #51ff7a4d
 def _first_spans(e: dict, k: int) -> dict:
     "A CODI example whose first `k` spans go latent; the later LINE frames stay explicit text (no latent targets)."
-    return {**{n: v for n, v in e.items() if n not in ("value_tok", "answer_tok", "recon_ids")}, "spans": e["spans"][:k]}
+    return {
+        **{n: v for n, v in e.items() if n not in ("value_tok", "answer_tok", "recon_ids")},
+        "spans": e["spans"][:k],
+    }
 
 def _bench_batches(tok, batch_size: int, n_batches: int) -> dict[str, list[list[dict]]]:
     "The kinds of batch the CODI benchmark measures, each labelled with what it holds."
@@ -428,7 +493,10 @@ def _bench_batches(tok, batch_size: int, n_batches: int) -> dict[str, list[list[
     exs = exs[:batch_size * n_batches]                      # the corpus's rows have 4–5 LINE frames each
     mixed = [_first_spans(e, 1 + i % 5) for i, e in enumerate(exs)]
     cut = lambda xs: [xs[i:i + batch_size] for i in range(0, len(xs), batch_size)]
-    kinds = {"corpus rows as they come": cut(exs), "corpus rows, the first 1–5 spans latent (mixed in each batch)": cut(mixed)}
+    kinds = {
+        "corpus rows as they come": cut(exs),
+        "corpus rows, the first 1–5 spans latent (mixed in each batch)": cut(mixed),
+    }
     if (gsm := find_data("icot")) is not None:              # the natural mixed case: 1–N equations per problem
         rows = [to_trace_row(r) for r in load_step_rows(gsm / "gsm8k" / "valid.txt", batch_size * n_batches * 2)]
         g = [e for e in (codi_example(tok, r, 384) for r in rows) if e][:batch_size * n_batches]
@@ -456,7 +524,9 @@ def _time_batches(lm, fn, batches, calls) -> dict:
             "mean_loss": sum(losses) / len(losses), "pad_ratio": sum(pads) / len(pads) if pads else None}
 
 # %% ../nbs/27_bench.ipynb #7f4ea1f4
-def codi_bench(quick: bool = False, batch_size: int = 8, latent_steps: int = 1, size: str = "tiny", device: str = "cpu") -> dict:
+def codi_bench(
+    quick: bool = False, batch_size: int = 8, latent_steps: int = 1, size: str = "tiny", device: str = "cpu"
+) -> dict:
     """Examples/s of the batched CODI forward+backward — one lockstep pass, and `phase_groups` (`call_cost=CALL_COST`)
     — against the per-example reference on the same batches, for each kind of batch of `_bench_batches`."""
     tok = load_tokenizer("data/tokenizer")
@@ -470,14 +540,24 @@ def codi_bench(quick: bool = False, batch_size: int = 8, latent_steps: int = 1, 
         res = {name: _time_batches(lm, fn, batches, calls) for name, fn in impls}
         ref, spans = res["per-example reference"], [len(e["spans"]) for b in batches for e in b]
         for name, r in res.items():
-            rows.append({"batches": kind, "impl": name, "spans": f"{min(spans)}–{max(spans)} (mean {sum(spans) / len(spans):.1f})",
-                         **r, "speedup": r["examples_per_s"] / ref["examples_per_s"],
-                         "max_loss_diff": abs(r["mean_loss"] - ref["mean_loss"])})
+            rows.append(
+                {
+                    "batches": kind,
+                    "impl": name,
+                    "spans": f"{min(spans)}–{max(spans)} (mean {sum(spans) / len(spans):.1f})",
+                    **r,
+                    "speedup": r["examples_per_s"] / ref["examples_per_s"],
+                    "max_loss_diff": abs(r["mean_loss"] - ref["mean_loss"]),
+                }
+            )
     hook.remove()
-    return {"name": "codi", "rows": rows,
-            "notes": f"{batch_size} examples a batch, {2 if quick else 6} batches of each kind (the same batches for the three "
-                     f"implementations), {size} model, {latent_steps} latent step(s) a block, fp32 on {device}, forward + "
-                     "backward; model calls counted on the backbone (the reference's full-LM calls included)."}
+    return {
+        "name": "codi",
+        "rows": rows,
+        "notes": f"{batch_size} examples a batch, {2 if quick else 6} batches of each kind (the same batches for the three "
+        f"implementations), {size} model, {latent_steps} latent step(s) a block, fp32 on {device}, forward + "
+        "backward; model calls counted on the backbone (the reference's full-LM calls included).",
+    }
 
 # %% ../nbs/27_bench.ipynb #6406444f
 def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
@@ -489,10 +569,19 @@ def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
 
 def _grpo_row(kind, replay, ro, t_gen, t_train, m, st) -> dict:
     toks = sum(len(c) for c in ro.completion_ids)
-    return {"policy": kind, "replay": replay, "sequences": len(ro.completion_ids), "gen_tokens": toks,
-            "rollout_tok_per_s": toks / t_gen, "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
-            "align_abs_max": m["align_abs_max"], "forward_passes": ro.forward_passes, "replay_calls": st.get("calls"),
-            "replay_pad_ratio": st["positions_run"] / st["positions_real"] if st else None}
+    return {
+        "policy": kind,
+        "replay": replay,
+        "sequences": len(ro.completion_ids),
+        "gen_tokens": toks,
+        "rollout_tok_per_s": toks / t_gen,
+        "train_tok_per_s": toks / t_train,
+        "gen_share": t_gen / (t_gen + t_train),
+        "align_abs_max": m["align_abs_max"],
+        "forward_passes": ro.forward_passes,
+        "replay_calls": st.get("calls"),
+        "replay_pad_ratio": st["positions_run"] / st["positions_real"] if st else None,
+    }
 
 # %% ../nbs/27_bench.ipynb #b214d963
 def _frozen_copy(pol: Policy) -> Policy:
@@ -505,7 +594,10 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
     """Rollout and training tokens/s of GRPO for a text and a latent policy built from the same weights, timed
     interleaved (text, latent, text, …) so that a change in the machine's load falls on both: medians of 3."""
     rows = [r for r in load_rows("data/corpus/train.jsonl", 64)[:2 if quick else 8] for _ in range(group_size)]
-    pols = {"text": Policy.load(model, device=device), "latent": Policy(*LatentModel.load(model, device=device), "latent")}
+    pols = {
+        "text": Policy.load(model, device=device),
+        "latent": Policy(*LatentModel.load(model, device=device), "latent"),
+    }
     pols["stochastic"] = Policy(LatentModel.load(model, device=device)[0].set_noise(0.3), pols["text"].tok, "latent")
     P = [encode(pols["text"].tok, prompt_text(r["code"], r["input"])) for r in rows]
     sync, reps, ro = (torch.cuda.synchronize if device == "cuda" else lambda: None), 1 if quick else 3, {}
@@ -514,8 +606,14 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         out = fn()
         sync()
         return out, time.perf_counter() - t0
-    gen = lambda k, n=len(P), m=96 if quick else 256: pols[k].generate(P[:n], max_new_tokens=m, temperature=1.0, keys=list(range(n)),
-                                                                      return_latents=k != "text", latent_noise=k == "stochastic")
+    gen = lambda k, n=len(P), m=96 if quick else 256: pols[k].generate(
+        P[:n],
+        max_new_tokens=m,
+        temperature=1.0,
+        keys=list(range(n)),
+        return_latents=k != "text",
+        latent_noise=k == "stochastic",
+    )
     t_gen = {k: [] for k in pols}
     for k, pol in pols.items():
         pol.module.eval()
@@ -525,12 +623,21 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
             ro[k], dt = timed(lambda: gen(k))
             t_gen[k].append(dt)
     smp = {k: _grpo_samples(pols[k], P, ro[k], rows, group_size) for k in pols}
-    variants = {("text", "exact"): smp["text"], ("latent", "exact"): smp["latent"], ("latent", "exact, one pass"): smp["latent"],
-                ("latent", "truncated"): [dict(x, latents=z) for x, z in zip(smp["latent"], ro["latent"].latents)],
-                ("text", "exact + KL to ref"): smp["text"], ("latent", "exact + KL to ref"): smp["latent"],
-                **{("stochastic", r): [dict(x, latents=z, latent_lp=d) for x, z, d in zip(smp["stochastic"], ro["stochastic"].latents,
-                                                                                     ro["stochastic"].latent_logprobs)]
-                   for r in ("sampled z", "sampled z, pathwise")}}
+    variants = {
+        ("text", "exact"): smp["text"],
+        ("latent", "exact"): smp["latent"],
+        ("latent", "exact, one pass"): smp["latent"],
+        ("latent", "truncated"): [dict(x, latents=z) for x, z in zip(smp["latent"], ro["latent"].latents)],
+        ("text", "exact + KL to ref"): smp["text"],
+        ("latent", "exact + KL to ref"): smp["latent"],
+        **{
+            ("stochastic", r): [
+                dict(x, latents=z, latent_lp=d)
+                for x, z, d in zip(smp["stochastic"], ro["stochastic"].latents, ro["stochastic"].latent_logprobs)
+            ]
+            for r in ("sampled z", "sampled z, pathwise")
+        },
+    }
     refs = {k: _frozen_copy(p) for k, p in pols.items()}                             # for kl_beta > 0
     t_train, stats, metrics = {v: [] for v in variants}, {}, {}
     for pol in pols.values(): pol.module.train()
@@ -545,19 +652,33 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
                 pols[k].module.zero_grad()
                 return m
             metrics[k, replay], dt = timed(step)
-            stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}   # exact replays
+            # exact replays
+            stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}
             if it: t_train[k, replay].append(dt)
-    return {"name": "grpo", "rows": [_grpo_row(k, replay, ro[k], statistics.median(t_gen[k]), statistics.median(t_train[k, replay]),
-                                               metrics[k, replay], stats[k, replay]) for k, replay in variants],
-            "notes": f"{model} (fp32) on {device}; {len(P) // group_size} prompts × {group_size} samples at T = 1; the latent "
-                     "policy is the same weights with a projector (latent blocks after each <|line_sep|>); rollouts and "
-                     f"training steps timed interleaved, the median of {reps}; training = one replay forward + GRPO loss + "
-                     "backward over all sequences (latent: exact replay in phase_groups or in one lockstep pass, or truncated "
-                     "= the recorded latents in two parallel forwards); gen_share = generation / (generation + training); "
-                     "replay_calls / replay_pad_ratio: the exact replay's model calls and positions run per real position; "
-                     "'+ KL to ref': kl_beta 0.04, a frozen copy of the policy scores the same tokens (no gradient); "
-                     "stochastic: the latent policy with latent_sigma 0.3 (its own rollouts, noise fed in the blocks), replayed "
-                     "with the recorded z in one forward (sampled z) or two (pathwise); align_abs_max is the text tokens'."}
+    return {
+        "name": "grpo",
+        "rows": [
+            _grpo_row(
+                k,
+                replay,
+                ro[k],
+                statistics.median(t_gen[k]),
+                statistics.median(t_train[k, replay]),
+                metrics[k, replay],
+                stats[k, replay],
+            )
+            for k, replay in variants
+        ],
+        "notes": f"{model} (fp32) on {device}; {len(P) // group_size} prompts × {group_size} samples at T = 1; the latent "
+        "policy is the same weights with a projector (latent blocks after each <|line_sep|>); rollouts and "
+        f"training steps timed interleaved, the median of {reps}; training = one replay forward + GRPO loss + "
+        "backward over all sequences (latent: exact replay in phase_groups or in one lockstep pass, or truncated "
+        "= the recorded latents in two parallel forwards); gen_share = generation / (generation + training); "
+        "replay_calls / replay_pad_ratio: the exact replay's model calls and positions run per real position; "
+        "'+ KL to ref': kl_beta 0.04, a frozen copy of the policy scores the same tokens (no gradient); "
+        "stochastic: the latent policy with latent_sigma 0.3 (its own rollouts, noise fed in the blocks), replayed "
+        "with the recorded z in one forward (sampled z) or two (pathwise); align_abs_max is the text tokens'.",
+    }
 
 # %% ../nbs/27_bench.ipynb #ef81f744
 ARCHS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan); 'tiny' = the demo model
@@ -615,7 +736,8 @@ def stages_bench(quick: bool = False, device: str = "cpu", arch: str = "tiny", b
         items = [dataset_completion(tok, r, kind) for r in rows[:B]]
         # the stage's teachers (the same weights stand in for the SFT teacher): a text forward, or the explicit-trace fill
         teacher = ModelTeacher(model, tok) if kind == "text" else ExplicitTraceTeacher(model, tok, lm.spec)
-        model.train().requires_grad_(True)                                             # the teacher froze the shared weights
+        # the teacher froze the shared weights
+        model.train().requires_grad_(True)
         fn = lambda: gkd_loss(pol, teacher, items)[0].backward()
         _timed(fn, device)
         pol.module.zero_grad()
@@ -624,21 +746,34 @@ def stages_bench(quick: bool = False, device: str = "cpu", arch: str = "tiny", b
         row(f"gkd step ({kind}: teacher scoring + train)", "tokens", sum(len(i["completion"]) for i in items), dt, mem)
         P = [i["prompt"] for i in items]
         pol.module.eval()
-        ro, dt, mem = _timed(lambda: pol.generate(P, max_new_tokens=64 if quick else 256, temperature=1.0, keys=list(range(len(P)))), device)
+        ro, dt, mem = _timed(
+            lambda: pol.generate(P, max_new_tokens=64 if quick else 256, temperature=1.0, keys=list(range(len(P)))),
+            device,
+        )
         pol.module.train()
         row(f"grpo rollout ({kind})", "tokens", sum(map(len, ro.completion_ids)), dt, mem)
         smp = [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": l, "adv": 1.0 if k % 2 else -1.0}
                for k, (p, c, la, l) in enumerate(zip(P, ro.completion_ids, ro.latent_at, ro.logprobs))]
         (_, m), dt, mem = _timed(lambda: (lambda r: (r[0].backward(), r[1]))(grpo_micro_loss(pol, smp)), device)
         pol.module.zero_grad()
-        row(f"grpo train ({kind})", "tokens", sum(map(len, ro.completion_ids)), dt, mem, align_abs_max=m["align_abs_max"])
+        row(
+            f"grpo train ({kind})",
+            "tokens",
+            sum(map(len, ro.completion_ids)),
+            dt,
+            mem,
+            align_abs_max=m["align_abs_max"],
+        )
     n_model = n_params(model)
     model = lm = pol = None                         # dropped (not `del`: the lambdas above name them)
     out += [dict(r, arch=arch, batch=B) for r in engine_rows(build, exs, tok.pad_token_id, device)]
-    return {"name": "stages", "rows": out,
-            "notes": f"{arch}: {n_model / 1e6:.1f}M params, randomly initialised from its config, {dtype} on {device}; "
-                     f"batch {B} real corpus examples (sequences ≤ 512 tokens), latent_steps {steps}; one timed step after a warm-up; peak memory is "
-                     "torch.cuda.max_memory_allocated per stage (nan on CPU). The `sft step (strategy, ...)` rows: `engine_rows`."}
+    return {
+        "name": "stages",
+        "rows": out,
+        "notes": f"{arch}: {n_model / 1e6:.1f}M params, randomly initialised from its config, {dtype} on {device}; "
+        f"batch {B} real corpus examples (sequences ≤ 512 tokens), latent_steps {steps}; one timed step after a warm-up; peak memory is "
+        "torch.cuda.max_memory_allocated per stage (nan on CPU). The `sft step (strategy, ...)` rows: `engine_rows`.",
+    }
 
 # %% ../nbs/27_bench.ipynb #7268fc4e
 def _one_process_group(device: str) -> None:
@@ -648,7 +783,9 @@ def _one_process_group(device: str) -> None:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
 
 ENGINE_VARIANTS = [("ddp", "fp32", "fp32"), ("ddp", "bf16", "fp32"), ("fsdp", "bf16", "fp32"), ("fsdp", "fp32", "fp32"),
                    ("ddp", "fp32", "bf16")]       # (strategy, compute precision, weights' dtype)
@@ -726,7 +863,9 @@ def _ckpt_child(spec: str):
     t0 = time.perf_counter()
     loss, mb = added_peak_mb(step)
     dt = time.perf_counter() - t0
-    print(json.dumps({"loss": loss, "peak_mb": mb, "seconds": dt, "spans": sum(len(e["spans"]) for e in exs) / len(exs)}))
+    print(
+        json.dumps({"loss": loss, "peak_mb": mb, "seconds": dt, "spans": sum(len(e["spans"]) for e in exs) / len(exs)})
+    )
 
 def ckpt_bench(quick: bool = False, size: str = "small", batch: int = 16, latent_steps: int = 3) -> dict:
     "Peak memory and time of a CODI step with and without activation checkpointing of the latent passes (fresh processes)."
@@ -734,16 +873,33 @@ def ckpt_bench(quick: bool = False, size: str = "small", batch: int = 16, latent
     for ckpt in (False, True):
         spec = json.dumps(dict(ckpt=ckpt, size="nano" if quick else size, batch=4 if quick else batch,
                                latent_steps=latent_steps, threads=2))
-        p = subprocess.run([sys.executable, "-c", "import sys; from latent_rl.bench import _ckpt_child; _ckpt_child(sys.argv[1])", spec],
-                           capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
-        if p.returncode: raise RuntimeError(f"ckpt bench ({'with' if ckpt else 'without'} checkpointing) failed:\n{p.stderr[-2000:]}")
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from latent_rl.bench import _ckpt_child; _ckpt_child(sys.argv[1])",
+                spec,
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+        )
+        if p.returncode:
+            raise RuntimeError(
+                f"ckpt bench ({'with' if ckpt else 'without'} checkpointing) failed:\n{p.stderr[-2000:]}"
+            )
         r = json.loads(p.stdout.strip().splitlines()[-1])
-        rows.append({"activation_checkpointing": ckpt, "peak_mb": r["peak_mb"], "step_s": r["seconds"], "loss": r["loss"]})
+        rows.append(
+            {"activation_checkpointing": ckpt, "peak_mb": r["peak_mb"], "step_s": r["seconds"], "loss": r["loss"]}
+        )
     for r in rows: r.update(mem_x=r["peak_mb"] / rows[0]["peak_mb"], time_x=r["step_s"] / rows[0]["step_s"])
-    return {"name": "ckpt", "rows": rows,
-            "notes": f"CODI forward + backward, {size if not quick else 'nano'} model, batch {batch if not quick else 4} of the "
-                     f"corpus rows with the most spans, {latent_steps} latent steps, CPU; peak = resident set added by the step "
-                     "(each configuration in a fresh process); the same loss both ways."}
+    return {
+        "name": "ckpt",
+        "rows": rows,
+        "notes": f"CODI forward + backward, {size if not quick else 'nano'} model, batch {batch if not quick else 4} of the "
+        f"corpus rows with the most spans, {latent_steps} latent steps, CPU; peak = resident set added by the step "
+        "(each configuration in a fresh process); the same loss both ways.",
+    }
 
 # %% ../nbs/27_bench.ipynb #38eafc3f
 CPU_RUNTIME_GB = 0.05     # what a CPU process's resident set grows by besides tensors (code pages, allocator arenas)
@@ -766,15 +922,34 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
     elif stage == "codi":
         exs = [e for e in (codi_example(tok, r, max_len) for r in rows) if e][:micro_batch]
         seq, spans = max(len(e["prompt_ids"]) + len(e["trace_ids"]) for e in exs), max(len(e["spans"]) for e in exs)
-        share = sum(b - a for e in exs for a, b in e["spans"]) / sum(len(e["prompt_ids"]) + len(e["trace_ids"]) for e in exs)
+        share = sum(b - a for e in exs for a, b in e["spans"]) / sum(
+            len(e["prompt_ids"]) + len(e["trace_ids"]) for e in exs
+        )
     else:
-        items = [x for x in (dataset_completion(tok, r, "latent") for r in rows) if len(x["prompt"]) + len(x["completion"]) <= max_len][:micro_batch]
+        items = [
+            x
+            for x in (dataset_completion(tok, r, "latent") for r in rows)
+            if len(x["prompt"]) + len(x["completion"]) <= max_len
+        ][:micro_batch]
         seq = max(len(x["prompt"]) + len(x["completion"]) for x in items)
         spans = max(len(x["latent_at"]) for x in items)
     comp = max(len(x["completion"]) for x in items) if stage == "gkd" else 0
-    pc = PlanConfig(model="", stage=stage, completion=comp, latent_share=share if stage == "codi" else 0.35, gpus=1, seq=seq, micro_batch=micro_batch, latent_steps=latent_steps,
-                    spans=spans, latent=latent, strategy="ddp", precision=precision, runtime_gb=0.0 if device == "cuda" else CPU_RUNTIME_GB,
-                    attention="flash" if device == "cuda" else "math")
+    pc = PlanConfig(
+        model="",
+        stage=stage,
+        completion=comp,
+        latent_share=share if stage == "codi" else 0.35,
+        gpus=1,
+        seq=seq,
+        micro_batch=micro_batch,
+        latent_steps=latent_steps,
+        spans=spans,
+        latent=latent,
+        strategy="ddp",
+        precision=precision,
+        runtime_gb=0.0 if device == "cuda" else CPU_RUNTIME_GB,
+        attention="flash" if device == "cuda" else "math",
+    )
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
     def loss(model, mod):
         if stage == "sft": return sft_batch_loss(model, exs, tok.pad_token_id)[0]
@@ -810,7 +985,9 @@ def plan_bench(quick: bool = False, device: str = "cpu") -> dict:
     "Planned against measured peak memory of real training steps, each configuration in a fresh process."
     out = []
     todo = VALIDATION + ([(s, "0.5b", 8, 3 if s != "sft" else 1) for s in STAGES] if device == "cuda" else [])
-    for stage, arch, mb, ls in [t for t in todo if t[1:] == ("tiny", 16, 1) and t[0] in ("sft", "grpo")] if quick else todo:
+    for stage, arch, mb, ls in (
+        [t for t in todo if t[1:] == ("tiny", 16, 1) and t[0] in ("sft", "grpo")] if quick else todo
+    ):
         code = ("import json, torch; torch.set_num_threads(2); from latent_rl.bench import measure_step_peak, _ARCHS; "
                 f"print(json.dumps(measure_step_peak({stage!r}, _ARCHS[{arch!r}], {mb}, {ls}, device={device!r})))")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -821,10 +998,13 @@ def plan_bench(quick: bool = False, device: str = "cpu") -> dict:
         out.append({"stage": stage, "arch": arch, "micro_batch": mb, "latent_steps": ls, "seq": r["plan"]["seq"],
                     "measured_mb": r["peak_mb"], "planned_mb": planned, "error": planned / r["peak_mb"] - 1})
     worst = max(abs(r["error"]) for r in out)
-    return {"name": "plan", "rows": out,
-            "notes": f"peak memory added by 2 AdamW steps of each stage's loss on {device} (CPU: peak resident set over the "
-                     f"resident set before the model; CUDA: max allocated), real corpus rows; planned = `plan_memory` of the "
-                     f"batch's shape; worst |error| {worst:.0%}."}
+    return {
+        "name": "plan",
+        "rows": out,
+        "notes": f"peak memory added by 2 AdamW steps of each stage's loss on {device} (CPU: peak resident set over the "
+        f"resident set before the model; CUDA: max allocated), real corpus rows; planned = `plan_memory` of the "
+        f"batch's shape; worst |error| {worst:.0%}.",
+    }
 
 # %% ../nbs/27_bench.ipynb #fdaf09d4
 BENCHES = {"trace": trace_bench, "losses": losses_bench, "codi": codi_bench, "grpo": grpo_bench,

@@ -17,7 +17,8 @@ from .latent import LatentModel, CodiOptions, codi_forward, CALL_COST
 from .records import RunRecord
 from .config import TrainConfig, teacher_dtype
 from .engine import setup, log0, shard_frozen
-from .loop import Stage, train_loop, finish_run, write_config, load_traced, bucket_groups, bucket_indices, lora_student
+from latent_rl.loop import (Stage, train_loop, finish_run, write_config, load_traced, bucket_groups, bucket_indices,
+    lora_student)
 
 # %% auto #0
 __all__ = ['SS_SALT', 'TF_SALT', 'CodiConfig', 'example_coins', 'load_frozen_teacher', 'latent_share', 'anchor_record',
@@ -66,9 +67,12 @@ class CodiConfig(TrainConfig):
     def options(self) -> CodiOptions:
         "The `CodiOptions` of this run: every field the two share, by name (`kd_layers` parsed from its string)."
         layers = tuple(int(x) for x in self.kd_layers.split(",") if x.strip()) or None
-        if self.kd_target not in ("hidden", "logit"): raise ValueError(f"CodiConfig.kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
-        if self.curriculum_from not in ("end", "start"): raise ValueError(f"CodiConfig.curriculum_from must be 'end' or 'start', got {self.curriculum_from!r}")
-        if self.prj_init not in ("default", "embed"): raise ValueError(f"CodiConfig.prj_init must be 'default' or 'embed', got {self.prj_init!r}")
+        if self.kd_target not in ("hidden", "logit"):
+            raise ValueError(f"CodiConfig.kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
+        if self.curriculum_from not in ("end", "start"):
+            raise ValueError(f"CodiConfig.curriculum_from must be 'end' or 'start', got {self.curriculum_from!r}")
+        if self.prj_init not in ("default", "embed"):
+            raise ValueError(f"CodiConfig.prj_init must be 'default' or 'embed', got {self.prj_init!r}")
         shared = {f.name for f in fields(CodiOptions)} & {f.name for f in fields(self)} - {"kd_layers"}
         return CodiOptions(**{n: getattr(self, n) for n in shared}, kd_layers=layers)
 
@@ -78,7 +82,9 @@ def example_coins(seed: int, step: int, part: list[int], n: int, p: float, salt:
     """`[B, n]` coins that come up with probability `p`, one generator per (seed, step, example): the same on any number
     of processes and after a resume. `salt` separates independent uses (scheduled sampling, latent teacher forcing)."""
     a, b = salt
-    return torch.stack([torch.rand(n, generator=torch.Generator().manual_seed(seed * a + step * b + i)) for i in part]) < p
+    return (
+        torch.stack([torch.rand(n, generator=torch.Generator().manual_seed(seed * a + step * b + i)) for i in part]) < p
+    )
 
 SS_SALT, TF_SALT = (1_000_003, 100_003), (1_000_033, 100_019)
 
@@ -89,12 +95,16 @@ def load_frozen_teacher(cfg: CodiConfig, lm: LatentModel, tok, device) -> nn.Mod
     teacher, ttok = load_model(cfg.teacher, dtype=teacher_dtype(cfg))
     if ttok.get_vocab() != tok.get_vocab():
         diff = sorted(set(ttok.get_vocab().items()) ^ set(tok.get_vocab().items()), key=str)[:5]
-        raise ValueError(f"teacher {cfg.teacher} has another vocabulary than student {cfg.model} ({len(ttok)} vs {len(tok)} "
-                         f"tokens; first differences {diff}): distillation needs one tokenizer")
+        raise ValueError(
+            f"teacher {cfg.teacher} has another vocabulary than student {cfg.model} ({len(ttok)} vs {len(tok)} "
+            f"tokens; first differences {diff}): distillation needs one tokenizer"
+        )
     hs, ht = lm.model.config.hidden_size, teacher.config.hidden_size
     if hs != ht and (cfg.kd_target == "hidden" and cfg.g or cfg.value_kd or cfg.answer_kd):
-        raise ValueError(f"teacher {cfg.teacher} has hidden size {ht}, student {cfg.model} {hs}: state distillation needs "
-                         "equal widths (use --kd_target logit with --value_kd 0 --answer_kd 0, or a teacher of the same width)")
+        raise ValueError(
+            f"teacher {cfg.teacher} has hidden size {ht}, student {cfg.model} {hs}: state distillation needs "
+            "equal widths (use --kd_target logit with --value_kd 0 --answer_kd 0, or a teacher of the same width)"
+        )
     return teacher.to(device).eval().requires_grad_(False)
 
 # %% ../nbs/18_codi.ipynb #8edf23c0
@@ -125,10 +135,16 @@ class CodiStep(Stage):
     def __post_init__(self):
         self.n_examples, self.anchored = len(self.exs), set()
         self.anchors = RunRecord(self.cfg.out, self.acc.is_main_process, "kd_anchors.jsonl")
-        self.groups = bucket_groups([len(e["spans"]) for e in self.exs], self.cfg.batch_size) if self.cfg.bucket else None
+        self.groups = (
+            bucket_groups([len(e["spans"]) for e in self.exs], self.cfg.batch_size) if self.cfg.bucket else None
+        )
 
     def batch(self, step):
-        return bucket_indices(step, self.cfg.batch_size, self.groups, self.cfg.seed) if self.groups else super().batch(step)
+        return (
+            bucket_indices(step, self.cfg.batch_size, self.groups, self.cfg.seed)
+            if self.groups
+            else super().batch(step)
+        )
 
     def begin(self, step):   # linear ramp of the scheduled-sampling probability; decay of latent teacher forcing
         cfg, o = self.cfg, self.opts
@@ -142,7 +158,8 @@ class CodiStep(Stage):
         tf = example_coins(cfg.seed, step, part, K, o.latent_tf, TF_SALT) if o.latent_tf > 0 else None
         out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf,
                            call_cost=CALL_COST if self.cfg.phase_groups else None)
-        if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in self.anchored:   # the step's first micro-batch
+        # the step's first micro-batch
+        if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in self.anchored:
             self.anchored.add(step)
             self.anchors.log(step=step, **anchor_record(batch, out))
         m = dict(out.metrics, ss_p=o.ss_p, latent_tf=o.latent_tf,
@@ -160,9 +177,13 @@ class CodiStep(Stage):
 def codi_examples(cfg: CodiConfig, tok, opts: CodiOptions, acc, progress: bool = True) -> list[dict]:
     "CODI examples (prompt, trace with its LINE spans) from traced rows."
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
-    exs = [e for e in (codi_example(tok, r, cfg.max_len, cfg.max_spans or None, targets=opts.needs_targets) for r in rows)
-           if e is not None]
-    if not exs: raise ValueError(f"{cfg.train}: no usable CODI examples (need ≥1 LINE frame within max_len={cfg.max_len})")
+    exs = [
+        e
+        for e in (codi_example(tok, r, cfg.max_len, cfg.max_spans or None, targets=opts.needs_targets) for r in rows)
+        if e is not None
+    ]
+    if not exs:
+        raise ValueError(f"{cfg.train}: no usable CODI examples (need ≥1 LINE frame within max_len={cfg.max_len})")
     return exs
 
 def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
@@ -178,12 +199,19 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     teacher = load_frozen_teacher(cfg, lm, tok, acc.device)
     if teacher is not None: shard_frozen(teacher, cfg, acc)         # FSDP2: its layers sharded, gathered per forward
     exs = codi_examples(cfg, tok, opts, acc, progress)
-    log0(acc, f"codi: {n_params(lm):,} params (projector included), {len(exs)} examples, latent_steps={cfg.latent_steps}, "
-              f"{'frozen' if teacher is not None else 'shared-weight'} teacher, {cfg.steps} steps × {cfg.batch_size}")
+    log0(
+        acc,
+        f"codi: {n_params(lm):,} params (projector included), {len(exs)} examples, latent_steps={cfg.latent_steps}, "
+        f"{'frozen' if teacher is not None else 'shared-weight'} teacher, {cfg.steps} steps × {cfg.batch_size}",
+    )
     stage = CodiStep(cfg, acc, lm, tok, exs, opts, teacher)
     res = train_loop(stage, progress)
     summary = {"steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"],
                "examples": len(exs), **{f"final_{k}": v for k, v in res["last"].items()}}
     final = finish_run(stage, summary, engine=res["engine"])
-    log0(acc, f"codi done in {res['train_seconds']:.0f}s: " + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k))
+    log0(
+        acc,
+        f"codi done in {res['train_seconds']:.0f}s: "
+        + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k),
+    )
     return final

@@ -25,17 +25,50 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 POSITIVE = {"steps", "batch_size", "grad_accum", "max_len", "latent_steps", "log_every", "group_size", "max_new_tokens",
             "steps_per_generation", "max_resample_rounds", "lora_alpha", "max_locals", "vllm_tensor_parallel_size",
             "lr", "max_grad_norm", "kd_temp", "temperature", "http_timeout"}
-NON_NEGATIVE = {"lora_r", "warmup", "save_every", "max_train", "max_spans", "anchor_every", "record_every", "topk", "weight_decay",
-                "a", "b", "g", "value_kd", "answer_kd", "recon", "answer_weight", "sft_alpha", "http_retries",
-                "http_backoff", "vllm_max_model_len", "seed", "eps_low", "eps_high"}
+NON_NEGATIVE = {
+    "lora_r",
+    "warmup",
+    "save_every",
+    "max_train",
+    "max_spans",
+    "anchor_every",
+    "record_every",
+    "topk",
+    "weight_decay",
+    "a",
+    "b",
+    "g",
+    "value_kd",
+    "answer_kd",
+    "recon",
+    "answer_weight",
+    "sft_alpha",
+    "http_retries",
+    "http_backoff",
+    "vllm_max_model_len",
+    "seed",
+    "eps_low",
+    "eps_high",
+}
 FRACTION = {"min_lr_frac", "ss_prob", "ss_ramp_frac", "latent_tf", "curriculum", "lmbda", "beta",
             "vllm_gpu_memory_utilization"}
-CHOICES = {"dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"), "precision": ("fp32", "bf16"), "wandb": ("disabled", "offline", "online"),
-           "kd_target": ("hidden", "logit"), "value_kd_at": ("sequence", "predict", "tokens", "embed"),
-           "curriculum_from": ("end", "start"), "prj_init": ("default", "embed"), "mode": ("trace", "answer"),
-           "adv_scale": ("group", "batch", "none"), "norm": ("sequence", "token"),
-           "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
-           "replay": ("exact", "truncated"), "strategy": ("ddp", "fsdp"), "step_blocks": ("each", "one")}
+CHOICES = {
+    "dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"),
+    "precision": ("fp32", "bf16"),
+    "wandb": ("disabled", "offline", "online"),
+    "kd_target": ("hidden", "logit"),
+    "value_kd_at": ("sequence", "predict", "tokens", "embed"),
+    "curriculum_from": ("end", "start"),
+    "prj_init": ("default", "embed"),
+    "mode": ("trace", "answer"),
+    "adv_scale": ("group", "batch", "none"),
+    "norm": ("sequence", "token"),
+    "truncation_strategy": ("delete", "keep"),
+    "vllm_mode": ("colocate", "server"),
+    "replay": ("exact", "truncated"),
+    "strategy": ("ddp", "fsdp"),
+    "step_blocks": ("each", "one"),
+}
 
 # %% ../nbs/14_config.ipynb #7ff3fab6
 def _typed(tp: str, v):
@@ -60,10 +93,19 @@ def _typed(tp: str, v):
 def check_field(name: str, tp: str, v, where: str = "config"):
     "The value of field `name` (declared type `tp`) checked for type, range and choices, or a `ConfigError` saying why."
     x = _typed(str(tp), v)
-    what = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}.get(str(tp), str(tp))
+    what = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}.get(
+        str(tp), str(tp)
+    )
     if x is None: raise ConfigError(f"{where}: field '{name}' expects {what}, got {v!r}")
-    rule = ("≥ 1" if str(tp) == "int" else "> 0") if name in POSITIVE and not x > 0 else \
-           "≥ 0" if name in NON_NEGATIVE and not x >= 0 else "between 0 and 1" if name in FRACTION and not 0 <= x <= 1 else ""
+    rule = (
+        ("≥ 1" if str(tp) == "int" else "> 0")
+        if name in POSITIVE and not x > 0
+        else "≥ 0"
+        if name in NON_NEGATIVE and not x >= 0
+        else "between 0 and 1"
+        if name in FRACTION and not 0 <= x <= 1
+        else ""
+    )
     if rule: raise ConfigError(f"{where}: field '{name}' must be {rule}, got {v!r}")
     if name in CHOICES and x not in CHOICES[name]:
         raise ConfigError(f"{where}: field '{name}' must be one of {', '.join(CHOICES[name])}; got {v!r}")
@@ -104,7 +146,8 @@ def load_config_file(path) -> dict:
             d = yaml.safe_load(path.read_text()) or {}
         else: d = json.loads(path.read_text())
     except Exception as e: raise ConfigError(f"config file {path}: cannot parse: {e}") from None
-    if not isinstance(d, dict): raise ConfigError(f"config file {path}: expected a table of fields, got {type(d).__name__}")
+    if not isinstance(d, dict):
+        raise ConfigError(f"config file {path}: expected a table of fields, got {type(d).__name__}")
     return d
 
 # %% ../nbs/14_config.ipynb #6602f254
@@ -117,8 +160,11 @@ def field_comments(cls) -> dict[str, str]:
         except (OSError, TypeError): continue
         toks, names = list(tokenize.generate_tokens(io.StringIO(src).readline)), {}
         for t, nxt in zip(toks, toks[1:]):
-            if t.type == tokenize.NAME and nxt.string == ":" and t.start[1] == 4: names[t.start[0]] = t.string   # `    name: ...`
-            elif t.type == tokenize.COMMENT and t.start[0] in names: out[names[t.start[0]]] = t.string.lstrip("#").strip()
+            # `    name: ...`
+            if t.type == tokenize.NAME and nxt.string == ":" and t.start[1] == 4:
+                names[t.start[0]] = t.string
+            elif t.type == tokenize.COMMENT and t.start[0] in names:
+                out[names[t.start[0]]] = t.string.lstrip("#").strip()
     return out
 
 def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_recipe: str | None = None):
@@ -126,15 +172,21 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
     (`default_recipe` when none is given, said on stderr; `--recipe none`: the dataclass's own defaults)."""
     ap = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     ap.add_argument("--config", default=None, help="TOML, YAML or JSON file of fields (command-line flags override it)")
-    ap.add_argument("--recipe", default=None, help="named recipe of the whole pipeline, e.g. cpu-tiny (latent_rl.recipes; "
-                    "the --config file and flags override it; 'none': the dataclass's defaults)"
-                    + (f" (default: {default_recipe})" if default_recipe else ""))
+    ap.add_argument(
+        "--recipe",
+        default=None,
+        help="named recipe of the whole pipeline, e.g. cpu-tiny (latent_rl.recipes; "
+        "the --config file and flags override it; 'none': the dataclass's defaults)"
+        + (f" (default: {default_recipe})" if default_recipe else ""),
+    )
     helps, rd = field_comments(cls), recipe_fields(default_recipe, cls) if default_recipe else {}
     for f in fields(cls):
         h = f.metadata.get("help", "") or helps.get(f.name, "")
         dflt = f"{rd[f.name]!r}, recipe {default_recipe}; bare {f.default!r}" if f.name in rd else repr(f.default)
         if str(f.type) == "bool":
-            ap.add_argument(f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})")
+            ap.add_argument(
+                f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})"
+            )
         else: ap.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})")
     ns = vars(ap.parse_args(argv))
     path, given = ns.pop("config", None), ns.pop("recipe", None)
@@ -211,8 +263,10 @@ def check_precision(cfg, params):
     low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
     if not low: return
     if not getattr(cfg, "pure_low_precision", False):
-        raise ConfigError(f"trainable weights are {', '.join(low)}: AdamW on them loses most small updates. Use --dtype fp32 "
-                          "--precision bf16 (fp32 master weights, bf16 compute), or --pure_low_precision true to train them anyway")
+        raise ConfigError(
+            f"trainable weights are {', '.join(low)}: AdamW on them loses most small updates. Use --dtype fp32 "
+            "--precision bf16 (fp32 master weights, bf16 compute), or --pure_low_precision true to train them anyway"
+        )
     print(f"warning: training {', '.join(low)} weights (pure_low_precision): small updates round away", file=sys.stderr)
 
 def teacher_dtype(cfg) -> str:

@@ -31,15 +31,24 @@ def check_row(row, where: str = "<row>") -> dict:
     if not isinstance(row, dict): raise RowError(f"{where}: expected a JSON object, got {type(row).__name__}")
     for k in REQUIRED_FIELDS:
         if k not in row: raise RowError(f"{where}: missing field '{k}'")
-        if not isinstance(row[k], str): raise RowError(f"{where}: field '{k}' must be a string, got {type(row[k]).__name__}")
-    try: tree = _parse(row["code"])
-    except SyntaxError as e: raise RowError(f"{where}: field 'code' is not valid Python ({e.msg}{'' if e.lineno is None else f', line {e.lineno}'})") from None
+        if not isinstance(row[k], str):
+            raise RowError(f"{where}: field '{k}' must be a string, got {type(row[k]).__name__}")
+    try:
+        tree = _parse(row["code"])
+    except SyntaxError as e:
+        raise RowError(
+            f"{where}: field 'code' is not valid Python ({e.msg}{'' if e.lineno is None else f', line {e.lineno}'})"
+        ) from None
     if not any(isinstance(n, ast.FunctionDef) and n.name == "f" for n in tree.body):
         raise RowError(f"{where}: field 'code' does not define a top-level function `f`")
-    try: _parse(f"f({row['input']})", mode="eval")
-    except SyntaxError: raise RowError(f"{where}: field 'input' is not a valid argument list: {row['input'][:60]!r}") from None
-    try: _parse(row["output"], mode="eval")
-    except SyntaxError: raise RowError(f"{where}: field 'output' is not a Python expression: {row['output'][:60]!r}") from None
+    try:
+        _parse(f"f({row['input']})", mode="eval")
+    except SyntaxError:
+        raise RowError(f"{where}: field 'input' is not a valid argument list: {row['input'][:60]!r}") from None
+    try:
+        _parse(row["output"], mode="eval")
+    except SyntaxError:
+        raise RowError(f"{where}: field 'output' is not a Python expression: {row['output'][:60]!r}") from None
     return row
 
 # %% ../nbs/01_corpus.ipynb #18be89c0
@@ -52,12 +61,15 @@ def load_rows(path, limit: int | None = None) -> list[dict]:
         for ln, raw in enumerate(fh, 1):
             try: line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise RowError(f"{path}:{ln}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+                raise RowError(
+                    f"{path}:{ln}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                ) from None
             if not line.strip(): continue
             try: row = json.loads(line)
             except json.JSONDecodeError as e: raise RowError(f"{path}:{ln}: not valid JSON ({e.msg})") from None
             check_row(row, f"{path}:{ln}")
-            if row["id"] in seen: raise RowError(f"{path}:{ln}: field 'id': duplicate id {row['id']!r} (first on line {seen[row['id']]})")
+            if row["id"] in seen:
+                raise RowError(f"{path}:{ln}: field 'id': duplicate id {row['id']!r} (first on line {seen[row['id']]})")
             seen[row["id"]] = ln
             rows.append(row)
             if limit and len(rows) >= limit: break
@@ -90,10 +102,26 @@ class GenConfig:
 
 LEVELS = {
     "easy": GenConfig(),
-    "medium": GenConfig(n_statements=(2, 4), loop_prob=0.15, branch_prob=0.2, ops=("+", "-", "*"), value_range=(0, 9), max_abs_value=99,
-                        kinds=("int", "list", "str"), max_line_frames=20),
-    "hard": GenConfig(n_statements=(3, 6), loop_prob=0.25, branch_prob=0.25, value_range=(0, 20), max_abs_value=10**4,
-                      ops=("+", "-", "*", "//", "%"), kinds=("int", "list", "str", "dict"), max_line_frames=60),
+    "medium": GenConfig(
+        n_statements=(2, 4),
+        loop_prob=0.15,
+        branch_prob=0.2,
+        ops=("+", "-", "*"),
+        value_range=(0, 9),
+        max_abs_value=99,
+        kinds=("int", "list", "str"),
+        max_line_frames=20,
+    ),
+    "hard": GenConfig(
+        n_statements=(3, 6),
+        loop_prob=0.25,
+        branch_prob=0.25,
+        value_range=(0, 20),
+        max_abs_value=10**4,
+        ops=("+", "-", "*", "//", "%"),
+        kinds=("int", "list", "str", "dict"),
+        max_line_frames=60,
+    ),
 }
 
 # %% ../nbs/01_corpus.ipynb #102ef1ef
@@ -127,7 +155,12 @@ class _Gen:
                 v = r.choice(vars_)
                 t = self.const()
                 w = r.choice(vars_)
-                body += [f"if {v} > {t}:", f"    {w} = {self.int_expr(vars_)}", "else:", f"    {w} = {self.int_expr(vars_)}"]
+                body += [
+                    f"if {v} > {t}:",
+                    f"    {w} = {self.int_expr(vars_)}",
+                    "else:",
+                    f"    {w} = {self.int_expr(vars_)}",
+                ]
             else:
                 v = self.fresh(vars_) if r.random() < 0.7 else r.choice(vars_)
                 body.append(f"{v} = {self.int_expr(vars_)}")
@@ -142,8 +175,18 @@ class _Gen:
         n = r.randint(2, 4)
         xs = [self.const() for _ in range(n)]
         body, vars_ = [], ["nums"]
-        stmts = ["nums.append({k})", "nums.sort()", "nums = nums[::-1]", "nums.pop()", "nums.insert(0, {k})",
-                 "{v} = len(nums)", "{v} = sum(nums)", "{v} = max(nums)", "{v} = nums[0] + {k}", "{v} = nums.count({k})"]
+        stmts = [
+            "nums.append({k})",
+            "nums.sort()",
+            "nums = nums[::-1]",
+            "nums.pop()",
+            "nums.insert(0, {k})",
+            "{v} = len(nums)",
+            "{v} = sum(nums)",
+            "{v} = max(nums)",
+            "{v} = nums[0] + {k}",
+            "{v} = nums.count({k})",
+        ]
         for _ in range(r.randint(*c.n_statements)):
             if r.random() < c.loop_prob:
                 v = self.fresh(vars_ + ["x"])
@@ -161,8 +204,17 @@ class _Gen:
         c, r = self.cfg, self.r
         s = "".join(r.choice("abcde") for _ in range(r.randint(2, 5)))
         body, vars_ = [], ["s"]
-        stmts = ["s = s.upper()", "s = s[::-1]", "s = s + '{ch}'", "s = s.replace('{ch}', '{ch2}')", "{v} = s.count('{ch}')",
-                 "{v} = len(s)", "s = s[1:]", "{v} = s.find('{ch}')", "s = s.lower()"]
+        stmts = [
+            "s = s.upper()",
+            "s = s[::-1]",
+            "s = s + '{ch}'",
+            "s = s.replace('{ch}', '{ch2}')",
+            "{v} = s.count('{ch}')",
+            "{v} = len(s)",
+            "s = s[1:]",
+            "{v} = s.find('{ch}')",
+            "s = s.lower()",
+        ]
         for _ in range(r.randint(*c.n_statements)):
             st = r.choice(stmts)
             v = self.fresh(vars_)
@@ -198,7 +250,8 @@ def generate_programs(n: int, cfg: GenConfig | str = "easy", seed: int = 0) -> l
     tries = 0
     while len(out) < n:
         tries += 1
-        if tries > 50 * n + 1000: raise RuntimeError(f"generator exhausted: only {len(out)} distinct programs of {n} (widen GenConfig)")
+        if tries > 50 * n + 1000:
+            raise RuntimeError(f"generator exhausted: only {len(out)} distinct programs of {n} (widen GenConfig)")
         kind, code, args = g.program()
         if code in seen: continue
         seen.add(code)
@@ -232,7 +285,9 @@ def trace_and_fill(rows: list[dict], *, max_line_frames: int | None = None, prog
     res = trace_rows(rows, progress=progress, desc=desc, **trace_kw)
     # a crash or timeout can be the machine's fault (load, memory pressure), not the program's: retry those rows once,
     # so the corpus does not depend on what else was running
-    again = [i for i, tr in enumerate(res) if not tr.ok and tr.reason and ("crash" in tr.reason or "timeout" in tr.reason)]
+    again = [
+        i for i, tr in enumerate(res) if not tr.ok and tr.reason and ("crash" in tr.reason or "timeout" in tr.reason)
+    ]
     if again:
         for i, tr in zip(again, trace_rows([rows[i] for i in again], progress=False, **trace_kw)): res[i] = tr
     kept, skipped = [], {}
@@ -270,8 +325,15 @@ def build_corpus(n: int, cfg: GenConfig | str = "easy", seed: int = 0, out_dir=N
     return splits
 
 # %% ../nbs/01_corpus.ipynb #b30f343e
-def build_heldout(n: int, cfg: GenConfig | str = "easy", seed: int = 0, exclude: Iterable[str] = (), progress: bool = True,
-                  max_output_chars: int = 40, max_rounds: int = 20) -> list[dict]:
+def build_heldout(
+    n: int,
+    cfg: GenConfig | str = "easy",
+    seed: int = 0,
+    exclude: Iterable[str] = (),
+    progress: bool = True,
+    max_output_chars: int = 40,
+    max_rounds: int = 20,
+) -> list[dict]:
     "`n` traced programs from the generator stream `seed + 1000` whose code is not in `exclude` (nor repeated)."
     cfg_ = LEVELS[cfg] if isinstance(cfg, str) else cfg
     seen, out = set(exclude), []
@@ -283,4 +345,6 @@ def build_heldout(n: int, cfg: GenConfig | str = "easy", seed: int = 0, exclude:
             seen.add(row["code"])
             out.append({**row, "id": f"heldout_{len(out):06d}"})
             if len(out) == n: return out
-    raise RuntimeError(f"build_heldout: only {len(out)} new programs after {max_rounds} rounds (widen GenConfig or lower n)")
+    raise RuntimeError(
+        f"build_heldout: only {len(out)} new programs after {max_rounds} rounds (widen GenConfig or lower n)"
+    )

@@ -38,7 +38,12 @@ def reward_curve(run_dir):
         v = [r.get(key, float("nan")) for r in rows]
         ax.plot(st, v, marker=".", alpha=0.45, label=lab)
         k = max(1, len(v) // 8)
-        ax.plot(st[k - 1:], [sum(v[i - k + 1:i + 1]) / k for i in range(k - 1, len(v))], lw=2, label=f"{lab}, mean of {k}")
+        ax.plot(
+            st[k - 1 :],
+            [sum(v[i - k + 1 : i + 1]) / k for i in range(k - 1, len(v))],
+            lw=2,
+            label=f"{lab}, mean of {k}",
+        )
     ax.set(title="GRPO on the latent student: reward of sampled rollouts (T = 1)", xlabel="optimizer step",
            ylabel="reward per completion")
     ax.legend(fontsize=7)
@@ -77,8 +82,11 @@ def demo_data(d: DemoRun) -> bool:
     print("== 1/7 data: generate, trace (sandboxed), split, held-out set, tokenizer")
     build_data(d.out / "data", **DATA_DEFAULTS, progress=d.progress)
     files = ("train.jsonl", "val.jsonl", "test.jsonl", "heldout.jsonl")
-    same = (d.data / "corpus").exists() and all(filecmp.cmp(d.out / "data/corpus" / f, d.data / "corpus" / f, shallow=False)
-                                                for f in files if (d.data / "corpus" / f).exists())
+    same = (d.data / "corpus").exists() and all(
+        filecmp.cmp(d.out / "data/corpus" / f, d.data / "corpus" / f, shallow=False)
+        for f in files
+        if (d.data / "corpus" / f).exists()
+    )
     print(f"corpus {'reproduces' if same else 'DIFFERS FROM'} the shipped {d.data / 'corpus'}")
     d.lap("data")
     return same
@@ -92,14 +100,24 @@ def demo_sft(d: DemoRun, from_scratch: bool):
             prev = ""
             for stage, toml in enumerate(f for f in ("sft.toml", "sft_continue.toml") if (shipped / f).exists()):
                 cfg = config_from_dict(SFTConfig, load_config_file(shipped / toml), str(shipped / toml))
-                cfg.out, cfg.train, cfg.val = str(d.out / f"{name}{stage or ''}"), str(d.out / "data/corpus/train.jsonl"), str(d.out / "data/corpus/val.jsonl")
+                cfg.out, cfg.train, cfg.val = (
+                    str(d.out / f"{name}{stage or ''}"),
+                    str(d.out / "data/corpus/train.jsonl"),
+                    str(d.out / "data/corpus/val.jsonl"),
+                )
                 cfg.tokenizer, cfg.model, cfg.overwrite = str(d.data / "tokenizer"), prev, True
                 prev = str(run_sft(cfg, progress=d.progress))
             d.models[name] = Path(prev)
         else:
             if not (shipped / "config.json").exists():
-                raise FileNotFoundError(f"{shipped} holds no model: run `make demo FROM_SCRATCH=1` (or `latent-rl demo --from-scratch`)")
-            summ = json.loads((shipped / "training_summary.json").read_text()) if (shipped / "training_summary.json").exists() else {}
+                raise FileNotFoundError(
+                    f"{shipped} holds no model: run `make demo FROM_SCRATCH=1` (or `latent-rl demo --from-scratch`)"
+                )
+            summ = (
+                json.loads((shipped / "training_summary.json").read_text())
+                if (shipped / "training_summary.json").exists()
+                else {}
+            )
             print(f"using shipped {name} {shipped} ({summ.get('steps', '?')} steps, {summ.get('train_seconds', 0) / 60:.1f} min of training)")
             d.models[name] = shipped
         d.lap(f"sft {name}")
@@ -116,8 +134,15 @@ def evaluate_stage(d: DemoRun, key: str, stage: str, mode: str, path, max_new_to
         lm.eval()
         u = latent_usage(lm, tok, d.rows, variants=variants, max_new_tokens=max_new_tokens, progress=d.progress)
         recs = u["records"]
-        r = {"accuracy": u["accuracy"]["mean"], "ci": [u["accuracy"]["lo"], u["accuracy"]["hi"]], "format_valid": u["format_valid"],
-             "n": u["n"], "seconds": u["seconds"], "kind": "latent", **{v: u["variants"][v] for v in variants}}
+        r = {
+            "accuracy": u["accuracy"]["mean"],
+            "ci": [u["accuracy"]["lo"], u["accuracy"]["hi"]],
+            "format_valid": u["format_valid"],
+            "n": u["n"],
+            "seconds": u["seconds"],
+            "kind": "latent",
+            **{v: u["variants"][v] for v in variants},
+        }
         d.usage[key] = u
     else:
         r = evaluate_path(path, d.rows, max_new_tokens, desc=f"eval {key}", progress=d.progress)
@@ -133,23 +158,41 @@ DEMO_VARIANTS = ("shuffle", "zero", "mean", "noise")   # the cheap counterfactua
 
 def demo_codi(d: DemoRun):
     print("== 3/7 CODI: latent student from the teacher")
-    d.models["codi"] = run_codi(d.cfg(CodiConfig, model=str(d.models["teacher"]), out=str(d.out / "codi"), train=d.train,
-                                      val=str(d.data / "corpus/val.jsonl")), progress=d.progress)
+    d.models["codi"] = run_codi(
+        d.cfg(
+            CodiConfig,
+            model=str(d.models["teacher"]),
+            out=str(d.out / "codi"),
+            train=d.train,
+            val=str(d.data / "corpus/val.jsonl"),
+        ),
+        progress=d.progress,
+    )
     d.lap("codi")
     evaluate_stage(d, "codi", "CODI", "latent", d.models["codi"], variants=DEMO_VARIANTS)   # for diagnose too
     d.lap("eval codi")
 
 def demo_gkd(d: DemoRun):
     print("== 4/7 GKD: on-policy distillation of the latent student from the explicit-trace teacher")
-    d.models["gkd"] = run_gkd(d.cfg(GKDConfig, model=str(d.models["codi"]), teacher=str(d.models["teacher"]), out=str(d.out / "gkd"),
-                                    train=d.train), progress=d.progress)
+    d.models["gkd"] = run_gkd(
+        d.cfg(
+            GKDConfig,
+            model=str(d.models["codi"]),
+            teacher=str(d.models["teacher"]),
+            out=str(d.out / "gkd"),
+            train=d.train,
+        ),
+        progress=d.progress,
+    )
     d.lap("gkd")
     evaluate_stage(d, "gkd", "CODI → GKD", "latent", d.models["gkd"])
     d.lap("eval gkd")
 
 def demo_grpo(d: DemoRun):
     print("== 5/7 GRPO: reward = correct return value (+ well-formedness)")
-    d.models["grpo"] = run_grpo(d.cfg(GRPOConfig, model=str(d.models["gkd"]), out=str(d.out / "grpo"), train=d.train), progress=d.progress)
+    d.models["grpo"] = run_grpo(
+        d.cfg(GRPOConfig, model=str(d.models["gkd"]), out=str(d.out / "grpo"), train=d.train), progress=d.progress
+    )
     d.lap("grpo")
     b = json.loads((Path(d.models["grpo"]) / "training_summary.json").read_text())["benchmark"]
     if "reward_rise_delta" in b:        # does the stage raise its own objective? last vs first tenth of the steps
@@ -159,8 +202,12 @@ def demo_grpo(d: DemoRun):
     d.lap("eval grpo")
 
 # %% ../nbs/28_demo.ipynb #3e4f3e61
-COMPARISONS = (("codi", "notrace", "latent student vs the no-trace baseline"), ("gkd", "codi", "GKD's effect (after vs before)"),
-               ("grpo", "gkd", "GRPO's effect (after vs before)"), ("codi", "teacher", "latent student vs its explicit teacher"))
+COMPARISONS = (
+    ("codi", "notrace", "latent student vs the no-trace baseline"),
+    ("gkd", "codi", "GKD's effect (after vs before)"),
+    ("grpo", "gkd", "GRPO's effect (after vs before)"),
+    ("codi", "teacher", "latent student vs its explicit teacher"),
+)
 
 def comparisons(d: DemoRun) -> list[dict]:
     "Paired differences between stages on the same held-out programs, with 95% bootstrap intervals."
@@ -170,7 +217,9 @@ def comparisons(d: DemoRun) -> list[dict]:
 def results_md(res: dict, comps: list[dict] = (), title: str = "") -> str:
     "The demo's table: accuracy per stage and mode with CIs and the shuffled-latents delta, then the paired comparisons."
     L = ([f"**{title}**", ""] if title else []) + [
-        "| stage | mode | accuracy | 95% CI | latents shuffled: Δ (95% CI) | format valid | n |", "|---|---|---:|---:|---:|---:|---:|"]
+        "| stage | mode | accuracy | 95% CI | latents shuffled: Δ (95% CI) | format valid | n |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in res.values():
         sh = r.get("shuffle")
         shs = f"{100 * sh['mean']:+.1f} ({100 * sh['lo']:+.1f} to {100 * sh['hi']:+.1f})" if sh else "—"
@@ -186,9 +235,18 @@ def results_md(res: dict, comps: list[dict] = (), title: str = "") -> str:
 # %% ../nbs/28_demo.ipynb #f1067345
 def demo_diagnose(d: DemoRun) -> dict:
     print("== 6/7 diagnostics: what the latent student does with its latents, and why it trails its teacher")
-    rep = diagnose(d.out / "codi", teacher=str(d.models["teacher"]), notrace=str(d.models["notrace"]),
-                   rows=str(d.data / "corpus/test.jsonl"), train_rows=d.train, limit=d.limit, records_dirs=[d.out / "eval"],
-                   probe_train=1000, usage=d.usage.get("codi", True), progress=d.progress)
+    rep = diagnose(
+        d.out / "codi",
+        teacher=str(d.models["teacher"]),
+        notrace=str(d.models["notrace"]),
+        rows=str(d.data / "corpus/test.jsonl"),
+        train_rows=d.train,
+        limit=d.limit,
+        records_dirs=[d.out / "eval"],
+        probe_train=1000,
+        usage=d.usage.get("codi", True),
+        progress=d.progress,
+    )
     d.lap("diagnose")
     return rep
 
@@ -198,7 +256,8 @@ def demo_figures(d: DemoRun, rep: dict) -> list:
     for stage in ("codi", "gkd", "grpo"): figs += plot_run(d.out / stage, d.figures / stage)
     figs.append(save_figure(reward_curve(d.out / "grpo"), d.figures / "grpo_reward_curve.png"))
     (d.figures / "diagnosis").mkdir(parents=True, exist_ok=True)
-    for p in sorted(Path(rep["path"]).parent.glob("*.png")): figs.append(Path(shutil.copy(p, d.figures / "diagnosis" / p.name)))
+    for p in sorted(Path(rep["path"]).parent.glob("*.png")):
+        figs.append(Path(shutil.copy(p, d.figures / "diagnosis" / p.name)))
     d.lap("figures")
     return figs
 
@@ -218,14 +277,22 @@ def run_demo(out="runs/demo", data="data", from_scratch: bool = False, limit: in
     figs = demo_figures(d, rep)
     d.times["total"] = round(time.time() - t_all, 1)
     comps = comparisons(d)
-    table = results_md(d.res, comps, f"held-out output prediction ({d.res['teacher']['n']} programs of {d.data / 'corpus/test.jsonl'})")
+    table = results_md(
+        d.res, comps, f"held-out output prediction ({d.res['teacher']['n']} programs of {d.data / 'corpus/test.jsonl'})"
+    )
     print("\n" + table + "\n")
     print(f"latent usage (CODI): {rep['usage'].get('verdict', '—')}")
     print("wall time per stage (s): " + ", ".join(f"{k} {v}" for k, v in d.times.items()))
     print(f"diagnosis: {rep['path']}")
     print("figures:\n" + "\n".join(f"  {p}" for p in figs))
-    summary = {"results": d.res, "comparisons": comps, "times_s": d.times, "corpus_reproduced": same,
-               "figures": [str(p) for p in figs], "diagnosis": rep["path"], "usage": {k: {kk: vv for kk, vv in u.items() if kk != "records"}
-                                                                                   for k, u in d.usage.items()}}
+    summary = {
+        "results": d.res,
+        "comparisons": comps,
+        "times_s": d.times,
+        "corpus_reproduced": same,
+        "figures": [str(p) for p in figs],
+        "diagnosis": rep["path"],
+        "usage": {k: {kk: vv for kk, vv in u.items() if kk != "records"} for k, u in d.usage.items()},
+    }
     (d.out / "results.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -32,7 +32,8 @@ from .trace import parse_trace, same_value, LINE_SEP, row_prompt
 from .tokens import encode
 from .evaluate import (frames_json, true_line_frames, load_records, save_records, bootstrap_mean, paired_delta,
                                 within_noise, evaluate, load_policy)
-from .records import RunRecord     # run records are read as a running job writes them (half-written last line skipped)
+# run records are read as a running job writes them (half-written last line skipped)
+from .records import RunRecord
 
 # %% ../nbs/22_diagnose.ipynb #b9012a7d
 def record_frames(rec: dict) -> list[dict]:
@@ -41,8 +42,12 @@ def record_frames(rec: dict) -> list[dict]:
     return frames_json(parse_trace(rec.get("generated", "")).frames)
 
 def _as_dicts(frames) -> list[dict]:
-    return [f if isinstance(f, dict) else {"kind": f.kind, "line": f.line.rstrip("\n"), "locals": f.locals, "value": f.value}
-            for f in frames]
+    return [
+        f
+        if isinstance(f, dict)
+        else {"kind": f.kind, "line": f.line.rstrip("\n"), "locals": f.locals, "value": f.value}
+        for f in frames
+    ]
 
 # %% ../nbs/22_diagnose.ipynb #36d3ba03
 BUCKETS = (("≤3", 0, 3), ("4", 4, 4), ("5–6", 5, 6), ("7–10", 7, 10), ("11–20", 11, 20), ("21+", 21, None))
@@ -61,8 +66,14 @@ def accuracy_by_length(records: dict[str, list[dict]]) -> dict:
         groups = {name: [] for name, _, _ in BUCKETS}
         for r in recs: groups.setdefault(length_bucket(r.get("n_line_frames")), []).append(r)
         groups["all"] = list(recs)
-        out[mode] = {b: {"n": len(g), "exact": sum(r["correct"] for r in g) / len(g) if g else None,
-                         "format_valid": sum(r["well_formed"] for r in g) / len(g) if g else None} for b, g in groups.items()}
+        out[mode] = {
+            b: {
+                "n": len(g),
+                "exact": sum(r["correct"] for r in g) / len(g) if g else None,
+                "format_valid": sum(r["well_formed"] for r in g) / len(g) if g else None,
+            }
+            for b, g in groups.items()
+        }
     return out
 
 def _pct(x, nd=1): return "—" if x is None else f"{100 * x:.{nd}f}%"
@@ -102,7 +113,12 @@ def classify(rec: dict, true_frames) -> dict:
     c = compare_paths(record_frames(rec), true_frames)
     if rec["correct"]: out = "correct" if c["match"] else "correct, wrong path"
     else: out = "right path, wrong value" if c["match"] else "wrong path"
-    return {"outcome": out, "path_match": c["match"], "diverge_at": c["diverge_at"], "malformed": not rec["well_formed"]}
+    return {
+        "outcome": out,
+        "path_match": c["match"],
+        "diverge_at": c["diverge_at"],
+        "malformed": not rec["well_formed"],
+    }
 
 def faithfulness(records: list[dict], true_traces: dict[str, str]) -> dict:
     "Path-match rate and the split of wrong answers for one mode's records; `true_traces` maps id → true trace text."
@@ -114,12 +130,16 @@ def faithfulness(records: list[dict], true_traces: dict[str, str]) -> dict:
     wrong = [c for c in cls if c["outcome"] in OUTCOMES[2:]]
     cnt = Counter(c["outcome"] for c in cls)
     div = sorted(c["diverge_at"] for c in cls if c["outcome"] == "wrong path" and c["diverge_at"] is not None)
-    return {"n": n, "path_match": sum(c["path_match"] for c in cls) / max(n, 1), "counts": {o: cnt.get(o, 0) for o in OUTCOMES},
-            "n_wrong": len(wrong),
-            "wrong_right_path": cnt.get("right path, wrong value", 0) / max(len(wrong), 1) if wrong else None,
-            "wrong_wrong_path": cnt.get("wrong path", 0) / max(len(wrong), 1) if wrong else None,
-            "wrong_path_malformed": sum(c["malformed"] for c in cls if c["outcome"] == "wrong path"),
-            "median_diverge_at": div[len(div) // 2] if div else None}
+    return {
+        "n": n,
+        "path_match": sum(c["path_match"] for c in cls) / max(n, 1),
+        "counts": {o: cnt.get(o, 0) for o in OUTCOMES},
+        "n_wrong": len(wrong),
+        "wrong_right_path": cnt.get("right path, wrong value", 0) / max(len(wrong), 1) if wrong else None,
+        "wrong_wrong_path": cnt.get("wrong path", 0) / max(len(wrong), 1) if wrong else None,
+        "wrong_path_malformed": sum(c["malformed"] for c in cls if c["outcome"] == "wrong path"),
+        "median_diverge_at": div[len(div) // 2] if div else None,
+    }
 
 # %% ../nbs/22_diagnose.ipynb #2e26e937
 def value_bucket(r: str | None) -> str | None:
@@ -179,7 +199,8 @@ def fit_probe(Xtr, ytr, Xte, yte, lams=LAMBDAS, seed: int = 0) -> tuple[float, d
         accs = [float(np.mean(((Ztr[va] - Zm) @ W + Y[tr].mean(0)).argmax(1) == a[va])) for W in Ws]
         lam = lams[int(np.argmax(accs))]
     else: lam = lams[len(lams) // 2]
-    W = _ridge_solutions(Ztr, Y - ybar, [lam])[0]                                    # Ztr is centred on the training split
+    # Ztr is centred on the training split
+    W = _ridge_solutions(Ztr, Y - ybar, [lam])[0]
     pred = (Zte @ W + ybar).argmax(1)                                                # [M]
     return float(np.mean(pred == b)), {**meta, "lam": lam}
 
@@ -209,10 +230,13 @@ def collect_states(lm, tok, rows: list[dict], *, teacher=None, batch_size: int =
                 part = usable[s:s + batch_size]
                 o = codi_forward(lm, [ex for _, ex, _ in part], opts, teacher=teacher, return_states=True)
                 if o.latents is None or o.student_states is None or o.teacher_states is None:
-                    raise RuntimeError("codi_forward(return_states=True) returned no states: latent_rl.latent is too old")
+                    raise RuntimeError(
+                        "codi_forward(return_states=True) returned no states: latent_rl.latent is too old"
+                    )
                 layers = list(o.layers)
                 valid = o.kd_valid.cpu()                                               # [B, K]
-                lat, st, te = (t.float().cpu() for t in (o.latents, o.student_states, o.teacher_states))  # [B, K, S|L, H]
+                # [B, K, S|L, H]
+                lat, st, te = (t.float().cpu() for t in (o.latents, o.student_states, o.teacher_states))
                 for b, (r, ex, tg) in enumerate(part):
                     for q in range(len(ex["spans"])):
                         if not valid[b, q]: continue
@@ -237,7 +261,8 @@ def feature_sets(states: dict) -> list[tuple[str, str, np.ndarray]]:
     for s in range(lat.shape[1] if lat.ndim == 3 else 0): out.append(("latent", f"latent step {s + 1}", lat[:, s]))
     for who in ("student", "teacher"):
         X = states[who]
-        for i, l in enumerate(states["layers"][:X.shape[1] if X.ndim == 3 else 0]): out.append((who, f"{who} layer {l}", X[:, i]))
+        for i, l in enumerate(states["layers"][: X.shape[1] if X.ndim == 3 else 0]):
+            out.append((who, f"{who} layer {l}", X[:, i]))
     return out
 
 def run_probes(train: dict, test: dict, progress: bool = False) -> dict:
@@ -260,8 +285,16 @@ def run_probes(train: dict, test: dict, progress: bool = False) -> dict:
     tinfo = {t: {k: v for k, v in m.items() if k != "lam"} for t, m in meta.items()}
     for t, (ktr, kte) in targets.items():
         if t not in tinfo:
-            tinfo[t] = {"chance": fit_probe(np.zeros((len(ktr), 1)), [train[t][i] for i in ktr], np.zeros((len(kte), 1)),
-                                            [test[t][i] for i in kte])[1]["chance"], "n_train": len(ktr), "n_test": len(kte)}
+            tinfo[t] = {
+                "chance": fit_probe(
+                    np.zeros((len(ktr), 1)),
+                    [train[t][i] for i in ktr],
+                    np.zeros((len(kte), 1)),
+                    [test[t][i] for i in kte],
+                )[1]["chance"],
+                "n_train": len(ktr),
+                "n_test": len(kte),
+            }
     best = {}
     for t in targets:
         for g in ("latent", "student", "teacher"):
@@ -367,17 +400,31 @@ def latent_usage(lm, tok, rows: list[dict], *, variants=USAGE_VARIANTS, batch_si
     ev = evaluate(None, tok, rows, batch_size=batch_size, progress=progress, desc="usage: intact",
                   generate_fn=partial(generate, return_latents=True))
     base, lat = [r["correct"] for r in ev["records"]], ev["latents"]
-    res = {"n": len(rows), "accuracy": bootstrap_mean(base, seed=seed), "format_valid": ev["format_valid"], "variants": {},
-           "collapse": latent_collapse(lat), "records": ev["records"], "seconds": ev["seconds"]}
+    res = {
+        "n": len(rows),
+        "accuracy": bootstrap_mean(base, seed=seed),
+        "format_valid": ev["format_valid"],
+        "variants": {},
+        "collapse": latent_collapse(lat),
+        "records": ev["records"],
+        "seconds": ev["seconds"],
+    }
     if not any(z.shape[0] for z in lat):
-        return {**res, "used": None, "verdict": "the student ran no latent block on these programs: usage cannot be measured"}
+        return {
+            **res,
+            "used": None,
+            "verdict": "the student ran no latent block on these programs: usage cannot be measured",
+        }
     bank = LatentBank(lat, seed)
     for v in variants:
         if v.startswith("explicit_last"):
             j = int(v[len("explicit_last"):] or 1)
             c, _ = _decode_rows(generate, tok, rows, [explicit_prefix(r["trace"], j) for r in rows], None, batch_size,
                                 f"usage: {v}", progress)
-        else: c, _ = _decode_rows(generate, tok, rows, none, lambda idx, v=v: bank.fn(idx, v), batch_size, f"usage: {v}", progress)
+        else:
+            c, _ = _decode_rows(
+                generate, tok, rows, none, lambda idx, v=v: bank.fn(idx, v), batch_size, f"usage: {v}", progress
+            )
         res["variants"][v] = {"accuracy": float(np.mean(c)), **paired_delta(base, c, seed=seed)}
     res["used"], res["verdict"] = usage_verdict(res)
     return res
@@ -412,11 +459,16 @@ def usage_markdown(u: dict) -> list[str]:
         L.append(f"| {_VARIANT_DESC.get(v, v)} | {100 * d['accuracy']:.1f}% | {100 * d['mean']:+.1f} | "
                  f"{100 * d['lo']:+.1f} to {100 * d['hi']:+.1f} |")
     if u.get("collapse"):
-        L += ["", "Collapse: mean cosine similarity between different programs' latents at each block "
-              "(1.0 = the same vector for every program).", "",
-              "| block | " + " | ".join(str(c["block"]) for c in u["collapse"]) + " |", "|---|" + "---:|" * len(u["collapse"]),
-              "| cosine | " + " | ".join(f"{c['cos']:.2f}" for c in u["collapse"]) + " |",
-              "| programs | " + " | ".join(str(c["n"]) for c in u["collapse"]) + " |"]
+        L += [
+            "",
+            "Collapse: mean cosine similarity between different programs' latents at each block "
+            "(1.0 = the same vector for every program).",
+            "",
+            "| block | " + " | ".join(str(c["block"]) for c in u["collapse"]) + " |",
+            "|---|" + "---:|" * len(u["collapse"]),
+            "| cosine | " + " | ".join(f"{c['cos']:.2f}" for c in u["collapse"]) + " |",
+            "| programs | " + " | ".join(str(c["n"]) for c in u["collapse"]) + " |",
+        ]
     return L + ["", "![latent usage](usage.png)", ""]
 
 def fig_usage(u: dict | None):
@@ -425,7 +477,11 @@ def fig_usage(u: dict | None):
     fig, axs = _fig(7, 0.9 + 0.45 * len(u["variants"]))
     ax, names = axs[0], list(u["variants"])
     d = [u["variants"][v] for v in names]
-    ax.barh(range(len(names)), [100 * x["mean"] for x in d], color=["#d62728" if not within_noise(x) else "#bbbbbb" for x in d])
+    ax.barh(
+        range(len(names)),
+        [100 * x["mean"] for x in d],
+        color=["#d62728" if not within_noise(x) else "#bbbbbb" for x in d],
+    )
     ax.errorbar([100 * x["mean"] for x in d], range(len(names)), xerr=[[100 * (x["mean"] - x["lo"]) for x in d],
                 [100 * (x["hi"] - x["mean"]) for x in d]], fmt="none", ecolor="k", capsize=3)
     ax.axvline(0, c="k", lw=1)
@@ -476,7 +532,9 @@ def kd_floor(run) -> dict | None:
             P = np.array(out["per_layer"])                                             # [records, L_sel]
             for j, l in enumerate(layers):
                 st, m = plateau_step(out["steps"], P[:, j]) if len(P) else (None, {})
-                out["table"].append({"layer": l, "plateau_step": st, **m, "raw_final": float(P[-1, j]) if len(P) else None})
+                out["table"].append(
+                    {"layer": l, "plateau_step": st, **m, "raw_final": float(P[-1, j]) if len(P) else None}
+                )
             if len(P):
                 st, m = plateau_step(out["steps"], P.mean(1))
                 out["table"].append({"layer": "mean", "plateau_step": st, **m, "raw_final": float(P[-1].mean())})
@@ -493,7 +551,12 @@ def kd_floor(run) -> dict | None:
             pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
             if pts and any(v for _, v in pts):
                 st, m = plateau_step([s for s, _ in pts], [v for _, v in pts])
-                out["losses"][k] = {"steps": [s for s, _ in pts], "values": [v for _, v in pts], "plateau_step": st, **m}
+                out["losses"][k] = {
+                    "steps": [s for s, _ in pts],
+                    "values": [v for _, v in pts],
+                    "plateau_step": st,
+                    **m,
+                }
     return out if (out["steps"] or out["losses"]) else None
 
 # %% ../nbs/22_diagnose.ipynb #73359f15
@@ -552,8 +615,12 @@ def fig_probes(probes: dict):
         ax.bar(range(len(rows)), [r.get(t) or 0.0 for r in rows], color=[gcol[r["group"]] for r in rows])
         ch = probes["targets"].get(t, {}).get("chance")
         if ch is not None: ax.axhline(ch, ls="--", c="k", lw=1, label=f"chance {ch:.2f}")
-        ax.set_xticks(range(len(rows)), [r["features"].replace("layer ", "L").replace("latent step ", "z") for r in rows],
-                      rotation=70, fontsize=7)
+        ax.set_xticks(
+            range(len(rows)),
+            [r["features"].replace("layer ", "L").replace("latent step ", "z") for r in rows],
+            rotation=70,
+            fontsize=7,
+        )
         ax.set_ylim(0, 1.05)
         ax.set_title(title)
         ax.set_ylabel("held-out accuracy")
@@ -589,17 +656,23 @@ def fig_kd_floor(kd: dict):
 # %% ../nbs/22_diagnose.ipynb #beae7a39
 def diagnostics_figures(report: dict) -> dict:
     "`{name: matplotlib Figure}` for every view the report has data for (accuracy_by_length, faithfulness, probes, kd_floor, usage)."
-    figs = {"accuracy_by_length": fig_accuracy_by_length(report.get("by_length") or {}),
-            "faithfulness": fig_faithfulness(report.get("faithfulness") or {}),
-            "probes": fig_probes(report.get("probes") if isinstance(report.get("probes"), dict) and "rows" in report["probes"] else None),
-            "kd_floor": fig_kd_floor(report.get("kd_floor")), "usage": fig_usage(report.get("usage"))}
+    figs = {
+        "accuracy_by_length": fig_accuracy_by_length(report.get("by_length") or {}),
+        "faithfulness": fig_faithfulness(report.get("faithfulness") or {}),
+        "probes": fig_probes(
+            report.get("probes") if isinstance(report.get("probes"), dict) and "rows" in report["probes"] else None
+        ),
+        "kd_floor": fig_kd_floor(report.get("kd_floor")),
+        "usage": fig_usage(report.get("usage")),
+    }
     return {k: f for k, f in figs.items() if f is not None}
 
 # %% ../nbs/22_diagnose.ipynb #93232033
 def _findings(rep: dict) -> list[str]:
     "A few plain sentences read off the numbers."
     out, m = [], rep.get("modes", {})
-    if isinstance(rep.get("usage"), dict) and rep["usage"].get("verdict"): out.append(rep["usage"]["verdict"][0].upper() + rep["usage"]["verdict"][1:] + ".")
+    if isinstance(rep.get("usage"), dict) and rep["usage"].get("verdict"):
+        out.append(rep["usage"]["verdict"][0].upper() + rep["usage"]["verdict"][1:] + ".")
     if "latent" in m and "explicit" in m:
         gap = m["latent"]["accuracy"] - m["explicit"]["accuracy"]
         out.append(f"The latent student is {_pts(gap)} the explicit teacher ({_pct(m['latent']['accuracy'])} vs "
@@ -612,21 +685,29 @@ def _findings(rep: dict) -> list[str]:
         gaps = [(b, bl["explicit"][b]["exact"] - bl["latent"][b]["exact"]) for b, _, _ in BUCKETS
                 if bl["latent"].get(b, {}).get("n") and bl["explicit"].get(b, {}).get("n")]
         if len(gaps) > 1:
-            out.append("The gap to the teacher by trace length: " + ", ".join(f"{b}: {100 * g:.1f}" for b, g in gaps) + " points.")
+            out.append(
+                "The gap to the teacher by trace length: "
+                + ", ".join(f"{b}: {100 * g:.1f}" for b, g in gaps)
+                + " points."
+            )
     fl = (rep.get("faithfulness") or {}).get("latent")
     if fl and fl["n_wrong"]:
-        out.append(f"Of the latent student's {fl['n_wrong']} wrong answers, {_pct(fl['wrong_right_path'])} follow the true path "
-                   f"(values lost in the latent blocks) and {_pct(fl['wrong_wrong_path'])} leave it "
-                   f"({fl['wrong_path_malformed']} of those malformed); its path-match rate is {_pct(fl['path_match'])}.")
+        out.append(
+            f"Of the latent student's {fl['n_wrong']} wrong answers, {_pct(fl['wrong_right_path'])} follow the true path "
+            f"(values lost in the latent blocks) and {_pct(fl['wrong_wrong_path'])} leave it "
+            f"({fl['wrong_path_malformed']} of those malformed); its path-match rate is {_pct(fl['path_match'])}."
+        )
     pb = rep.get("probes") or {}
     for t, name in (("value", "the changed value"), ("var", "which variable changed")):
         b = (pb.get("best") or {}).get(t)
         if b and "teacher" in b:
             lat = b.get("latent", {})
             stu = b.get("student", {})
-            out.append(f"Probing {name}: best latent vector {_pct(lat.get('accuracy'))} ({lat.get('features')}), best student "
-                       f"anchor {_pct(stu.get('accuracy'))} ({stu.get('features')}), teacher {_pct(b['teacher']['accuracy'])} "
-                       f"({b['teacher']['features']}); chance {_pct(pb['targets'][t]['chance'])}.")
+            out.append(
+                f"Probing {name}: best latent vector {_pct(lat.get('accuracy'))} ({lat.get('features')}), best student "
+                f"anchor {_pct(stu.get('accuracy'))} ({stu.get('features')}), teacher {_pct(b['teacher']['accuracy'])} "
+                f"({b['teacher']['features']}); chance {_pct(pb['targets'][t]['chance'])}."
+            )
     kd = rep.get("kd_floor") or {}
     mean = next((r for r in kd.get("table", []) if r["layer"] == "mean"), None)
     if mean and mean.get("first"):
@@ -637,10 +718,13 @@ def _findings(rep: dict) -> list[str]:
         out.append(s + ".")
     ba = kd.get("by_anchor") or []
     if len(ba) > 1:
-        out.append(f"Late in training the residual grows with the span's position in the trace: {ba[0]['mean']:.3g} at the "
-                   f"first latent block, {ba[-1]['mean']:.3g} at block {ba[-1]['anchor'] + 1}." if ba[-1]["mean"] > 1.5 * ba[0]["mean"]
-                   else f"Late in training the residual is similar across span positions ({ba[0]['mean']:.3g} first, "
-                        f"{ba[-1]['mean']:.3g} last).")
+        out.append(
+            f"Late in training the residual grows with the span's position in the trace: {ba[0]['mean']:.3g} at the "
+            f"first latent block, {ba[-1]['mean']:.3g} at block {ba[-1]['anchor'] + 1}."
+            if ba[-1]["mean"] > 1.5 * ba[0]["mean"]
+            else f"Late in training the residual is similar across span positions ({ba[0]['mean']:.3g} first, "
+            f"{ba[-1]['mean']:.3g} last)."
+        )
     return out
 
 # %% ../nbs/22_diagnose.ipynb #a96a7996
@@ -652,41 +736,59 @@ def render_markdown(rep: dict) -> str:
          f"written {rep.get('date', '')} by `latent-rl diagnose`.", ""]
     f = _findings(rep)
     if f: L += ["**Findings**", ""] + [f"- {s}" for s in f] + [""]
-    L += ["## 1. Accuracy", "", "| mode | model | exact match | format valid | n | records |", "|---|---|---:|---:|---:|---|"]
+    L += [
+        "## 1. Accuracy",
+        "",
+        "| mode | model | exact match | format valid | n | records |",
+        "|---|---|---:|---:|---:|---|",
+    ]
     for mode, m in rep.get("modes", {}).items():
         L.append(f"| {mode} | `{m.get('model')}` | {_pct(m['accuracy'])} | {_pct(m['format_valid'])} | {m['n']} | {m.get('source')} |")
-    L += ["", "## 2. Latent usage", ""] + (usage_markdown(rep["usage"]) if isinstance(rep.get("usage"), dict) and "variants" in rep["usage"]
-                                         else [f"_not measured: {(rep.get('usage') or {}).get('error', 'disabled')}_", ""])
+    L += ["", "## 2. Latent usage", ""] + (
+        usage_markdown(rep["usage"])
+        if isinstance(rep.get("usage"), dict) and "variants" in rep["usage"]
+        else [f"_not measured: {(rep.get('usage') or {}).get('error', 'disabled')}_", ""]
+    )
     L += ["## 3. Accuracy by trace length", "",
           "Exact match and format validity per bucket of LINE frames in the true trace (= latent blocks the student runs).", "",
           length_table(rep.get("by_length") or {}), "", "![accuracy by trace length](accuracy_by_length.png)", ""]
-    L += ["## 4. Control-flow faithfulness", "",
-          "The path of a trace is its frames' `(kind, source line)` sequence, values ignored. *right path, wrong value*: "
-          "the control flow matches the true trace but the answer does not; *wrong path*: the generated path leaves the true "
-          "one (malformed generations included). The no-trace baseline writes no path.", ""]
+    L += [
+        "## 4. Control-flow faithfulness",
+        "",
+        "The path of a trace is its frames' `(kind, source line)` sequence, values ignored. *right path, wrong value*: "
+        "the control flow matches the true trace but the answer does not; *wrong path*: the generated path leaves the true "
+        "one (malformed generations included). The no-trace baseline writes no path.",
+        "",
+    ]
     fa = rep.get("faithfulness") or {}
     if fa:
         L += ["| mode | path match | correct | correct, wrong path | wrong answers | right path, wrong value | wrong path | of which malformed | median first divergent frame |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for mode, x in fa.items():
             c = x["counts"]
-            L.append(f"| {mode} | {_pct(x['path_match'])} | {c['correct']} | {c['correct, wrong path']} | {x['n_wrong']} | "
-                     f"{c['right path, wrong value']} ({_pct(x['wrong_right_path'])}) | {c['wrong path']} ({_pct(x['wrong_wrong_path'])}) | "
-                     f"{x['wrong_path_malformed']} | {'—' if x['median_diverge_at'] is None else x['median_diverge_at']} |")
+            L.append(
+                f"| {mode} | {_pct(x['path_match'])} | {c['correct']} | {c['correct, wrong path']} | {x['n_wrong']} | "
+                f"{c['right path, wrong value']} ({_pct(x['wrong_right_path'])}) | {c['wrong path']} ({_pct(x['wrong_wrong_path'])}) | "
+                f"{x['wrong_path_malformed']} | {'—' if x['median_diverge_at'] is None else x['median_diverge_at']} |"
+            )
         L += ["", "![control-flow faithfulness](faithfulness.png)", ""]
     else: L += ["_no trace-writing mode was evaluated_", ""]
     L += ["## 5. Latent probes", ""]
     pb = rep.get("probes")
     if isinstance(pb, dict) and pb.get("rows"):
         tg = pb["targets"]
-        L += [f"Ridge probes (closed form, one-hot targets) fitted on {pb['n_spans']['train']} spans of `{rep.get('train_rows')}` and "
-              f"scored on {pb['n_spans']['test']} spans of the held-out programs. Targets per span (one LINE frame whose locals a "
-              "latent block replaces): `var`, which variable the previous line changed (`<none>` if none; "
-              f"{tg['var'].get('n_classes', '?')} classes), and `value`, its new value bucketed ({tg['value'].get('n_classes', '?')} classes; "
-              "spans with a change only). Features: each latent vector fed to the model (`prj(h)`), the student's hidden "
-              f"states at the `<|action_sep|>` after the block, and the teacher's ({pb.get('teacher', 'KD teacher')}) at the same anchor.", "",
-              "| features | var | value |", "|---|---:|---:|",
-              f"| *chance (majority class)* | {_pct(tg['var']['chance'])} | {_pct(tg['value']['chance'])} |"]
+        L += [
+            f"Ridge probes (closed form, one-hot targets) fitted on {pb['n_spans']['train']} spans of `{rep.get('train_rows')}` and "
+            f"scored on {pb['n_spans']['test']} spans of the held-out programs. Targets per span (one LINE frame whose locals a "
+            "latent block replaces): `var`, which variable the previous line changed (`<none>` if none; "
+            f"{tg['var'].get('n_classes', '?')} classes), and `value`, its new value bucketed ({tg['value'].get('n_classes', '?')} classes; "
+            "spans with a change only). Features: each latent vector fed to the model (`prj(h)`), the student's hidden "
+            f"states at the `<|action_sep|>` after the block, and the teacher's ({pb.get('teacher', 'KD teacher')}) at the same anchor.",
+            "",
+            "| features | var | value |",
+            "|---|---:|---:|",
+            f"| *chance (majority class)* | {_pct(tg['var']['chance'])} | {_pct(tg['value']['chance'])} |",
+        ]
         for r in pb["rows"]:
             L.append(f"| {r['features']} | {_pct(r.get('var'))} | {_pct(r.get('value'))} |")
         L += ["", "![latent probes](probes.png)", ""]
@@ -694,10 +796,14 @@ def render_markdown(rep: dict) -> str:
     L += ["## 6. Distillation floor", ""]
     kd = rep.get("kd_floor")
     if kd and kd.get("table"):
-        L += ["Per-layer KD residual (mean student–teacher distance over the anchors of each `kd_anchors.jsonl` record). "
-              "Plateau: the first step after which the smoothed residual (trailing mean over a tenth of the records) never "
-              "improves by more than 2% of its range.", "",
-              "| layer | first | min | at step | final (smoothed) | final (raw) | final / first | plateau step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        L += [
+            "Per-layer KD residual (mean student–teacher distance over the anchors of each `kd_anchors.jsonl` record). "
+            "Plateau: the first step after which the smoothed residual (trailing mean over a tenth of the records) never "
+            "improves by more than 2% of its range.",
+            "",
+            "| layer | first | min | at step | final (smoothed) | final (raw) | final / first | plateau step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in kd["table"]:
             ratio = r["final"] / r["first"] if r.get("first") else None
             L.append(f"| {r['layer']} | {r['first']:.4g} | {r['min']:.4g} | {r['min_step']} | {r['final']:.4g} | {r['raw_final']:.4g} | "
@@ -747,7 +853,8 @@ def resolve_run(path) -> tuple[Path | None, Path]:
     if (p / "final" / "latent_spec.json").exists(): return p, p / "final"
     if (p / "latent_spec.json").exists():
         for q in list(p.parents)[:3]:
-            if (q / "kd_anchors.jsonl").exists() or ((q / "metrics.jsonl").exists() and (q / "config.json").exists()): return q, p
+            if (q / "kd_anchors.jsonl").exists() or ((q / "metrics.jsonl").exists() and (q / "config.json").exists()):
+                return q, p
         return None, p
     raise ValueError(f"latent-rl diagnose: {p} is neither a CODI run directory (with final/latent_spec.json) "
                      "nor a latent model directory (with latent_spec.json)")
@@ -783,9 +890,11 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
     out = Path(out) if out else (run_dir or model) / "diagnosis"
     dev = _device(device)
     cfg = json.loads((run_dir / "config.json").read_text()) if run_dir and (run_dir / "config.json").exists() else {}
-    codi_run = "kd_target" in cfg                  # a CODI run's config names its SFT teacher in `model`; GKD/GRPO configs do not
+    # a CODI run's config names its SFT teacher in `model`; GKD/GRPO configs do not
+    codi_run = "kd_target" in cfg
     if cfg and not codi_run:
-        cfg = {}                                    # a GKD/GRPO run: diagnose its latent model; pass --teacher explicitly
+        # a GKD/GRPO run: diagnose its latent model; pass --teacher explicitly
+        cfg = {}
     if teacher is None and cfg.get("model") and Path(cfg["model"]).exists(): teacher = cfg["model"]
     for name, p in (("--teacher", teacher), ("--notrace", notrace)):
         if p and not Path(p).exists(): raise FileNotFoundError(f"latent-rl diagnose: {name} {p} does not exist")
@@ -794,8 +903,15 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
     ids = [r["id"] for r in test]
     dirs = [] if fresh else [out] + [Path(d) for d in records_dirs] + \
         ([run_dir, run_dir / "eval", run_dir.parent / "eval"] if run_dir else [model.parent])
-    rep = {"run": str(run_dir) if run_dir else None, "model": str(model), "rows": str(rows), "train_rows": str(train_rows),
-           "n": len(test), "date": time.strftime("%Y-%m-%d %H:%M"), "modes": {}}
+    rep = {
+        "run": str(run_dir) if run_dir else None,
+        "model": str(model),
+        "rows": str(rows),
+        "train_rows": str(train_rows),
+        "n": len(test),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "modes": {},
+    }
     recs = {}
     if usage is True:   # the intact run of the usage test is the latent student's evaluation too
         lm, ltok = LatentModel.load(model, device=dev)
@@ -810,22 +926,31 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
         if found: recs[mode], src = found[0], str(found[1])
         elif path:
             tok, fn, kind = load_policy(path, max_new_tokens, device=dev)
-            if mode == "latent" and kind != "latent": raise ValueError(f"latent-rl diagnose: {path} is not a latent model")
+            if mode == "latent" and kind != "latent":
+                raise ValueError(f"latent-rl diagnose: {path} is not a latent model")
             r = evaluate(None, tok, test, batch_size=batch_size, desc=f"eval {mode}", progress=progress, generate_fn=fn)
             recs[mode] = r["records"]
             src = str(save_records(r, out / f"{MODE_FILES[mode][0]}.records.jsonl"))
         else: continue
         rs = recs[mode]
-        rep["modes"][mode] = {"accuracy": sum(r["correct"] for r in rs) / len(rs), "format_valid": sum(r["well_formed"] for r in rs) / len(rs),
-                              "n": len(rs), "model": str(path) if path else None, "source": src}
+        rep["modes"][mode] = {
+            "accuracy": sum(r["correct"] for r in rs) / len(rs),
+            "format_valid": sum(r["well_formed"] for r in rs) / len(rs),
+            "n": len(rs),
+            "model": str(path) if path else None,
+            "source": src,
+        }
     true = {r["id"]: r["trace"] for r in test}
-    for rs in recs.values():                                                          # records from older runs may lack it
+    # records from older runs may lack it
+    for rs in recs.values():
         for r, row in zip(rs, test):
             if r.get("n_line_frames") is None: r["n_line_frames"] = true_line_frames(row)
     rep["by_length"] = accuracy_by_length(recs)
     rep["faithfulness"] = {m: faithfulness(rs, true) for m, rs in recs.items() if m != "no-trace"}
     if probes:
-        rep["probes"] = _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, max_len, dev, progress)
+        rep["probes"] = _probe_run(
+            model, run_dir, cfg, test, train_rows, probe_train, batch_size, max_len, dev, progress
+        )
     else: rep["probes"] = {"error": "disabled (--no_probes)"}
     rep["kd_floor"] = kd_floor(run_dir) if run_dir else None
     p = write_report(rep, out)
@@ -838,18 +963,39 @@ def _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, m
     kd_teacher, tname = None, "the student's own weights reading the explicit trace (shared-weight CODI)"
     if cfg.get("teacher"):
         if not Path(cfg["teacher"]).exists():
-            return {"error": f"the run's frozen KD teacher {cfg['teacher']} (config.json 'teacher') does not exist here"}
+            return {
+                "error": f"the run's frozen KD teacher {cfg['teacher']} (config.json 'teacher') does not exist here"
+            }
         kd_teacher, _ = load_model(cfg["teacher"], device=dev)
         kd_teacher.eval()
         tname = f"frozen teacher `{cfg['teacher']}`"
     train = load_traced(train_rows, probe_train, progress=progress)
     try:
-        st_tr = collect_states(lm, tok, train, teacher=kd_teacher, batch_size=batch_size, max_len=max_len, progress=progress, desc="states train")
-        st_te = collect_states(lm, tok, test, teacher=kd_teacher, batch_size=batch_size, max_len=max_len, progress=progress, desc="states test")
+        st_tr = collect_states(
+            lm,
+            tok,
+            train,
+            teacher=kd_teacher,
+            batch_size=batch_size,
+            max_len=max_len,
+            progress=progress,
+            desc="states train",
+        )
+        st_te = collect_states(
+            lm,
+            tok,
+            test,
+            teacher=kd_teacher,
+            batch_size=batch_size,
+            max_len=max_len,
+            progress=progress,
+            desc="states test",
+        )
     except TypeError as e:
         if "return_states" not in str(e): raise
         return {"error": "latent_rl.latent.codi_forward has no return_states (update latent_rl)"}
-    if not len(st_tr["var"]) or not len(st_te["var"]): return {"error": "no usable spans (rows too long for --max_len?)"}
+    if not len(st_tr["var"]) or not len(st_te["var"]):
+        return {"error": "no usable spans (rows too long for --max_len?)"}
     res = run_probes(st_tr, st_te, progress=progress)
     res.update(teacher=tname, skipped={"train": st_tr["skipped"], "test": st_te["skipped"]})
     return res
@@ -857,8 +1003,11 @@ def _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, m
 # %% ../nbs/22_diagnose.ipynb #fcf94f4b
 def main(argv: list[str] | None = None):
     "`latent-rl diagnose`: write `diagnosis.md` (+ figures, report.json) for a CODI run or latent model."
-    ap = argparse.ArgumentParser(prog="latent-rl diagnose", description="Why a latent student falls short of its teacher: accuracy by "
-                                 "trace length, control-flow faithfulness, latent probes and the distillation floor.")
+    ap = argparse.ArgumentParser(
+        prog="latent-rl diagnose",
+        description="Why a latent student falls short of its teacher: accuracy by "
+        "trace length, control-flow faithfulness, latent probes and the distillation floor.",
+    )
     ap.add_argument("run", help="CODI run directory (with final/ and kd_anchors.jsonl) or a latent model directory")
     ap.add_argument("--teacher", default=None, help="explicit-trace teacher (default: the run's config.json 'model')")
     ap.add_argument("--notrace", default=None, help="no-trace baseline model")
@@ -867,20 +1016,38 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--limit", type=int, default=0, help="evaluate at most this many rows (0: all)")
     ap.add_argument("--probe_train", type=int, default=2000, help="training rows for the probes (0: all)")
     ap.add_argument("--out", default=None, help="output directory (default: RUN/diagnosis)")
-    ap.add_argument("--records", action="append", default=[], help="another directory to look for *.records.jsonl in (repeatable)")
+    ap.add_argument(
+        "--records", action="append", default=[], help="another directory to look for *.records.jsonl in (repeatable)"
+    )
     ap.add_argument("--fresh", action="store_true", help="evaluate again even when records exist")
     ap.add_argument("--no_probes", action="store_true", help="skip the latent probes")
-    ap.add_argument("--no_usage", action="store_true", help="skip the latent-usage counterfactuals (shuffled, zeroed, ... latents)")
+    ap.add_argument(
+        "--no_usage", action="store_true", help="skip the latent-usage counterfactuals (shuffled, zeroed, ... latents)"
+    )
     ap.add_argument("--batch_size", type=int, default=32)
     ap.add_argument("--max_new_tokens", type=int, default=384)
     ap.add_argument("--max_len", type=int, default=384, help="longest prompt+trace used for the probes")
     ap.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when available)")
     a = ap.parse_args(sys.argv[1:] if argv is None else list(map(str, argv)))
     try:
-        rep = diagnose(a.run, teacher=a.teacher, notrace=a.notrace, rows=a.rows, train_rows=a.train_rows, limit=a.limit,
-                       probe_train=a.probe_train, out=a.out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
-                       max_len=a.max_len, records_dirs=a.records, fresh=a.fresh, probes=not a.no_probes, usage=not a.no_usage,
-                       device=a.device)
+        rep = diagnose(
+            a.run,
+            teacher=a.teacher,
+            notrace=a.notrace,
+            rows=a.rows,
+            train_rows=a.train_rows,
+            limit=a.limit,
+            probe_train=a.probe_train,
+            out=a.out,
+            batch_size=a.batch_size,
+            max_new_tokens=a.max_new_tokens,
+            max_len=a.max_len,
+            records_dirs=a.records,
+            fresh=a.fresh,
+            probes=not a.no_probes,
+            usage=not a.no_usage,
+            device=a.device,
+        )
     except (FileNotFoundError, ValueError) as e: raise SystemExit(str(e))
     for s in _findings(rep): print("-", s)
     print(f"wrote {rep['path']}")

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict, StateDictOptions
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_state_dict,
+    StateDictOptions)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -31,8 +32,10 @@ def setup(seed: int = 0):
     "The one distributed-setup helper: an `Accelerator` (reads torchrun / accelerate launch settings), seeded RNGs."
     acc = Accelerator(cpu=not torch.cuda.is_available())   # cpu=True: torchrun on CPU becomes a gloo process group
     if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ConfigError(f"{acc.distributed_type} launch configs: latent_rl wraps the model itself. Launch a plain "
-                          "multi-process run (torchrun, or accelerate launch --multi_gpu) and pass --strategy fsdp or ddp")
+        raise ConfigError(
+            f"{acc.distributed_type} launch configs: latent_rl wraps the model itself. Launch a plain "
+            "multi-process run (torchrun, or accelerate launch --multi_gpu) and pass --strategy fsdp or ddp"
+        )
     set_seed(seed)
     return acc
 
@@ -53,7 +56,8 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
     names = set()
     for m in module.modules(): names |= set(getattr(m, "_no_split_modules", None) or [])
     layers = [m for m in module.modules() if type(m).__name__ in names]
-    return [m for m in layers if not any(m is not o and any(x is m for x in o.modules()) for o in layers)]  # outermost only
+    # outermost only
+    return [m for m in layers if not any(m is not o and any(x is m for x in o.modules()) for o in layers)]
 
 # %% ../nbs/15_engine.ipynb #5a403b1e
 class LayerKV:
@@ -93,7 +97,8 @@ def checkpoint_layers(module: nn.Module) -> None:
     each layer's forward through `checkpointed_forward`."""
     if hasattr(module, "prj"):
         for layer in decoder_layers(module):
-            if not hasattr(layer, "self_attn"): raise ConfigError(f"activation_checkpointing: {type(layer).__name__} has no self_attn")
+            if not hasattr(layer, "self_attn"):
+                raise ConfigError(f"activation_checkpointing: {type(layer).__name__} has no self_attn")
             layer.forward = checkpointed_forward(layer, layer.forward)
         return
     hf = [m for m in module.modules() if getattr(m, "supports_gradient_checkpointing", False)]
@@ -129,10 +134,13 @@ def make_engine(module: nn.Module, cfg, acc) -> Engine:
     """Wrap `module` for `cfg.strategy` (fsdp: bf16 compute over fp32 master weights when `cfg.precision` is bf16).
     One process outside a process group is not wrapped."""
     strategy, W, root = getattr(cfg, "strategy", "ddp"), acc.num_processes, StepModule(module)
-    if getattr(cfg, "activation_checkpointing", False): checkpoint_layers(module)   # before sharding: FSDP2 hooks stay outside
+    # before sharding: FSDP2 hooks stay outside
+    if getattr(cfg, "activation_checkpointing", False): checkpoint_layers(module)
     if W > 1 and strategy == "ddp":
         dev = [acc.local_process_index] if acc.device.type == "cuda" else None
-        return Engine(DDP(root, device_ids=dev, broadcast_buffers=False, find_unused_parameters=True), module, strategy, W, True)
+        return Engine(
+            DDP(root, device_ids=dev, broadcast_buffers=False, find_unused_parameters=True), module, strategy, W, True
+        )
     if strategy == "fsdp" and distributed():                   # also one process in a process group (the GPU bench)
         mesh = init_device_mesh(acc.device.type, (W,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if getattr(cfg, "precision", "fp32") == "bf16" else None,
@@ -192,7 +200,8 @@ def param_checksum(params, acc, sharded: bool) -> list[float]:
         torch.distributed.all_reduce(t)
         return [float(t)] * acc.num_processes
     g = acc.gather(t.to(acc.device)).cpu() if acc.num_processes > 1 else t
-    if not bool((g == g[0]).all()): raise RuntimeError(f"parameters differ across ranks after training: checksums {g.tolist()}")
+    if not bool((g == g[0]).all()):
+        raise RuntimeError(f"parameters differ across ranks after training: checksums {g.tolist()}")
     return g.tolist()
 
 def full_state_dict(eng: Engine) -> dict | None:
@@ -221,7 +230,8 @@ def load_shards(eng: Engine, opt, path) -> None:
 # %% ../nbs/15_engine.ipynb #a1173289
 def peak_memory_mb(device=None) -> float:
     "Peak accelerator memory allocated (CUDA), else this process's peak resident set (VmHWM), in MB."
-    if device is not None and torch.device(device).type == "cuda": return torch.cuda.max_memory_allocated(device) / 2**20
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
     try:
         for line in open("/proc/self/status"):
             if line.startswith("VmHWM:"): return int(line.split()[1]) / 1024

@@ -39,12 +39,18 @@ def bootstrap_mean(x, n_boot: int = 2000, seed: int = 0) -> dict:
     if not len(x): return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0}
     idx = np.random.default_rng(seed).integers(0, len(x), (n_boot, len(x)))        # [n_boot, N]
     bs = x[idx].mean(1)
-    return {"mean": float(x.mean()), "lo": float(np.percentile(bs, 2.5)), "hi": float(np.percentile(bs, 97.5)), "n": len(x)}
+    return {
+        "mean": float(x.mean()),
+        "lo": float(np.percentile(bs, 2.5)),
+        "hi": float(np.percentile(bs, 97.5)),
+        "n": len(x),
+    }
 
 def paired_delta(base, other, n_boot: int = 2000, seed: int = 0) -> dict:
     "`other − base` over the same programs (bools or scores) with a paired 95% bootstrap interval."
     a, b = np.asarray(base, np.float64), np.asarray(other, np.float64)
-    if a.shape != b.shape: raise ValueError(f"paired_delta: {a.shape} vs {b.shape}: the two runs must cover the same programs")
+    if a.shape != b.shape:
+        raise ValueError(f"paired_delta: {a.shape} vs {b.shape}: the two runs must cover the same programs")
     return bootstrap_mean(b - a, n_boot, seed)
 
 def within_noise(d: dict) -> bool:
@@ -75,8 +81,11 @@ def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_toke
              desc: str = "eval", generate_fn=None) -> dict:
     "Greedy output prediction on `rows`; returns `{accuracy, ci, format_valid, n, seconds, records}` (+ `latents` per row when the rollouts carry them)."
     if model is not None: model.eval()
-    gen = generate_fn or (lambda prompts: generate_text(model, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                                                         max_new_tokens=max_new_tokens))
+    gen = generate_fn or (
+        lambda prompts: generate_text(
+            model, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=max_new_tokens
+        )
+    )
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["code"]))   # similar lengths batch together
     recs, lat, t0 = [None] * len(rows), [None] * len(rows), time.time()
     for s in tqdm(range(0, len(rows), batch_size), desc=desc, disable=not progress):
@@ -85,20 +94,36 @@ def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_toke
         for k, i in enumerate(idx):
             text = tok.decode(ro.completion_ids[k])
             r, p = rows[i], parse_trace(text)
-            recs[i] = {"id": r.get("id"), "n_line_frames": true_line_frames(r), "truth": r["output"], "generated": text,
-                       "forward_passes": ro.forward_passes, "n_tokens": len(ro.completion_ids[k]), **_score_parsed(p, r["output"]),
-                       "parse_error": p.error, "frames": frames_json(p.frames)}
+            recs[i] = {
+                "id": r.get("id"),
+                "n_line_frames": true_line_frames(r),
+                "truth": r["output"],
+                "generated": text,
+                "forward_passes": ro.forward_passes,
+                "n_tokens": len(ro.completion_ids[k]),
+                **_score_parsed(p, r["output"]),
+                "parse_error": p.error,
+                "frames": frames_json(p.frames),
+            }
             if ro.latents is not None: lat[i] = ro.latents[k]
     n, ci = len(rows), bootstrap_mean([r["correct"] for r in recs])
-    out = {"accuracy": sum(r["correct"] for r in recs) / max(n, 1), "ci": [ci["lo"], ci["hi"]],
-           "format_valid": sum(r["well_formed"] for r in recs) / max(n, 1), "n": n, "seconds": time.time() - t0, "records": recs}
+    out = {
+        "accuracy": sum(r["correct"] for r in recs) / max(n, 1),
+        "ci": [ci["lo"], ci["hi"]],
+        "format_valid": sum(r["well_formed"] for r in recs) / max(n, 1),
+        "n": n,
+        "seconds": time.time() - t0,
+        "records": recs,
+    }
     if any(z is not None for z in lat): out["latents"] = lat
     return out
 
 def results_table(results: dict[str, dict], title: str = "") -> str:
     "A markdown table of `{name: evaluate(...) result}`."
-    lines = ([f"**{title}**", ""] if title else []) + ["| model | pass@1 (greedy) | 95% CI | format valid | n | eval s |",
-                                                       "|---|---:|---:|---:|---:|---:|"]
+    lines = ([f"**{title}**", ""] if title else []) + [
+        "| model | pass@1 (greedy) | 95% CI | format valid | n | eval s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         ci = r.get("ci") or [float("nan")] * 2
         lines.append(f"| {name} | {r['accuracy']:.1%} | {ci[0]:.1%}–{ci[1]:.1%} | {r['format_valid']:.1%} | {r['n']} | {r['seconds']:.1f} |")
@@ -107,7 +132,8 @@ def results_table(results: dict[str, dict], title: str = "") -> str:
 # %% ../nbs/21_evaluate.ipynb #b8291feb
 def save_records(result: dict, path):
     "Write `result['records']` (one JSON object per line) to `path`; returns the path."
-    if "records" not in result: raise ValueError(f"save_records({path}): the result has no 'records' (not an `evaluate` result?)")
+    if "records" not in result:
+        raise ValueError(f"save_records({path}): the result has no 'records' (not an `evaluate` result?)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -157,14 +183,20 @@ def load_policy(path, max_new_tokens: int = 384, dtype="fp32", device="cpu"):
     if LatentModel.is_latent_dir(path):
         lm, tok = LatentModel.load(path, dtype=dtype, device=device)
         lm.eval()
-        fn = lambda prompts: generate_latent(lm, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=max_new_tokens)
+        fn = lambda prompts: generate_latent(
+            lm, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=max_new_tokens
+        )
         return tok, fn, "latent"
     model, tok = load_model(path, dtype=dtype, device=device)
     model.eval()
-    fn = lambda prompts: generate_text(model, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=max_new_tokens)
+    fn = lambda prompts: generate_text(
+        model, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=max_new_tokens
+    )
     return tok, fn, "text"
 
-def evaluate_path(path, rows, max_new_tokens: int = 384, batch_size: int = 32, desc: str = "eval", progress: bool = True) -> dict:
+def evaluate_path(
+    path, rows, max_new_tokens: int = 384, batch_size: int = 32, desc: str = "eval", progress: bool = True
+) -> dict:
     "Evaluate the policy saved at `path` on `rows`."
     tok, fn, kind = load_policy(path, max_new_tokens)
     r = evaluate(None, tok, rows, batch_size=batch_size, desc=desc, progress=progress, generate_fn=fn)

@@ -59,7 +59,8 @@ def keyed_sample(logp: torch.Tensor, keys: torch.Tensor, t: int) -> torch.Tensor
     """One sample per row of `logp [B, V]` by the Gumbel-max trick with noise that is a pure function of
     (row key, decode step, token id): a row's samples do not depend on which other rows share its batch or process."""
     V, dev = logp.shape[-1], logp.device
-    if (V, dev) not in _VHASH: _VHASH[(V, dev)] = _hash32(torch.arange(V, device=dev, dtype=torch.int64) + 0x165667B1)  # [V]
+    # [V]
+    if (V, dev) not in _VHASH: _VHASH[(V, dev)] = _hash32(torch.arange(V, device=dev, dtype=torch.int64) + 0x165667B1)
     k = keys.to(torch.int64)
     h = _hash32(_hash32(_hash32(k) ^ (k >> 32)) + t * 0x27D4EB2F)                      # [B] (all 62 key bits used)
     u = (_hash32(h[:, None] ^ _VHASH[(V, dev)][None]).to(torch.float64) + 0.5) / 2**32  # [B, V] in (0, 1)
@@ -143,7 +144,9 @@ def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, 
         cache, logits, passes = out_cache(out), head.logits(out.last_hidden_state[:, -1]), passes + 1
         next_pos = next_pos + 1
     comp, logp = _per_row(steps, B)
-    return Rollout(list(map(list, prompts)), comp, logp, temperature, [[] for _ in range(B)], [eos_id in c for c in comp], passes)
+    return Rollout(
+        list(map(list, prompts)), comp, logp, temperature, [[] for _ in range(B)], [eos_id in c for c in comp], passes
+    )
 
 # %% ../nbs/08_generate.ipynb #bd846753
 # Long on purpose: the latent decoder's state machine (text, <|latent_start|>, latent steps, <|latent_end|>) reads as
@@ -168,17 +171,22 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     cache, h, passes = out_cache(out), out.last_hidden_state[:, -1], 1     # h: [B, H]
     next_pos = pos[:, -1] + 1
     # state per row: 0 = sample a token from h; 1 = feed <ls>; 2..s+1 = feed prj(h); s+2 = feed <le>; s+3 = force <as>
-    starts = torch.tensor([bool(p) and p[-1] == sp.line_sep_id for p in prompts], device=dev)   # [B] prompt opens a block
+    # [B] prompt opens a block
+    starts = torch.tensor([bool(p) and p[-1] == sp.line_sep_id for p in prompts], device=dev)
     state = starts.long()                                                     # 1 = feed <|latent_start|> next
     blk = starts.long() - 1                                                   # [B] index of the current block
     done, rows = torch.zeros(B, dtype=torch.bool, device=dev), torch.arange(B, device=dev)   # rows: each slot's row
     steps, fed = [], []                              # per call: (rows, token, logprob, emitted); (rows, z, in a block)
     n_fed = torch.zeros(B, dtype=torch.long, device=dev)                       # text tokens emitted per row
     if forced is not None:
-        Fpad = torch.tensor([list(f) + [eos_id] * (max(map(len, forced)) + 1 - len(f)) for f in forced], device=dev)  # [B, N+1]
+        # [B, N+1]
+        Fpad = torch.tensor([list(f) + [eos_id] * (max(map(len, forced)) + 1 - len(f)) for f in forced], device=dev)
         f_len = torch.tensor([len(f) for f in forced], device=dev)
     else: Fpad = f_len = None
-    e_ls, e_le = lm.embed(torch.tensor([sp.latent_start_id], device=dev)), lm.embed(torch.tensor([sp.latent_end_id], device=dev))
+    e_ls, e_le = (
+        lm.embed(torch.tensor([sp.latent_start_id], device=dev)),
+        lm.embed(torch.tensor([sp.latent_end_id], device=dev)),
+    )
     T = temperature if temperature > 0 else 1.0
     noise = noise if temperature > 0 else None                                # greedy feeds μ
     kt, it = (torch.tensor(keys, device=dev) if keys is not None else None), 0
@@ -210,7 +218,8 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
             z = mu = lm.prj(h)                                                # [n, H]
             if noise is not None: z = mu + noise.sigma.to(mu.dtype) * _eps(mu, kt, it, generator)
             if latent_fn is not None: z = _by_row(latent_fn, rows, B, z, blk, state - 2)
-            if return_latents: fed.append((rows, z, in_block & ~done, None if noise is None else noise.log_density(z, mu)))
+            if return_latents:
+                fed.append((rows, z, in_block & ~done, None if noise is None else noise.log_density(z, mu)))
             inp = torch.where(in_block[:, None], z, inp)
         inp = torch.where((state == s + 2)[:, None], e_le, inp)
         col = (~done).long()[:, None]
@@ -245,8 +254,10 @@ def _per_row_latents(fed, B: int, s: int, H: int, density: bool = False) -> tupl
     if not fed: return [torch.zeros(0, s, H) for _ in range(B)], ([[] for _ in range(B)] if density else None)
     R, Z, M = (torch.cat(x) for x in list(zip(*fed))[:3])
     order = torch.sort(R[M].cpu(), stable=True).indices                        # row-major, call order within a row
-    Z, n = Z[M].float().cpu()[order], torch.bincount(R[M].cpu(), minlength=B).tolist()   # [C, H] vectors, per-row counts
-    keep = [c // s * s for c in n]                                              # a block cut by max_forward_passes is dropped
+    # [C, H] vectors, per-row counts
+    Z, n = Z[M].float().cpu()[order], torch.bincount(R[M].cpu(), minlength=B).tolist()
+    # a block cut by max_forward_passes is dropped
+    keep = [c // s * s for c in n]
     lat = [zb[:k].view(-1, s, H) for zb, k in zip(torch.split(Z, n), keep)]
     if not density: return lat, None
     D = torch.cat([f[3] for f in fed])[M].float().cpu()[order]                 # [C]

@@ -21,7 +21,8 @@ from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOf
 from .records import RunRecord
 from .config import ConfigError, VLLMConfig, teacher_dtype
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
-from .loop import PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student, generation_cycle, drain
+from .loop import (PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student,
+    generation_cycle, drain)
 from fastcore.basics import patch
 
 # %% auto #0
@@ -48,7 +49,9 @@ def dataset_completion(tok, row: dict, kind: str) -> dict:
     return {"prompt": p, "completion": comp, "latent_at": lat, "row": row}
 
 # %% ../nbs/19_gkd.ipynb #44d54b1a
-def resample_overlong(idx: list[int], fits, n: int, seed: int, step: int, max_rounds: int = 10, where: str = "") -> list[int]:
+def resample_overlong(
+    idx: list[int], fits, n: int, seed: int, step: int, max_rounds: int = 10, where: str = ""
+) -> list[int]:
     "Replace indices `i` with `not fits(i)` from the stream seeded `seed + 1`; at most `max_rounds` draws per slot."
     if all(fits(i) for i in idx): return list(idx)
     stream = torch.randperm(n, generator=torch.Generator().manual_seed((seed + 1) * 1_000_003 + step)).tolist()
@@ -66,12 +69,16 @@ def resample_overlong(idx: list[int], fits, n: int, seed: int, step: int, max_ro
                 used.add(c)
                 break
         else:
-            raise ValueError(f"truncation_strategy='delete'{where}: no example short enough after {max_rounds} draws from "
-                             f"the resample stream (seed {seed + 1}, step {step}); raise max_len or filter the data")
+            raise ValueError(
+                f"truncation_strategy='delete'{where}: no example short enough after {max_rounds} draws from "
+                f"the resample stream (seed {seed + 1}, step {step}); raise max_len or filter the data"
+            )
     return out
 
 # %% ../nbs/19_gkd.ipynb #05897d65
-def value_mask(completions: list[list[int]], arg_id: int, frame_id: int, N: int | None = None, device=None) -> torch.Tensor:
+def value_mask(
+    completions: list[list[int]], arg_id: int, frame_id: int, N: int | None = None, device=None
+) -> torch.Tensor:
     "`[B, N]` True at the tokens of each return value: after an `<|arg_sep|>`, up to and including the next `<|frame_sep|>`."
     N = N or max(1, max(map(len, completions)))
     c = completion_labels(completions, N)                                               # [B, N], -100 past each end
@@ -103,7 +110,8 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
         raise ValueError("value_weight needs a tokenizer with the trace tokens <|arg_sep|> and <|frame_sep|>")
     vm = (value_mask(C, *vid, N, policy.device) if vid else torch.zeros_like(mask)) & mask   # [B, N]
     parts = {}
-    for name, m in (("rest", mask & ~vm), ("value", vm)):                               # disjoint rows: the work of one pass
+    # disjoint rows: the work of one pass
+    for name, m in (("rest", mask & ~vm), ("value", vm)):
         if m.any(): parts[name] = generalized_jsd_from_hidden(h, policy.head, teacher_out, m, beta=beta,
                                                               temperature=temperature, tail=tail)
     n = sum(jm["n_tokens"] for _, jm in parts.values())
@@ -112,7 +120,8 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
     loss, metrics = jsd, {"jsd_loss": float(jsd), "n_tokens": n,
                           **{f"jsd_{k}": parts[k][1]["loss"] if k in parts else 0.0 for k in w},
                           "value_tokens": parts["value"][1]["n_tokens"] if "value" in parts else 0.0}
-    if sft_alpha > 0 and not on_policy:                                                 # never on the student's own samples
+    # never on the student's own samples
+    if sft_alpha > 0 and not on_policy:
         ce, _ = sft_loss(h, policy.head, torch.where(mask, completion_labels(C, N, policy.device), IGNORE_INDEX))
         loss = loss + sft_alpha * ce
         metrics["sft_loss"] = ce.item()
@@ -153,8 +162,9 @@ def make_teacher(cfg: GKDConfig, policy: Policy, acc=None) -> Teacher:
     "The teacher `cfg.teacher` names; a frozen model's decoder layers sharded over the processes under FSDP2."
     k = cfg.topk or None
     if cfg.teacher == "self": return SelfTeacher(policy, k)
-    if cfg.teacher == "base":   # the student with its LoRA adapters off: the frozen base, no second copy
-        if not cfg.lora_r: raise ConfigError("teacher = 'base' is the student without its LoRA adapters: set lora_r > 0")
+    if cfg.teacher == "base":  # the student with its LoRA adapters off: the frozen base, no second copy
+        if not cfg.lora_r:
+            raise ConfigError("teacher = 'base' is the student without its LoRA adapters: set lora_r > 0")
         return AdapterOffTeacher(policy, k)
     if cfg.teacher.startswith(("http://", "https://")):
         if not k: raise ValueError("GKDConfig.teacher is an HTTP server: set topk > 0 (servers return top-k logprobs)")
@@ -175,20 +185,39 @@ def _record_logprobs(rec, step, policy, items, teacher_out, temperature, hidden,
         it = items[:n]
         C, LA = [x["completion"] for x in it], [x["latent_at"] for x in it]
         lab = completion_labels(C, hidden.shape[1], policy.device)                      # [n, N]
-        lp = token_logprobs(hidden[:len(it)], policy.head, lab, temperature)             # [n, N] (head only, no forward)
+        # [n, N] (head only, no forward)
+        lp = token_logprobs(hidden[:len(it)], policy.head, lab, temperature)
         if teacher_out.is_topk:   # teacher logprob of the token when it is in the top-k, else nan
             hit = teacher_out.topk_ids[:len(it), :lp.shape[1]] == lab.clamp(min=0)[..., None]
-            tl = torch.where(hit, teacher_out.topk_logprobs[:len(it), :lp.shape[1]], torch.tensor(float("-inf"))).amax(-1)
+            tl = torch.where(
+                hit, teacher_out.topk_logprobs[: len(it), : lp.shape[1]], torch.tensor(float("-inf"))
+            ).amax(-1)
             tl = torch.where(torch.isfinite(tl), tl, torch.tensor(float("nan")))
         else:
-            tl = torch.log_softmax(teacher_out.logits[:len(it), :lp.shape[1]].float() / temperature, -1).gather(-1, lab.clamp(min=0)[..., None]).squeeze(-1)
+            tl = (
+                torch.log_softmax(teacher_out.logits[: len(it), : lp.shape[1]].float() / temperature, -1)
+                .gather(-1, lab.clamp(min=0)[..., None])
+                .squeeze(-1)
+            )
         mask = sampled_mask(C, LA if policy.kind == "latent" else None, lp.shape[1])
     tok = policy.tok
     for b, x in enumerate(it):
         L = len(x["completion"])
-        rec.log(step=step, micro=0, row=b, tokens=[tok.convert_ids_to_tokens(t) if hasattr(tok, "convert_ids_to_tokens") else str(t) for t in x["completion"]],
-                logp=lp[b, :L].tolist(), logp_inf=[None if v != v else v for v in tl[b, :L].tolist()], mask=mask[b, :L].int().tolist(),
-                adv=0.0, reward=0.0, latent_at=x["latent_at"])
+        rec.log(
+            step=step,
+            micro=0,
+            row=b,
+            tokens=[
+                tok.convert_ids_to_tokens(t) if hasattr(tok, "convert_ids_to_tokens") else str(t)
+                for t in x["completion"]
+            ],
+            logp=lp[b, :L].tolist(),
+            logp_inf=[None if v != v else v for v in tl[b, :L].tolist()],
+            mask=mask[b, :L].int().tolist(),
+            adv=0.0,
+            reward=0.0,
+            latent_at=x["latent_at"],
+        )
 
 # %% ../nbs/19_gkd.ipynb #f0e0d1f3
 @dataclass
@@ -221,12 +250,24 @@ class GKDStep(PolicyStage):
                                  c.seed, step, c.max_resample_rounds, f" ({c.train}, max_len={c.max_len})")
 
     def micro_loss(self, step, part, idx):
-        if step not in self.buffer: self.fill(step)    # first micro-batch of a cycle (in the step module: weights gathered)
+        # first micro-batch of a cycle (in the step module: weights gathered)
+        if step not in self.buffer: self.fill(step)
         on, items = self.take(step, part)
         tout = self.score(items)
         c = self.cfg
-        loss, m = gkd_loss(self.policy, self.teacher, items, beta=c.beta, temperature=c.temperature, sft_alpha=c.sft_alpha,
-                           on_policy=on, tail=c.tail, teacher_out=tout, return_hidden=True, value_weight=c.value_weight)
+        loss, m = gkd_loss(
+            self.policy,
+            self.teacher,
+            items,
+            beta=c.beta,
+            temperature=c.temperature,
+            sft_alpha=c.sft_alpha,
+            on_policy=on,
+            tail=c.tail,
+            teacher_out=tout,
+            return_hidden=True,
+            value_weight=c.value_weight,
+        )
         h = m.pop("hidden")
         if c.record_every and step % c.record_every == 0 and self.calls[step] == 0 and self.acc.is_main_process:
             _record_logprobs(self.rec, step, self.policy, items, tout, c.temperature, h)
@@ -275,7 +316,8 @@ def sample(self: GKDStep, steps: list[int], mine: dict) -> None:
         self.timing["sync_s"] += time.time() - ts
         ro = self.engine.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys)
     else:
-        with gathered_weights(policy.module): ro = policy.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, keys=keys)
+        with gathered_weights(policy.module):
+            ro = policy.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, keys=keys)
     policy.module.train()
     for it, c, la in zip(flat, ro.completion_ids, ro.latent_at):
         it.update(completion=c, latent_at=la if policy.kind == "latent" else [])
@@ -287,7 +329,8 @@ def sample(self: GKDStep, steps: list[int], mine: dict) -> None:
 def take(self: GKDStep, step: int, part: list[int]) -> tuple[bool, list[dict]]:
     "This micro-batch's items from the buffer (they must be the loop's `part`: the buffer follows the data order)."
     on, mine = self.buffer[step]
-    a = self.calls[step] = self.calls.get(step, -1) + 1                              # micro-batch number within the step
+    # micro-batch number within the step
+    a = self.calls[step] = self.calls.get(step, -1) + 1
     items = mine[a * len(part):(a + 1) * len(part)]
     if [x["idx"] for x in items] != list(part):
         raise RuntimeError(f"GKD buffer out of step with the training loop at step {step}, micro-batch {a}")
@@ -310,9 +353,14 @@ def metrics(self: GKDStep, step: int) -> dict:
     return dict(drain(self.timing), generations=float(self.generations))
 
 @patch
-def state(self: GKDStep) -> dict:   # rows are restored from the data on resume (not pickled)
-    return {"buffer": {s: (on, [{k: v for k, v in it.items() if k != "row"} for it in items]) for s, (on, items) in self.buffer.items()},
-            "token_counts": dict(self.token_counts)}
+def state(self: GKDStep) -> dict:  # rows are restored from the data on resume (not pickled)
+    return {
+        "buffer": {
+            s: (on, [{k: v for k, v in it.items() if k != "row"} for it in items])
+            for s, (on, items) in self.buffer.items()
+        },
+        "token_counts": dict(self.token_counts),
+    }
 
 @patch
 def load_state(self: GKDStep, st: dict) -> None:
@@ -331,7 +379,8 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     lora_student(cfg, policy.lm, policy.module)
-    if cfg.lora_r and cfg.use_vllm: raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
+    if cfg.lora_r and cfg.use_vllm:
+        raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     teacher = make_teacher(cfg, policy, acc)
     check_vocab(policy.tok, teacher, policy.head_weight.shape[0])     # refuse mismatched vocabularies at start-up
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
@@ -342,9 +391,20 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
               f"({type(teacher).__name__}), λ={cfg.lmbda}, β={cfg.beta}, {len(data)} rows, {cfg.steps} steps × {cfg.batch_size}")
     stage = GKDStep(cfg, acc, policy, teacher, data, engine)
     res = train_loop(stage, progress)
-    summary = {"steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"],
-               "rows": len(data), "teacher": cfg.teacher, "time_split_s": res["totals"], "generations": stage.generations,
-               **{f"final_{k}": v for k, v in res["last"].items()}}
+    summary = {
+        "steps": cfg.steps,
+        "train_seconds": res["train_seconds"],
+        "param_checksums": res["param_checksums"],
+        "rows": len(data),
+        "teacher": cfg.teacher,
+        "time_split_s": res["totals"],
+        "generations": stage.generations,
+        **{f"final_{k}": v for k, v in res["last"].items()},
+    }
     final = finish_run(stage, summary, engine=res["engine"])
-    log0(acc, f"gkd done in {res['train_seconds']:.0f}s: " + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k))
+    log0(
+        acc,
+        f"gkd done in {res['train_seconds']:.0f}s: "
+        + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k),
+    )
     return final

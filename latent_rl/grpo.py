@@ -19,8 +19,17 @@ from .models import n_params
 from .records import RunRecord
 from .config import ConfigError, VLLMConfig
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
-from .loop import (PolicyStage, train_loop, finish_run, write_config, load_traced, lora_student, generation_cycle, drain,
-                            batch_indices)
+from latent_rl.loop import (
+    PolicyStage,
+    train_loop,
+    finish_run,
+    write_config,
+    load_traced,
+    lora_student,
+    generation_cycle,
+    drain,
+    batch_indices,
+)
 from fastcore.basics import patch
 
 # %% auto #0
@@ -43,18 +52,22 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     LA = [s["latent_at"] for s in samples] if policy.kind == "latent" else None
     Z = [s["latents"] for s in samples] if LA is not None and all("latents" in s for s in samples) else None
     SZ = [s["latent_lp"] for s in samples] if Z is not None and all("latent_lp" in s for s in samples) else None
-    if SZ is not None: logp, ld, lmask = policy.sampled_logprobs(P, C, LA, Z, temperature, pathwise=latent_pathwise)  # [B, N], [B, M]×2
+    # [B, N], [B, M]×2
+    if SZ is not None: logp, ld, lmask = policy.sampled_logprobs(P, C, LA, Z, temperature, pathwise=latent_pathwise)
     else: logp, _ = policy.logprobs(P, C, LA, temperature, latents=Z)                   # [B, N] (Z: truncated replay)
     st = policy.replay_stats if LA is not None and Z is None else {}                    # an exact latent replay's cost
     N, dev = logp.shape[1], logp.device
     mask = sampled_mask(C, LA, N, dev)                                                  # [B, N]
-    li = pad_to([s["logp_inf"] for s in samples], N, 1.0).to(dev)                       # [B, N]; 1.0 = placeholder (seed)
+    # [B, N]; 1.0 = placeholder (seed)
+    li = pad_to([s["logp_inf"] for s in samples], N, 1.0).to(dev)
     A = torch.tensor([s["adv"] for s in samples], device=dev)                           # [B]
     ref_lp = None
     if kl_beta:
         if ref is None: raise ValueError("kl_beta > 0 needs the reference policy (ref)")
-        with torch.no_grad(), gathered_weights(ref.module):   # sharded: gathered once (a latent replay's call count differs by rank)
-            if SZ is not None: ref_lp = ref.sampled_logprobs(P, C, LA, Z, temperature)[0]   # [B, N] (the text tokens' KL)
+        # sharded: gathered once (a latent replay's call count differs by rank)
+        with torch.no_grad(), gathered_weights(ref.module):
+            # [B, N] (the text tokens' KL)
+            if SZ is not None: ref_lp = ref.sampled_logprobs(P, C, LA, Z, temperature)[0]
             else: ref_lp, _ = ref.logprobs(P, C, LA, temperature, latents=Z)           # [B, N]
     loss, m = grpo_loss(logp, li, A, mask, eps_low=eps_low, eps_high=eps_high, norm=norm, token_count=token_count,
                         logp_ref=ref_lp, kl_beta=kl_beta)
@@ -62,10 +75,13 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
         lat, lm_ = grpo_loss(ld, pad_to(SZ, ld.shape[1], 0.0).to(dev), A, lmask, eps_low=eps_low, eps_high=eps_high,
                              norm=norm, token_count=latent_count, densities=True)
         loss = loss + lat
-        m.update({f"latent_{k}": lm_[k] for k in ("loss", "ratio_mean", "clip_frac_low", "clip_frac_high", "align_abs_max")},
-                 latent_logp=float(ld.detach()[lmask].mean()) if lmask.any() else 0.0,
-                 latent_sigma=float(policy.model.noise.sigma.detach().mean()))
-    with torch.no_grad():                                                               # the ratio split by advantage sign
+        m.update(
+            {f"latent_{k}": lm_[k] for k in ("loss", "ratio_mean", "clip_frac_low", "clip_frac_high", "align_abs_max")},
+            latent_logp=float(ld.detach()[lmask].mean()) if lmask.any() else 0.0,
+            latent_sigma=float(policy.model.noise.sigma.detach().mean()),
+        )
+    # the ratio split by advantage sign
+    with torch.no_grad():
         r = torch.exp((logp - li).clamp(-20, 20))
         for name, sel in (("pos", mask & (A > 0)[:, None]), ("neg", mask & (A < 0)[:, None])):
             m[f"ratio_mean_{name}"] = float(r[sel].mean()) if sel.any() else 1.0
@@ -125,13 +141,19 @@ class GRPOStep(PolicyStage):
     def __post_init__(self):
         self.module, self.n_examples = self.policy.module, len(self.rows)
         self.truncated = self.cfg.replay == "truncated" and self.policy.kind == "latent"   # replay recorded latents
-        self.stochastic = self.policy.kind == "latent" and self.policy.model.noise is not None  # z sampled, replayed as actions
-        self.latent_counts: dict = {}                          # step -> the global batch's fed latent vectors (norm = token)
+        # z sampled, replayed as actions
+        self.stochastic = self.policy.kind == "latent" and self.policy.model.noise is not None
+        # step -> the global batch's fed latent vectors (norm = token)
+        self.latent_counts: dict = {}
         on = self.acc.is_main_process and self.cfg.record_every > 0
-        self.rec_lp, self.rec_ro = RunRecord(self.cfg.out, on, "logprobs.jsonl"), RunRecord(self.cfg.out, on, "rollouts.jsonl")
+        self.rec_lp, self.rec_ro = (
+            RunRecord(self.cfg.out, on, "logprobs.jsonl"),
+            RunRecord(self.cfg.out, on, "rollouts.jsonl"),
+        )
 
     def micro_loss(self, step, part, idx):
-        if step not in self.buffer: self.fill(step)    # first micro-batch of a cycle (in the step module: weights gathered)
+        # first micro-batch of a cycle (in the step module: weights gathered)
+        if step not in self.buffer: self.fill(step)
         smp, c = self.take(step, part), self.cfg
         loss, m = grpo_micro_loss(self.policy, smp, eps_low=c.eps_low, eps_high=c.eps_high, norm=c.norm,
                                   token_count=self.token_counts[step] if c.norm == "token" else None,
@@ -166,10 +188,23 @@ class GRPOStep(PolicyStage):
         texts = [self.policy.tok.decode(c) for c in ro.completion_ids]
         R, parts = self.rewards(texts, flat)
         adv, am = self.advantages(R, gather=rnd == 0)
-        samples = [{"prompt": self.prompts[i], "completion": c, "latent_at": la if latent else [], "logp_inf": lp, "adv": a,
-                    "reward": r, "idx": i, "step": s, "text": t, "parts": {k: v[n] for k, v in parts.items()}}
-                   for n, ((s, i, _), c, la, lp, a, r, t) in enumerate(zip(flat, ro.completion_ids, ro.latent_at or [[]] * len(flat),
-                                                                           ro.logprobs, adv, R, texts))]
+        samples = [
+            {
+                "prompt": self.prompts[i],
+                "completion": c,
+                "latent_at": la if latent else [],
+                "logp_inf": lp,
+                "adv": a,
+                "reward": r,
+                "idx": i,
+                "step": s,
+                "text": t,
+                "parts": {k: v[n] for k, v in parts.items()},
+            }
+            for n, ((s, i, _), c, la, lp, a, r, t) in enumerate(
+                zip(flat, ro.completion_ids, ro.latent_at or [[]] * len(flat), ro.logprobs, adv, R, texts)
+            )
+        ]
         if self.truncated or self.stochastic:
             for x, z in zip(samples, ro.latents): x["latents"] = z
         if self.stochastic:
@@ -189,13 +224,29 @@ def rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
         self.timing["sync_s"] += time.time() - ts
     t0 = time.time()
     if self.engine is not None:
-        ro = self.engine.generate(P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, eos_id=policy.eos_id,
-                                  seeds=keys) if P else None
+        ro = (
+            self.engine.generate(
+                P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys
+            )
+            if P
+            else None
+        )
     else:
         policy.module.eval()
-        with gathered_weights(policy.module):          # every rank enters (FSDP2 gathers), also one with nothing to sample
-            ro = policy.generate(P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, keys=keys,
-                                 return_latents=self.truncated or self.stochastic, latent_noise=self.stochastic) if P else None
+        # every rank enters (FSDP2 gathers), also one with nothing to sample
+        with gathered_weights(policy.module):
+            ro = (
+                policy.generate(
+                    P,
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    keys=keys,
+                    return_latents=self.truncated or self.stochastic,
+                    latent_noise=self.stochastic,
+                )
+                if P
+                else None
+            )
         policy.module.train()
     self.timing["gen_s"] += time.time() - t0
     if ro is not None: self.stats["gen_tokens"] += sum(map(len, ro.completion_ids))
@@ -268,7 +319,8 @@ def take(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
     a = self.calls[step] = self.calls.get(step, -1) + 1
     smp = self.buffer[step][a * len(part) * G:(a + 1) * len(part) * G]
     ok = len(smp) == len(part) * G if self.cfg.dynamic_sampling else [x["idx"] for x in smp[::G]] == list(part)
-    if not ok: raise RuntimeError(f"GRPO rollout buffer out of step with the training loop at step {step}, micro-batch {a}")
+    if not ok:
+        raise RuntimeError(f"GRPO rollout buffer out of step with the training loop at step {step}, micro-batch {a}")
     return smp
 
 @patch
@@ -294,19 +346,41 @@ def record_logprobs(self: GRPOStep, step: int, smp: list[dict], lp: torch.Tensor
     "A few sequences' (training, inference) logprob pairs for the inspectors (`logprobs.jsonl`)."
     for b, x in enumerate(smp[:4]):
         L = len(x["completion"])
-        self.rec_lp.log(step=step, micro=0, row=b, tokens=_tok_strs(self.policy.tok, x["completion"]), logp=lp[b, :L].tolist(),
-                        logp_inf=list(x["logp_inf"]), mask=mk[b, :L].int().tolist(), adv=x["adv"], reward=x["reward"],
-                        latent_at=x["latent_at"])
+        self.rec_lp.log(
+            step=step,
+            micro=0,
+            row=b,
+            tokens=_tok_strs(self.policy.tok, x["completion"]),
+            logp=lp[b, :L].tolist(),
+            logp_inf=list(x["logp_inf"]),
+            mask=mk[b, :L].int().tolist(),
+            adv=x["adv"],
+            reward=x["reward"],
+            latent_at=x["latent_at"],
+        )
 
 @patch
 def record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
     "Two whole groups of the cycle with their rewards and advantages (`rollouts.jsonl`)."
     for g, grp in enumerate(groups[:2]):
         row = self.rows[grp[0]["idx"]]
-        self.rec_ro.log(step=c0, group=g, prompt=row_prompt(row), truth=row["output"],
-                        samples=[{"text": x["text"], "tokens": _tok_strs(self.policy.tok, x["completion"]), "reward": x["reward"],
-                                  "adv": x["adv"], "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
-                                  "latent_at": x["latent_at"]} for x in grp])
+        self.rec_ro.log(
+            step=c0,
+            group=g,
+            prompt=row_prompt(row),
+            truth=row["output"],
+            samples=[
+                {
+                    "text": x["text"],
+                    "tokens": _tok_strs(self.policy.tok, x["completion"]),
+                    "reward": x["reward"],
+                    "adv": x["adv"],
+                    "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
+                    "latent_at": x["latent_at"],
+                }
+                for x in grp
+            ],
+        )
 
 # %% ../nbs/20_grpo.ipynb #847da692
 def reward_rise(rows: list[dict], key: str = "reward_mean", frac: float = 0.1) -> dict:
@@ -327,24 +401,34 @@ def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
     hist = [r for r in RunRecord.read(Path(cfg.out) / "metrics.jsonl") if "step" in r] if acc.is_main_process else []
     tot, done = res["totals"], max(1, cfg.steps - res.get("start", 0))
     gen, step_s = tot.get("gen_s", 0.0), tot.get("step_s", 0.0)
-    return {"steps": cfg.steps, "wall_s": wall_s, "mean_step_s": step_s / done,
-            "gen_share": gen / max(1e-9, step_s), "sync_s": tot.get("sync_s", 0.0),
-            "rollout_tokens_per_s": stage.stats["gen_tokens"] / max(1e-9, gen) if gen else 0.0,
-            "train_tokens_per_s": stage.stats["train_tokens"] / max(1e-9, tot.get("train_s", 0.0)),  # forward + backward
-            "peak_mem_mb": peak_memory_mb(acc.device),
-            "reward_first": hist[0].get("reward_mean") if hist else None, "reward_last": hist[-1].get("reward_mean") if hist else None,
-            **{f"reward_rise_{k}": v for k, v in reward_rise(hist).items()}}
+    return {
+        "steps": cfg.steps,
+        "wall_s": wall_s,
+        "mean_step_s": step_s / done,
+        "gen_share": gen / max(1e-9, step_s),
+        "sync_s": tot.get("sync_s", 0.0),
+        "rollout_tokens_per_s": stage.stats["gen_tokens"] / max(1e-9, gen) if gen else 0.0,
+        # forward + backward
+        "train_tokens_per_s": stage.stats["train_tokens"] / max(1e-9, tot.get("train_s", 0.0)),
+        "peak_mem_mb": peak_memory_mb(acc.device),
+        "reward_first": hist[0].get("reward_mean") if hist else None,
+        "reward_last": hist[-1].get("reward_mean") if hist else None,
+        **{f"reward_rise_{k}": v for k, v in reward_rise(hist).items()},
+    }
 
 def stochastic_latents(cfg: GRPOConfig, policy: Policy) -> None:
     "Give a latent policy its noise scale (`latent_sigma`; a saved one is kept) and make σ trainable (`latent_sigma_learn`)."
     if policy.kind != "latent":
-        if cfg.latent_sigma or cfg.latent_sigma_learn: raise ConfigError("latent_sigma: a text policy has no latent vectors")
+        if cfg.latent_sigma or cfg.latent_sigma_learn:
+            raise ConfigError("latent_sigma: a text policy has no latent vectors")
         return
     if cfg.latent_sigma: policy.model.set_noise(cfg.latent_sigma, cfg.latent_sigma_learn)
     elif policy.model.noise is not None: policy.model.noise.log_sigma.requires_grad_(cfg.latent_sigma_learn)
     elif cfg.latent_sigma_learn: raise ConfigError("latent_sigma_learn needs a noise scale: set latent_sigma > 0")
     if policy.model.noise is not None and cfg.temperature <= 0:
-        raise ConfigError("stochastic latents sample at temperature > 0 (greedy rollouts would feed μ): raise temperature")
+        raise ConfigError(
+            "stochastic latents sample at temperature > 0 (greedy rollouts would feed μ): raise temperature"
+        )
 
 def reference_policy(cfg: GRPOConfig, acc) -> Policy:
     "The starting policy, frozen, for the KL penalty (`kl_beta`): decoder layers sharded under `--strategy fsdp`."
@@ -356,9 +440,12 @@ def reference_policy(cfg: GRPOConfig, acc) -> Policy:
 
 def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     "GRPO; returns `{out}/final` (a model directory of the policy's kind)."
-    if cfg.norm not in ("sequence", "token"): raise ValueError(f"GRPOConfig.norm must be 'sequence' or 'token', got {cfg.norm!r}")
-    if cfg.group_size < 2: raise ValueError("GRPOConfig.group_size must be >= 2 (advantages compare samples of a prompt)")
-    if cfg.dynamic_sampling < 0: raise ValueError(f"GRPOConfig.dynamic_sampling must be >= 0 (rounds), got {cfg.dynamic_sampling}")
+    if cfg.norm not in ("sequence", "token"):
+        raise ValueError(f"GRPOConfig.norm must be 'sequence' or 'token', got {cfg.norm!r}")
+    if cfg.group_size < 2:
+        raise ValueError("GRPOConfig.group_size must be >= 2 (advantages compare samples of a prompt)")
+    if cfg.dynamic_sampling < 0:
+        raise ValueError(f"GRPOConfig.dynamic_sampling must be >= 0 (rounds), got {cfg.dynamic_sampling}")
     if cfg.kl_beta < 0: raise ValueError(f"GRPOConfig.kl_beta must be >= 0, got {cfg.kl_beta}")
     if cfg.latent_sigma < 0: raise ValueError(f"GRPOConfig.latent_sigma must be >= 0, got {cfg.latent_sigma}")
     reward_fn = weighted(cfg.rewards)
@@ -367,7 +454,8 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     stochastic_latents(cfg, policy)
     lora_student(cfg, policy.lm, policy.module)
-    if cfg.lora_r and cfg.use_vllm: raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
+    if cfg.lora_r and cfg.use_vllm:
+        raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
     prompts = [encode(policy.tok, row_prompt(r)) for r in rows]
     engine = make_rollout_engine(cfg, policy) if cfg.use_vllm else None
@@ -380,5 +468,9 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     summary = {"train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], "prompts": len(rows),
                "benchmark": bench, **{f"final_{k}": v for k, v in res["last"].items()}}
     final = finish_run(stage, summary, engine=res["engine"])
-    log0(acc, "grpo benchmark summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in bench.items()))
+    log0(
+        acc,
+        "grpo benchmark summary: "
+        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in bench.items()),
+    )
     return final

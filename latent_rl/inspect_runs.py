@@ -56,7 +56,8 @@ def read_metrics(run_dir) -> list[dict]:
 
 def _check_lengths(p, i, r, keys):
     n = {k: len(r[k]) for k in keys if k in r}
-    if len(set(n.values())) > 1: raise ValueError(f"{p}: row {i}: fields must have one entry per token, got lengths {n}")
+    if len(set(n.values())) > 1:
+        raise ValueError(f"{p}: row {i}: fields must have one entry per token, got lengths {n}")
 
 # %% ../nbs/23_inspect.ipynb #8c2966b9
 def read_logprobs(run_dir, step: int | None = None) -> list[dict]:
@@ -81,7 +82,8 @@ def read_anchors(run_dir, step: int | None = None) -> list[dict]:
     rows = read_records(run_dir, "kd_anchors.jsonl", ("step", "ids", "layers", "dist"))
     p = Path(run_dir) / "kd_anchors.jsonl"
     for i, r in enumerate(rows, 1):
-        if len(r["ids"]) != len(r["dist"]): raise ValueError(f"{p}: row {i}: {len(r['ids'])} ids but {len(r['dist'])} 'dist' entries")
+        if len(r["ids"]) != len(r["dist"]):
+            raise ValueError(f"{p}: row {i}: {len(r['ids'])} ids but {len(r['dist'])} 'dist' entries")
     return _at(rows, step)
 
 def run_kind(run_dir) -> str:
@@ -311,8 +313,18 @@ def _text_lines(ax, lines, max_lines=40, width=110, hl=lambda s: "[latent" in s,
     if len(lines) > max_lines: shown = shown + [f"... {len(lines) - max_lines} more line(s)"]
     for i, s in enumerate(shown):                        # fixed line height in points, from the top of the panel
         s = s if len(s) <= width else s[:width - 3] + "..."
-        ax.annotate(s, (0.0, 1.0), xycoords="axes fraction", xytext=(0, -(i + 1) * size * 1.45), textcoords="offset points",
-                    family="monospace", fontsize=size, va="bottom", ha="left", color="tab:purple" if hl(s) else "black")
+        ax.annotate(
+            s,
+            (0.0, 1.0),
+            xycoords="axes fraction",
+            xytext=(0, -(i + 1) * size * 1.45),
+            textcoords="offset points",
+            family="monospace",
+            fontsize=size,
+            va="bottom",
+            ha="left",
+            color="tab:purple" if hl(s) else "black",
+        )
 
 def _int_steps(*axes):
     from matplotlib.ticker import MaxNLocator
@@ -403,8 +415,14 @@ class AlignmentInspector(Inspector):
         ax.scatter(x[m], y[m], s=9, alpha=0.5, color="tab:blue", label=f"scored tokens (n={int(m.sum())})")
         ok = ~m & ~lk
         ax.scatter(x[ok], y[ok], s=22, marker="+", color="0.45", label=f"masked (n={int(ok.sum())})")
-        ax.scatter(np.where(np.isfinite(x[lk]), x[lk], 0.0), np.nan_to_num(y[lk], nan=0.0, posinf=0.0, neginf=0.0), s=30,
-                   marker="x", color="tab:red", label=f"masked placeholder leaks (n={int(lk.sum())})")
+        ax.scatter(
+            np.where(np.isfinite(x[lk]), x[lk], 0.0),
+            np.nan_to_num(y[lk], nan=0.0, posinf=0.0, neginf=0.0),
+            s=30,
+            marker="x",
+            color="tab:red",
+            label=f"masked placeholder leaks (n={int(lk.sum())})",
+        )
         ax.axline((0, 0), slope=1, color="k", lw=0.8, ls="--", label="y = x")
         ax.set_xlabel(f"{other} log-prob (nats)")
         ax.set_ylabel(f"{mine} log-prob (nats)")
@@ -417,13 +435,26 @@ class AlignmentInspector(Inspector):
         ah.set_xlabel("logp - logp_inf (nats)")
         ah.set_ylabel("scored tokens")
         ah.set_title(f"differences at step {s}")
-        ah.text(0.98, 0.97, f"mean {st['mean']:+.3g}\nmean |.| {st['abs_mean']:.3g}\nmax |.| {st['abs_max']:.3g}\n"
-                f"n {st['n']}\nmasked {st['masked']}, leaks {st['leaks']}", transform=ah.transAxes, ha="right", va="top",
-                family="monospace", fontsize=8, bbox=dict(fc="white", alpha=0.8))
+        ah.text(
+            0.98,
+            0.97,
+            f"mean {st['mean']:+.3g}\nmean |.| {st['abs_mean']:.3g}\nmax |.| {st['abs_max']:.3g}\n"
+            f"n {st['n']}\nmasked {st['masked']}, leaks {st['leaks']}",
+            transform=ah.transAxes,
+            ha="right",
+            va="top",
+            family="monospace",
+            fontsize=8,
+            bbox=dict(fc="white", alpha=0.8),
+        )
         steps, sts = by_step(self.rows, alignment_stats)
         at.plot(steps, [q["abs_mean"] for q in sts], marker=".", label="mean |d| (records)")
         at.plot(steps, [q["abs_max"] for q in sts], marker=".", label="max |d| (records)")
-        lm = [(r["step"] - METRICS_STEP_OFFSET, r["align_abs_mean"]) for r in self.metrics if isinstance(r.get("align_abs_mean"), (int, float))]
+        lm = [
+            (r["step"] - METRICS_STEP_OFFSET, r["align_abs_mean"])
+            for r in self.metrics
+            if isinstance(r.get("align_abs_mean"), (int, float))
+        ]
         if lm: at.plot(*zip(*lm), ls="--", color="0.4", label="align_abs_mean (metrics)")
         at.axvline(s, color="tab:red", lw=0.8)
         at.set_xlabel("step")
@@ -449,7 +480,9 @@ class ClipInspector(Inspector):
     def refresh(self, update: bool = True):
         self.rows = read_logprobs(self.run) if (self.run / "logprobs.jsonl").exists() else []
         self.metrics = read_metrics(self.run) if (self.run / "metrics.jsonl").exists() else []
-        self.steps = steps_of(self.rows) or [s - METRICS_STEP_OFFSET for s in steps_of([r for r in self.metrics if "ratio_mean" in r])]
+        self.steps = steps_of(self.rows) or [
+            s - METRICS_STEP_OFFSET for s in steps_of([r for r in self.metrics if "ratio_mean" in r])
+        ]
         if not self.steps: raise ValueError(f"{self.run}: neither logprobs.jsonl rows nor ratio metrics to inspect")
         if update:
             self._hold = True
@@ -469,15 +502,23 @@ class ClipInspector(Inspector):
         if steps:
             for suf, lab, c in (("_pos", "A > 0", "tab:green"), ("_neg", "A < 0", "tab:red")):
                 ar.plot(steps, [q[f"ratio_mean{suf}"] for q in cs], marker=".", color=c, label=f"mean ratio, {lab}")
-            for side, suf, lab, c, active in (("below", "_pos", "below, A > 0", "tab:green", False), ("above", "_pos", "above, A > 0", "tab:green", True),
-                                              ("below", "_neg", "below, A < 0", "tab:red", True), ("above", "_neg", "above, A < 0", "tab:red", False)):
+            for side, suf, lab, c, active in (
+                ("below", "_pos", "below, A > 0", "tab:green", False),
+                ("above", "_pos", "above, A > 0", "tab:green", True),
+                ("below", "_neg", "below, A < 0", "tab:red", True),
+                ("above", "_neg", "above, A < 0", "tab:red", False),
+            ):
                 ac.plot(steps, [q[f"{side}{suf}"] for q in cs], marker="v" if side == "below" else "^", color=c,
                         ls="-" if active else ":", label=lab)
         for key, lab in (("ratio_mean", "ratio_mean (metrics)"),):
-            pts = [(r["step"] - METRICS_STEP_OFFSET, r[key]) for r in self.metrics if isinstance(r.get(key), (int, float))]
+            pts = [
+                (r["step"] - METRICS_STEP_OFFSET, r[key]) for r in self.metrics if isinstance(r.get(key), (int, float))
+            ]
             if pts: ar.plot(*zip(*pts), ls="--", color="0.4", label=lab)
         for key, mk in (("clip_frac_low", "v"), ("clip_frac_high", "^")):
-            pts = [(r["step"] - METRICS_STEP_OFFSET, r[key]) for r in self.metrics if isinstance(r.get(key), (int, float))]
+            pts = [
+                (r["step"] - METRICS_STEP_OFFSET, r[key]) for r in self.metrics if isinstance(r.get(key), (int, float))
+            ]
             if pts: ac.plot(*zip(*pts), ls="--", marker=mk, color="0.4", label=f"{key} (metrics)")
         ar.axhspan(lo, hi, color="0.9", zorder=0, label=f"clip band [{lo:g}, {hi:g}]")
         ar.axhline(1, color="k", lw=0.6)
@@ -498,18 +539,38 @@ class ClipInspector(Inspector):
             a_, b_ = min(lo - self.eps_low, np.quantile(r, 0.01)), max(hi + self.eps_high, np.quantile(r, 0.99))
             rc = np.clip(r, a_, b_)
             bins = np.linspace(a_, b_, 41)
-            ah.hist([rc[adv > 0], rc[adv < 0], rc[adv == 0]], bins=bins, stacked=True, color=["tab:green", "tab:red", "0.7"],
-                    label=[f"A > 0 (n={int((adv > 0).sum())})", f"A < 0 (n={int((adv < 0).sum())})", f"A = 0 (n={int((adv == 0).sum())})"])
+            ah.hist(
+                [rc[adv > 0], rc[adv < 0], rc[adv == 0]],
+                bins=bins,
+                stacked=True,
+                color=["tab:green", "tab:red", "0.7"],
+                label=[
+                    f"A > 0 (n={int((adv > 0).sum())})",
+                    f"A < 0 (n={int((adv < 0).sum())})",
+                    f"A = 0 (n={int((adv == 0).sum())})",
+                ],
+            )
             for v in (lo, hi): ah.axvline(v, color="k", ls="--", lw=0.8)
             q = clip_stats(rows, self.eps_low, self.eps_high)
-            ah.text(0.98, 0.97, f"below {q['below']:.3f}\nabove {q['above']:.3f}\nmean {q['ratio_mean']:.4f}\nn {q['n']}",
-                    transform=ah.transAxes, ha="right", va="top", family="monospace", fontsize=8, bbox=dict(fc="white", alpha=0.8))
+            ah.text(
+                0.98,
+                0.97,
+                f"below {q['below']:.3f}\nabove {q['above']:.3f}\nmean {q['ratio_mean']:.4f}\nn {q['n']}",
+                transform=ah.transAxes,
+                ha="right",
+                va="top",
+                family="monospace",
+                fontsize=8,
+                bbox=dict(fc="white", alpha=0.8),
+            )
             ah.legend(fontsize=7, loc="upper left")
         else: ah.text(0.5, 0.5, "no logprobs.jsonl rows at this step", ha="center", transform=ah.transAxes)
         ah.set_xlabel("ratio exp(logp - logp_inf)")
         ah.set_ylabel("scored tokens")
         ah.set_title(f"ratio histogram at step {s}")
-        fig.suptitle(f"{self.run.name}: GRPO ratios and clipping (eps_low={self.eps_low:g}, eps_high={self.eps_high:g})")
+        fig.suptitle(
+            f"{self.run.name}: GRPO ratios and clipping (eps_low={self.eps_low:g}, eps_high={self.eps_high:g})"
+        )
         return fig
 
 # %% ../nbs/23_inspect.ipynb #d2f67a5c
@@ -551,7 +612,11 @@ def latent_states(lm, tok, example: dict, topk: int = 5) -> dict:
         if hook is not None: hook.remove()
     # the vectors fed as latent inputs: the forward's own `latents` [B, K, s, H] where it returns them, else the
     # projector's outputs caught by a hook (one [1, H] call per latent step of each span, in order)
-    lat = o.latents[0] if native and getattr(o, "latents", None) is not None else torch.cat([c.reshape(1, -1) for c in caught])
+    lat = (
+        o.latents[0]
+        if native and getattr(o, "latents", None) is not None
+        else torch.cat([c.reshape(1, -1) for c in caught])
+    )
     lat = lat.reshape(K, s, -1).float()
     with torch.no_grad(): p = torch.softmax(lat @ lm.head_weight.float().T, -1)           # [K, s, V]
     pv, pi = p.topk(topk, -1)
@@ -560,13 +625,19 @@ def latent_states(lm, tok, example: dict, topk: int = 5) -> dict:
             "lens_tokens": [[[tok.decode([int(t)]) for t in row] for row in blk] for blk in pi.tolist()]}
 
 # %% ../nbs/23_inspect.ipynb #89129e0a
-FIG_W, MIN_PT = 12, 9.5  # the anchor figure's width (inches), its smallest text (points): >= 9 px in an 860-px output area
+# the anchor figure's width (inches), its smallest text (points): >= 9 px in an 860-px output area
+FIG_W, MIN_PT = 12, 9.5
 
 class AnchorInspector(Inspector):
     "A CODI example's trace with latent blocks marked, its span × layer KD-distance heatmap, and (live) a logit lens."
-    def __init__(self, run_dir=None, model=None, rows=None, topk: int = 5, max_len: int | None = None, max_examples: int = 32):
+
+    def __init__(
+        self, run_dir=None, model=None, rows=None, topk: int = 5, max_len: int | None = None, max_examples: int = 32
+    ):
         import ipywidgets as W
-        if run_dir is None and model is None: raise ValueError("AnchorInspector needs a run directory (kd_anchors.jsonl) or a model")
+
+        if run_dir is None and model is None:
+            raise ValueError("AnchorInspector needs a run directory (kd_anchors.jsonl) or a model")
         self.run = Path(run_dir) if run_dir is not None else None
         self.model, self.rows_src, self.topk, self.max_examples = model, rows, topk, max_examples
         self.cfg = read_config(self.run) if self.run else {}
@@ -574,19 +645,31 @@ class AnchorInspector(Inspector):
         self._lm = self._tok = None
         self._live, self._rows = {}, {}
         self.refresh(False)
-        self.slider = _steps_slider(self.steps) if self.steps else W.IntSlider(value=0, min=0, max=0, description="step", disabled=True)
-        self.example = W.Dropdown(options=self.ids_at(self.slider.value), description="example", layout=W.Layout(width="260px"))
-        self.slider.observe(self._step_changed, names="value")            # before update(): the example list follows the step
+        self.slider = (
+            _steps_slider(self.steps)
+            if self.steps
+            else W.IntSlider(value=0, min=0, max=0, description="step", disabled=True)
+        )
+        self.example = W.Dropdown(
+            options=self.ids_at(self.slider.value), description="example", layout=W.Layout(width="260px")
+        )
+        # before update(): the example list follows the step
+        self.slider.observe(self._step_changed, names="value")
         ctrls = {"step": self.slider, "example": self.example}
         if model is not None:
-            self.source = W.ToggleButtons(options=["records", "live"] if self.records else ["live"], description="source",
-                                          style={"button_width": "72px"},   # the label beside its buttons
-                                          layout=W.Layout(width="auto", display="flex", flex_flow="row", align_items="center"))
+            self.source = W.ToggleButtons(
+                options=["records", "live"] if self.records else ["live"],
+                description="source",
+                style={"button_width": "72px"},  # the label beside its buttons
+                layout=W.Layout(width="auto", display="flex", flex_flow="row", align_items="center"),
+            )
             ctrls["source"] = self.source
         self._setup(**ctrls)
 
     def refresh(self, update: bool = True):
-        self.records = read_anchors(self.run) if self.run is not None and (self.run / "kd_anchors.jsonl").exists() else []
+        self.records = (
+            read_anchors(self.run) if self.run is not None and (self.run / "kd_anchors.jsonl").exists() else []
+        )
         if self.run is not None and not self.records and self.model is None:
             raise ValueError(f"{self.run / 'kd_anchors.jsonl'}: no anchor records (pass model= to compute them live)")
         self.steps = steps_of(self.records)
@@ -603,7 +686,11 @@ class AnchorInspector(Inspector):
             return list(next(r for r in self.records if r["step"] == s)["ids"])
         src = self._rows_src()
         if src is None: raise ValueError("no anchor records and no rows: pass rows= (a JSONL path or a list of rows)")
-        rows = src[:self.max_examples] if isinstance(src, list) else [json.loads(l) for _, l in zip(range(self.max_examples), open(src))]
+        rows = (
+            src[: self.max_examples]
+            if isinstance(src, list)
+            else [json.loads(l) for _, l in zip(range(self.max_examples), open(src))]
+        )
         return [r["id"] for r in rows if "<|line_sep|>" in r.get("trace", "")]
 
     def _step_changed(self, ch):
@@ -640,7 +727,10 @@ class AnchorInspector(Inspector):
             if r is None: raise ValueError(f"example {ex_id!r}: its row was not found (pass rows=)")
             lm, tok = self.lm()
             ex = codi_example(tok, r, self.max_len)
-            if ex is None: raise ValueError(f"example {ex_id!r}: no CODI example (no LINE frame, or longer than max_len={self.max_len})")
+            if ex is None:
+                raise ValueError(
+                    f"example {ex_id!r}: no CODI example (no LINE frame, or longer than max_len={self.max_len})"
+                )
             self._live[ex_id] = latent_states(lm, tok, ex, self.topk)
         return self._live[ex_id]
 
@@ -658,15 +748,22 @@ class AnchorInspector(Inspector):
         else:
             if not self.records: raise ValueError("no kd_anchors.jsonl records: use source='live'")
             rec = next(r for r in self.records if r["step"] == s)
-            dist, layers = np.asarray(rec["dist"][rec["ids"].index(ex_id)], dtype=float).reshape(-1, len(rec["layers"])), rec["layers"]
+            dist, layers = (
+                np.asarray(rec["dist"][rec["ids"].index(ex_id)], dtype=float).reshape(-1, len(rec["layers"])),
+                rec["layers"],
+            )
             unit = "KL (nats, x T^2 not applied)" if self.cfg.get("kd_target") == "logit" else "smooth-L1 distance"
             src = f"kd_anchors.jsonl, step {s}"
         n_vec = int(np.prod(L["lens_p"].shape[:2])) if live else 0              # latent vectors in the logit lens
         lens_h = 0.9 + 0.3 * n_vec                                              # inches: one line per vector
         fig = Figure(figsize=(FIG_W, 7.5 + lens_h), layout="constrained")
-        gs = fig.add_gridspec(3 if live else 2, 2, width_ratios=[1.2, 1], height_ratios=[3.75, 3.75] + ([lens_h] if live else []))
+        gs = fig.add_gridspec(
+            3 if live else 2, 2, width_ratios=[1.2, 1], height_ratios=[3.75, 3.75] + ([lens_h] if live else [])
+        )
         at = fig.add_subplot(gs[:2, 0], gid="trace")
-        _text_lines(at, lines, max_lines=40, width=70, size=MIN_PT, title=f"trace of {ex_id} ({len(spans)} latent blocks)")
+        _text_lines(
+            at, lines, max_lines=40, width=70, size=MIN_PT, title=f"trace of {ex_id} ({len(spans)} latent blocks)"
+        )
         ah = fig.add_subplot(gs[0, 1], gid="heatmap")
         im = ah.imshow(dist, aspect="auto", cmap="magma", interpolation="nearest")
         fig.colorbar(im, ax=ah, label=unit)
@@ -682,8 +779,12 @@ class AnchorInspector(Inspector):
         al = fig.add_subplot(gs[1, 1], gid="layers")
         if self.records:
             lay = self.records[0]["layers"]
-            per = [np.concatenate([np.asarray(d, float).reshape(-1, len(r["layers"])) for d in r["dist"] if len(d)]).mean(0)
-                   for r in self.records]
+            per = [
+                np.concatenate([np.asarray(d, float).reshape(-1, len(r["layers"])) for d in r["dist"] if len(d)]).mean(
+                    0
+                )
+                for r in self.records
+            ]
             M = np.array(per)                                                      # [steps, layers]
             cols = [f"C{i % 10}" for i in range(len(lay))]
             for j, l in enumerate(lay): al.plot(self.steps, M[:, j], color=cols[j], lw=1, label=f"layer {l}")
@@ -706,11 +807,16 @@ class AnchorInspector(Inspector):
                 for j in range(k):
                     ax.text(j, i, f"{lt[i // st][i % st][j]!r}"[:18] + f"  {P[i, j]:.2f}", ha="center", va="center",
                             fontsize=MIN_PT + 0.5, family="monospace", color="white" if P[i, j] > 0.5 else "black")
-            ax.set_yticks(range(K * st), [f"block {i // st + 1}" + (f".{i % st + 1}" if st > 1 else "") for i in range(K * st)],
-                          fontsize=MIN_PT)
+            ax.set_yticks(
+                range(K * st),
+                [f"block {i // st + 1}" + (f".{i % st + 1}" if st > 1 else "") for i in range(K * st)],
+                fontsize=MIN_PT,
+            )
             ax.set_xticks(range(k), [f"top {j + 1}" for j in range(k)], fontsize=MIN_PT)
-            ax.set_title("logit lens: nearest tokens of each latent vector (softmax of latent @ W_head.T) and their probability",
-                         fontsize=10)
+            ax.set_title(
+                "logit lens: nearest tokens of each latent vector (softmax of latent @ W_head.T) and their probability",
+                fontsize=10,
+            )
         fig.suptitle(f"{self.run.name if self.run else 'latent model'}: CODI KD anchors, example {ex_id}")
         return fig
 
@@ -755,8 +861,14 @@ class RolloutViewer(Inspector):
         fig = Figure(figsize=(14, 2.8 + hs * G), layout="constrained")
         gs = fig.add_gridspec(1 + G, 2, height_ratios=[2.8] + [hs] * G, width_ratios=[1, 1.2])
         ap = fig.add_subplot(gs[0, 0], gid="prompt")
-        _text_lines(ap, _prompt_lines(rec.get("prompt", "")) + [f"truth: {rec.get('truth', '?')}"], max_lines=14, width=80,
-                    hl=lambda l: l.startswith("truth:"), title="prompt")
+        _text_lines(
+            ap,
+            _prompt_lines(rec.get("prompt", "")) + [f"truth: {rec.get('truth', '?')}"],
+            max_lines=14,
+            width=80,
+            hl=lambda l: l.startswith("truth:"),
+            title="prompt",
+        )
         ab = fig.add_subplot(gs[0, 1], gid="bars")
         x, w = np.arange(G), 0.38
         R, A = [float(q["reward"]) for q in S], [float(q.get("adv", 0.0)) for q in S]
@@ -799,8 +911,11 @@ def plot_run(run_dir, out_dir=None, dpi: int = 110) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     "`latent-rl plot RUN_DIR [--out DIR]`: write the run's figures as PNG files and print their paths."
-    ap = argparse.ArgumentParser(prog="latent-rl plot", description="Write the figures of a run directory (metrics, logprob "
-                                 "alignment, clipping, KD anchors, rollouts — whichever apply) as PNG files.")
+    ap = argparse.ArgumentParser(
+        prog="latent-rl plot",
+        description="Write the figures of a run directory (metrics, logprob "
+        "alignment, clipping, KD anchors, rollouts — whichever apply) as PNG files.",
+    )
     ap.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
     ap.add_argument("--out", default=None, help="output directory (default: RUN_DIR/figures)")
     ap.add_argument("--dpi", type=int, default=110)

@@ -50,7 +50,8 @@ class LatentModel(nn.Module):
         self.model, self.spec = model, spec
         ref = model.get_input_embeddings().weight
         self.prj = (projector or Projector(ref.shape[1])).to(device=ref.device, dtype=ref.dtype)
-        self.noise: LatentNoise | None = None        # a stochastic latent policy's scale (`set_noise`); None = deterministic
+        # a stochastic latent policy's scale (`set_noise`); None = deterministic
+        self.noise: LatentNoise | None = None
 
     @property
     def body(self): return backbone(self.model)
@@ -83,7 +84,8 @@ class LatentModel(nn.Module):
             if latent_steps is not None: spec.latent_steps = latent_steps
         else: spec = LatentSpec.from_tokenizer(tok, latent_steps or 1)
         lm = cls(model, spec)
-        if (path / "projector.pt").exists(): lm.prj.load_state_dict(torch.load(path / "projector.pt", map_location="cpu"))
+        if (path / "projector.pt").exists():
+            lm.prj.load_state_dict(torch.load(path / "projector.pt", map_location="cpu"))
         if (path / "latent_noise.pt").exists():
             lm.noise = LatentNoise(torch.load(path / "latent_noise.pt", map_location="cpu")["log_sigma"].exp())
         return lm.to(device), tok
@@ -112,7 +114,8 @@ class LatentNoise(nn.Module):
     "The scale of a stochastic latent policy: z = μ + σ·ε, ε ~ N(0, I), `log_sigma [H]` per dimension (learned or fixed)."
     def __init__(self, sigma: torch.Tensor, learn: bool = False):
         super().__init__()
-        if not bool((sigma > 0).all()): raise ValueError("LatentNoise: every σ must be > 0 (use no noise for deterministic latents)")
+        if not bool((sigma > 0).all()):
+            raise ValueError("LatentNoise: every σ must be > 0 (use no noise for deterministic latents)")
         self.log_sigma = nn.Parameter(sigma.detach().float().log(), requires_grad=learn)   # [H]
 
     @property
@@ -125,13 +128,16 @@ class LatentNoise(nn.Module):
         return (-0.5 * e * e - ls - 0.5 * math.log(2 * math.pi)).mean(-1)
 
 # %% ../nbs/07_latent.ipynb #ec8010f6
-def pack_phases(examples: list[dict], spec: LatentSpec, allow_empty: bool = False) -> list[list[tuple[list[int], list[int]]]]:
+def pack_phases(
+    examples: list[dict], spec: LatentSpec, allow_empty: bool = False
+) -> list[list[tuple[list[int], list[int]]]]:
     "phases[k][b] = (tokens, trace index of each token or -1) of example b in phase k."
     K = max(len(e["spans"]) for e in examples)
     out = [[([], []) for _ in examples] for _ in range(K + 1)]
     for b, e in enumerate(examples):
         P, T, sp = list(e["prompt_ids"]), list(e["trace_ids"]), e["spans"]
-        if not sp and not allow_empty: raise ValueError(f"example {e.get('id', b)} has no span: CODI needs at least one LINE frame")
+        if not sp and not allow_empty:
+            raise ValueError(f"example {e.get('id', b)} has no span: CODI needs at least one LINE frame")
         starts = [0] + [j for _, j in sp]
         ends = [i + 1 for i, _ in sp] + [len(T)]
         for k in range(len(sp) + 1):
@@ -173,8 +179,10 @@ class CodiOptions:
     latent_tf: float = 0.0              # latent teacher forcing: P(a block's steps ≥ 1 are fed the true tokens' embeddings)
 
     def __post_init__(self):
-        if self.kd_target not in ("hidden", "logit"): raise ValueError(f"kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
-        if self.value_kd_at not in VALUE_KD_AT: raise ValueError(f"value_kd_at must be one of {VALUE_KD_AT}, got {self.value_kd_at!r}")
+        if self.kd_target not in ("hidden", "logit"):
+            raise ValueError(f"kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
+        if self.value_kd_at not in VALUE_KD_AT:
+            raise ValueError(f"value_kd_at must be one of {VALUE_KD_AT}, got {self.value_kd_at!r}")
     @property
     def needs_targets(self) -> bool:
         return bool(self.value_kd or self.answer_kd or self.recon or self.latent_tf or self.answer_weight != 1.0)
@@ -185,7 +193,9 @@ def kd_layer_indices(opts: CodiOptions, n_layers: int, frozen: bool) -> list[int
     if opts.kd_target == "logit": return [n_layers]
     if opts.kd_layers is None: return [n_layers] if frozen else list(range(1, n_layers + 1))
     if bad := [l for l in opts.kd_layers if not -(n_layers + 1) <= l <= n_layers]:
-        raise ValueError(f"kd_layers {bad} out of range for a model with {n_layers} layers (hidden_states 0..{n_layers})")
+        raise ValueError(
+            f"kd_layers {bad} out of range for a model with {n_layers} layers (hidden_states 0..{n_layers})"
+        )
     return [l % (n_layers + 1) for l in opts.kd_layers]
 
 # %% ../nbs/07_latent.ipynb #0a33ec35
@@ -267,8 +277,10 @@ def check_codi_model(model):
     "Refuse models the lockstep batch cannot serve exactly: sliding-window attention counts padded columns."
     types = getattr(model.config, "layer_types", None) or []
     if any("sliding" in str(t) for t in types) or getattr(model.config, "use_sliding_window", False):
-        raise ValueError(f"{type(model).__name__} uses sliding-window attention: the batched latent forward pads inside the "
-                         "KV cache, which would shift the window; disable use_sliding_window for CODI training")
+        raise ValueError(
+            f"{type(model).__name__} uses sliding-window attention: the batched latent forward pads inside the "
+            "KV cache, which would shift the window; disable use_sliding_window for CODI training"
+        )
 
 # %% ../nbs/07_latent.ipynb #f9151779
 def _phase_batch(phase: list, dev):
@@ -301,10 +313,22 @@ def _scheduled_input(body, head, call: tuple[dict, int], cache, ids, lens, coins
 # %% ../nbs/07_latent.ipynb #982eafaf
 # Long on purpose: the phases of the batched latent forward share the KV cache, positions and masks of one
 # batch; splitting them would thread that state through every call (see the phase diagram above).
-def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None = None, ss_coins: torch.Tensor | None = None,
-                 chunk_size: int = 1024, ce: bool = True, return_logprobs: bool = False, return_hidden: bool = False,
-                 return_latents: bool = False, latent_states: bool = False, states_at: torch.Tensor | None = None,
-                 token_weight: torch.Tensor | None = None, forced_latents: torch.Tensor | None = None) -> StudentPass:
+def student_pass(
+    lm: LatentModel,
+    examples: list[dict],
+    *,
+    layers: list | None = None,
+    ss_coins: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    ce: bool = True,
+    return_logprobs: bool = False,
+    return_hidden: bool = False,
+    return_latents: bool = False,
+    latent_states: bool = False,
+    states_at: torch.Tensor | None = None,
+    token_weight: torch.Tensor | None = None,
+    forced_latents: torch.Tensor | None = None,
+) -> StudentPass:
     """The batched student: prompt, then per span text up to `<|line_sep|>` + `<|latent_start|>`, a latent block, and
     `<|latent_end|>` + the text from `<|action_sep|>`; all examples in lockstep in one KV cache. `layers` (hidden_states
     indices) selects the anchor states to return (None: the last layer only, without `output_hidden_states`).
@@ -324,7 +348,8 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
                     pred_mask=torch.zeros(B, Tmax, dtype=torch.bool, device=dev))
     pred_parts, at_parts, lat, lat_hs = [], [], [], []
     cache, cols, pos, bi = None, [], torch.zeros(B, dtype=torch.long, device=dev), torch.arange(B, device=dev)
-    pend = None                                                                       # a block's last latent step, run with the next phase
+    # a block's last latent step, run with the next phase
+    pend = None
     for k in range(K + 1):
         ids, m, ti, lab, lens = _phase_batch([phases[k][b] for b in range(B)], dev)
         r.n_real += sum(len(phases[k][b][0]) for b in range(B))
@@ -333,11 +358,18 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
         inp = ids
         if k >= 1 and ss_coins[:, k].any():
             final = torch.tensor([k == len(e["spans"]) for e in examples], device=dev)
-            inp = _scheduled_input(body, head, _phase_call(lm, ids, m, p_ids, cols, pend), cache, ids, lens, ss_coins[:, k], final)
-        tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)               # [B, L] trace index each position predicts
+            inp = _scheduled_input(
+                body, head, _phase_call(lm, ids, m, p_ids, cols, pend), cache, ids, lens, ss_coins[:, k], final
+            )
+        # [B, L] trace index each position predicts
+        tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)
         sel = lab != IGNORE_INDEX                                                     # [B, L]
-        at = sel & states_at[bi[:, None], tgt.clamp(min=0)] if states_at is not None else None   # [B, L]
-        need_hs = (k >= 1 and layers is not None) or (at is not None and bool(at.any())) or (pend is not None and latent_states)
+        at = sel & states_at[bi[:, None], tgt.clamp(min=0)] if states_at is not None else None  # [B, L]
+        need_hs = (
+            (k >= 1 and layers is not None)
+            or (at is not None and bool(at.any()))
+            or (pend is not None and latent_states)
+        )
         kw, off = _phase_call(lm, inp, m, p_ids, cols, pend)
         out = body(**kw, use_cache=True, output_hidden_states=need_hs, **cache_kw(body, cache))
         r.calls += 1
@@ -360,7 +392,8 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
         if return_hidden: pred_parts.append((rows_b, rows_t, hid[sel]))
         if at is not None and at.any():
             at_parts.append((bi[:, None].expand_as(tgt)[at], tgt[at], torch.stack([h[at] for h in hs], 1)))
-        if k >= 1:                                                                    # anchor: <|action_sep|> at position 1
+        # anchor: <|action_sep|> at position 1
+        if k >= 1:
             r.anchors.append(torch.stack([hs[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2])
         pos = pos + lens
         if k == K: break
@@ -373,7 +406,8 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
             if forced_latents is not None and (f := forced_latents[:, k, j].to(dev)).ge(0).any():
                 z = torch.where(f.ge(0)[:, None], lm.embed(f.clamp(min=0)), z)
             lat.append(z)
-            if j == S - 1:                        # its output feeds no latent: it runs as column 0 of the next phase's call
+            # its output feeds no latent: it runs as column 0 of the next phase's call
+            if j == S - 1:
                 pend, pos = (z, pos, has), pos + has[:, 0]
                 break
             out = body(inputs_embeds=z[:, None], attention_mask=torch.cat(cols + [has], 1), position_ids=pos[:, None],
@@ -383,7 +417,9 @@ def student_pass(lm: LatentModel, examples: list[dict], *, layers: list | None =
             if latent_states: lat_hs.append(torch.stack([x[:, 0] for x in out.hidden_states], 1))   # [B, L+1, H]
             cols.append(has)
             pos = pos + has[:, 0]
-    return _finish_pass(r, B, K, S, Tmax, W, lat if return_latents else None, lat_hs, at_parts, pred_parts if return_hidden else None)
+    return _finish_pass(
+        r, B, K, S, Tmax, W, lat if return_latents else None, lat_hs, at_parts, pred_parts if return_hidden else None
+    )
 
 # %% ../nbs/07_latent.ipynb #2d3ffed8
 def _finish_pass(r: StudentPass, B, K, S, Tmax, W, lat, lat_hs, at_parts, pred_parts) -> StudentPass:
@@ -396,11 +432,13 @@ def _finish_pass(r: StudentPass, B, K, S, Tmax, W, lat, lat_hs, at_parts, pred_p
         r.states_at = (rb[order], rt[order], st[order])
     if pred_parts is not None:   # one scatter for all phases (keeps the graph)
         rb, rt, st = (torch.cat(x) for x in zip(*pred_parts))
-        r.pred_hidden = torch.zeros(B, Tmax, W.shape[1], device=W.device, dtype=W.dtype).index_put((rb, rt), st)  # [B, T, H]
+        # [B, T, H]
+        r.pred_hidden = torch.zeros(B, Tmax, W.shape[1], device=W.device, dtype=W.dtype).index_put((rb, rt), st)
     return r
 
 # %% ../nbs/07_latent.ipynb #1e17d634
-CALL_COST = 128.0   # positions one model call is worth: tiny model, CPU, ~10 ms per call vs ~70 µs per position (fwd+bwd)
+# positions one model call is worth: tiny model, CPU, ~10 ms per call vs ~70 µs per position (fwd+bwd)
+CALL_COST = 128.0
 
 def phase_groups(examples: list[dict], spec: LatentSpec, call_cost: float = CALL_COST) -> list[list[int]]:
     """Rows of a latent batch in groups, each to run as its own lockstep pass: rows ordered by (spans, length), cut
@@ -409,7 +447,8 @@ def phase_groups(examples: list[dict], spec: LatentSpec, call_cost: float = CALL
     K = [len(e["spans"]) for e in examples]
     L = [[len(phases[k][b][0]) for k in range(K[b] + 1)] for b in range(B)]
     order = sorted(range(B), key=lambda b: (-K[b], -sum(L[b]), b))
-    best, cut = [0.0] + [math.inf] * B, [0] * (B + 1)             # best[j]: cost of order[:j]; cut[j]: its last group's start
+    # best[j]: cost of order[:j]; cut[j]: its last group's start
+    best, cut = [0.0] + [math.inf] * B, [0] * (B + 1)
     for i in range(B):
         longest, Kg = [0] * (K[order[i]] + 1), K[order[i]]          # the group order[i:j] has Kg spans at most
         for j in range(i + 1, B + 1):
@@ -484,7 +523,8 @@ def _value_pairs(examples, mode: str, S: int) -> list[tuple]:
             elif mode == "sequence":   # step j re-enacts the teacher's position j after the one predicting the value
                 for j in range(S):
                     t = min(vt[0] - 1 + j, len(T) - 1)
-                    out.append((b, k, j, t, T[t], 1 if j == 0 else 0))   # step 0's input is prj(h): no embedding to match
+                    # step 0's input is prj(h): no embedding to match
+                    out.append((b, k, j, t, T[t], 1 if j == 0 else 0))
             else:   # step j ↔ value token j; steps past the value stand for the token after it (the closing quote)
                 for j in range(S if mode == "embed" else min(S, len(vt))):
                     t = vt[j] if j < len(vt) else min(vt[-1] + 1, len(T) - 1)
@@ -497,12 +537,17 @@ def _objective_plan(examples, opts: CodiOptions, S: int, dev, tf_coins: torch.Te
     plan, B = {"gather": {}}, len(examples)
     if opts.needs_targets:
         bad = [e.get("id", i) for i, e in enumerate(examples) if "value_tok" not in e]
-        if bad: raise ValueError(f"examples {bad[:3]} have no value/answer targets: value_kd, answer_kd, answer_weight and recon "
-                                 "need CWM traces built with codi_example(..., targets=True) and a fast tokenizer")
+        if bad:
+            raise ValueError(
+                f"examples {bad[:3]} have no value/answer targets: value_kd, answer_kd, answer_weight and recon "
+                "need CWM traces built with codi_example(..., targets=True) and a fast tokenizer"
+            )
     P = [len(e["prompt_ids"]) for e in examples]
     if opts.value_kd:
         v = _value_pairs(examples, opts.value_kd_at, S)
-        rows, span, step, tpos, tid, lo = (torch.tensor([x[i] for x in v], dtype=torch.long, device=dev) for i in range(6))
+        rows, span, step, tpos, tid, lo = (
+            torch.tensor([x[i] for x in v], dtype=torch.long, device=dev) for i in range(6)
+        )
         plan["value"] = (rows, span, step, tid, lo)
         if opts.value_kd_at != "embed":
             plan["gather"]["value"] = (rows, torch.tensor([P[x[0]] + x[3] for x in v], dtype=torch.long, device=dev))
@@ -510,7 +555,8 @@ def _objective_plan(examples, opts: CodiOptions, S: int, dev, tf_coins: torch.Te
         Tmax = max(1, max(len(e["trace_ids"]) for e in examples))
         amask = torch.zeros(B, Tmax, dtype=torch.bool, device=dev)
         for b, e in enumerate(examples): amask[b, list(e["answer_tok"])] = True
-        plan["answer_mask"] = amask                                                   # [B, T] trace tokens of RETURN values
+        # [B, T] trace tokens of RETURN values
+        plan["answer_mask"] = amask
         plan["weight"] = 1.0 + (opts.answer_weight - 1.0) * amask.float()             # [B, T]
         rb, rt = amask.nonzero(as_tuple=True)                                         # (row, token) order
         plan["gather"]["answer"] = (rb, torch.tensor(P, device=dev)[rb] + rt - 1)      # the teacher state predicting it
@@ -533,14 +579,16 @@ def recon_loss(lm: LatentModel, examples: list[dict], latents: torch.Tensor,   #
     tgt = [list(examples[b]["recon_ids"][k]) + [spec.action_sep_id] for b, k in blocks]
     ids, S = _pad(tgt, 0).to(dev), latents.shape[2]                                   # [N, Lr]
     lens = torch.tensor([len(t) for t in tgt], device=dev)
-    Z = latents[torch.tensor([b for b, _ in blocks], device=dev), torch.tensor([k for _, k in blocks], device=dev)]  # [N, S, H]
+    # [N, S, H]
+    Z = latents[torch.tensor([b for b, _ in blocks], device=dev), torch.tensor([k for _, k in blocks], device=dev)]
     mark = lambda i: lm.embed(torch.tensor([i], device=dev)).expand(len(blocks), 1, -1)  # [N, 1, H]
     inp = torch.cat([mark(spec.latent_start_id), Z, mark(spec.latent_end_id), lm.embed(ids)], 1)   # [N, S + 2 + Lr, H]
     real = (torch.arange(ids.shape[1], device=dev)[None] < lens[:, None])             # [N, Lr]
     am = torch.cat([torch.ones(len(blocks), S + 2, dtype=torch.long, device=dev), real.long()], 1)
     hid = lm.body(inputs_embeds=inp, attention_mask=am).last_hidden_state             # [N, S + 2 + Lr, H]
     lab = torch.full(am.shape, IGNORE_INDEX, dtype=torch.long, device=dev)
-    lab[:, S + 1:S + 1 + ids.shape[1]] = torch.where(real, ids, IGNORE_INDEX)         # <|latent_end|> predicts the first token
+    # <|latent_end|> predicts the first token
+    lab[:, S + 1:S + 1 + ids.shape[1]] = torch.where(real, ids, IGNORE_INDEX)
     lp = token_logprobs(hid, lm.head, lab, 1.0, chunk_size)                           # [N, S + 2 + Lr]
     n = (lab != IGNORE_INDEX).sum()
     loss = -lp.sum() / n.clamp_min(1)
@@ -563,7 +611,9 @@ def _value_kd(opts: CodiOptions, plan, sp: StudentPass, tp: TeacherPass, lm: Lat
     s = sp.latent_states[rows, span, step]                                            # [M, L+1, H]
     t = tp.states["value"]
     if s.shape[1] != t.shape[1]:
-        raise ValueError(f"value_kd compares layer by layer: the student has {s.shape[1] - 1} layers, the teacher {t.shape[1] - 1}")
+        raise ValueError(
+            f"value_kd compares layer by layer: the student has {s.shape[1] - 1} layers, the teacher {t.shape[1] - 1}"
+        )
     parts = [state_kd_loss(s[lo == f][:, f:], t[lo == f][:, f:]) for f in (0, 1) if (lo == f).any()]   # by first layer
     if not parts: return state_kd_loss(s[:, 1:], t[:, 1:])                           # no value in this batch: zero
     return sum(p[0] for p in parts) / len(parts), {"n": sum(p[1]["n"] for p in parts)}
@@ -587,23 +637,38 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     (else drawn with `generator` / `tf_generator`)."""
     dev, B = lm.head_weight.device, len(examples)
     for e in examples:
-        if not e["spans"]: raise ValueError(f"example {e.get('id', '?')} has no span: CODI needs at least one LINE frame")
+        if not e["spans"]:
+            raise ValueError(f"example {e.get('id', '?')} has no span: CODI needs at least one LINE frame")
     n_sp = torch.tensor([len(e["spans"]) for e in examples], device=dev)            # [B]
     K, n_layers = int(n_sp.max()), lm.model.config.num_hidden_layers
     layers = kd_layer_indices(opts, n_layers, teacher is not None)                  # the student's
-    t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)  # the teacher's own
+    # the teacher's own
+    t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)
     if tf_coins is None and opts.latent_tf > 0: tf_coins = torch.rand(B, K, generator=tf_generator) < opts.latent_tf
     plan = _objective_plan(examples, opts, lm.spec.latent_steps, dev, tf_coins)
-    tp = teacher_pass(lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.grad_ckpt, plan["gather"])
+    tp = teacher_pass(
+        lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.grad_ckpt, plan["gather"]
+    )
     if ss_coins is None:
-        ss_coins = torch.rand(B, K + 1, generator=generator) < opts.ss_p if opts.ss_p > 0 else torch.zeros(B, K + 1, dtype=torch.bool)
+        ss_coins = (
+            torch.rand(B, K + 1, generator=generator) < opts.ss_p
+            if opts.ss_p > 0
+            else torch.zeros(B, K + 1, dtype=torch.bool)
+        )
     run = student_pass if call_cost is None else partial(grouped_student_pass, call_cost=call_cost)
-    sp = run(lm, examples, layers=layers if opts.kd_target == "hidden" else None, ss_coins=ss_coins,
-                      chunk_size=chunk_size, return_logprobs=return_logprobs,
-                      return_latents=return_states or bool(opts.recon) or (bool(opts.value_kd) and opts.value_kd_at == "embed"),
-                      latent_states=bool(opts.value_kd) and opts.value_kd_at != "embed",
-                      states_at=plan.get("answer_mask") if opts.answer_kd else None,
-                      token_weight=plan["weight"] if opts.answer_weight != 1.0 else None, forced_latents=plan.get("forced"))
+    sp = run(
+        lm,
+        examples,
+        layers=layers if opts.kd_target == "hidden" else None,
+        ss_coins=ss_coins,
+        chunk_size=chunk_size,
+        return_logprobs=return_logprobs,
+        return_latents=return_states or bool(opts.recon) or (bool(opts.value_kd) and opts.value_kd_at == "embed"),
+        latent_states=bool(opts.value_kd) and opts.value_kd_at != "embed",
+        states_at=plan.get("answer_mask") if opts.answer_kd else None,
+        token_weight=plan["weight"] if opts.answer_weight != 1.0 else None,
+        forced_latents=plan.get("forced"),
+    )
     # ---- losses, each a per-example mean averaged over the batch
     S = torch.stack(sp.anchors, 1)                                                    # [B, K, L_sel, H]
     valid = torch.arange(K, device=dev)[None] < n_sp[:, None]                         # [B, K]
@@ -612,9 +677,15 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     L_t = tp.ce.mean() if tp.ce is not None else None
     L_s, L_kd = (sp.ce_sum / sp.ce_cnt.clamp_min(1)).mean(), kd_ex.mean()
     loss = opts.b * L_s + opts.g * L_kd + (opts.a * L_t if L_t is not None else 0.0)
-    metrics = {"teacher_loss": L_t.item() if L_t is not None else 0.0, "student_loss": L_s.item(), "kd_loss": L_kd.item(),
-               "model_calls": sp.calls, "n_spans": int(n_sp.sum()), "n_tokens": sp.n_scored,
-               "pad_ratio": sp.n_run / max(1, sp.n_real)}
+    metrics = {
+        "teacher_loss": L_t.item() if L_t is not None else 0.0,
+        "student_loss": L_s.item(),
+        "kd_loss": L_kd.item(),
+        "model_calls": sp.calls,
+        "n_spans": int(n_sp.sum()),
+        "n_tokens": sp.n_scored,
+        "pad_ratio": sp.n_run / max(1, sp.n_real),
+    }
     for w, name, fn in ((opts.value_kd, "value_kd", lambda: _value_kd(opts, plan, sp, tp, lm)),
                         (opts.answer_kd, "answer_kd", lambda: _answer_kd(sp, tp, plan)),
                         (opts.recon, "recon", lambda: recon_loss(lm, examples, sp.latents, chunk_size))):

@@ -15,7 +15,8 @@ __all__ = ['IGNORE_INDEX', 'DEFAULT_CHUNK', 'shift_labels', 'logprobs_from_logit
 IGNORE_INDEX = -100
 
 def shift_labels(input_ids: torch.Tensor,      # [B, S] token ids fed to the model
-                 labels: torch.Tensor | None = None,  # [B, S] unshifted labels (-100 = ignore); a bool tensor is read as `mask`
+                 # [B, S] unshifted labels (-100 = ignore); a bool tensor is read as `mask`
+                 labels: torch.Tensor | None = None,
                  *, mask: torch.Tensor | None = None,  # [B, S] 1/True where input_ids[b, t] is a scored token
                 ) -> torch.Tensor:            # [B, S] aligned labels: out[b, t] = token predicted by logits[b, t]
     "Aligned labels for 'logits at t predict token t+1': `out[:, t] = labels[:, t+1]`, last position ignored."
@@ -23,7 +24,8 @@ def shift_labels(input_ids: torch.Tensor,      # [B, S] token ids fed to the mod
     if labels is not None and labels.dtype == torch.bool: labels, mask = None, labels
     if labels is None:
         labels = input_ids if mask is None else torch.where(mask.bool(), input_ids, IGNORE_INDEX)
-    if labels.shape != input_ids.shape: raise ValueError(f"labels {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
     out = torch.full_like(labels, IGNORE_INDEX)   # [B, S]
     out[..., :-1] = labels[..., 1:]
     return out
@@ -33,7 +35,8 @@ def _temperature(temperature, labels: torch.Tensor, dtype) -> torch.Tensor:
     "Per-position temperature `[*labels.shape]`; a tensor is per sample (first dim), `T <= 0` means 1."
     t = torch.as_tensor(temperature, dtype=dtype, device=labels.device)
     if t.ndim > 0:
-        if t.numel() != labels.shape[0]: raise ValueError(f"temperature has {t.numel()} entries for batch {labels.shape[0]}")
+        if t.numel() != labels.shape[0]:
+            raise ValueError(f"temperature has {t.numel()} entries for batch {labels.shape[0]}")
         t = t.reshape((labels.shape[0],) + (1,) * (labels.ndim - 1))
     t = torch.where(t <= 0, torch.ones_like(t), t)
     return t.expand(labels.shape)
@@ -147,7 +150,9 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         chunk_grads = _plain_chunk_grads if ctx.cap is None else _capped_chunk_grads
         for i in range(0, h.shape[0], ctx.chunk_size):
             sl = slice(i, i + ctx.chunk_size)
-            gh_c = chunk_grads(h[sl], W, b, y[sl], None if t is None else t[sl], lse[sl], coef[sl], ctx.cap, gW, gb, need_h)
+            gh_c = chunk_grads(
+                h[sl], W, b, y[sl], None if t is None else t[sl], lse[sl], coef[sl], ctx.cap, gW, gb, need_h
+            )
             if gh_c is None: continue
             if rows.shape[0] < gh.shape[0]: gh.index_copy_(0, rows[sl], gh_c)
             else: gh[sl] = gh_c

@@ -103,7 +103,8 @@ def verify_checkpoint(path):
     want, have = json.loads((path / "MANIFEST.json").read_text()), file_manifest(path)
     for f, (size, sha) in want.items():
         if f not in have: raise CheckpointError(f"checkpoint {path}: {f} is missing")
-        if have[f][0] != size: raise CheckpointError(f"checkpoint {path}: {f} has {have[f][0]} bytes, {size} were written")
+        if have[f][0] != size:
+            raise CheckpointError(f"checkpoint {path}: {f} has {have[f][0]} bytes, {size} were written")
         if have[f][1] != sha: raise CheckpointError(f"checkpoint {path}: {f} differs from what was written (sha256)")
 
 def load_checkpoint_state(path) -> dict:
@@ -136,7 +137,9 @@ def lock_run_dir(out) -> None:
         fh.seek(0)
         pid = fh.read().strip() or "unknown"
         fh.close()
-        raise RunDirBusy(f"{out} is in use by another run (pid {pid}): wait for it to finish, or choose another --out") from None
+        raise RunDirBusy(
+            f"{out} is in use by another run (pid {pid}): wait for it to finish, or choose another --out"
+        ) from None
     fh.seek(0)
     fh.truncate()
     fh.write(f"{os.getpid()}\n")
@@ -149,7 +152,17 @@ def release_run_dir(out) -> None:
     if fh is not None: fh.close()
 
 # %% ../nbs/16_loop.ipynb #978d3f72
-RESUME_MAY_CHANGE = {"out", "resume", "overwrite", "allow_config_change", "log_every", "save_every", "anchor_every", "record_every", "wandb"}
+RESUME_MAY_CHANGE = {
+    "out",
+    "resume",
+    "overwrite",
+    "allow_config_change",
+    "log_every",
+    "save_every",
+    "anchor_every",
+    "record_every",
+    "wandb",
+}
 
 def config_changes(old: dict, new: dict) -> dict:
     "`{field: [saved, now]}` for the fields a resumed run would change (fields the saved config lacks keep their default)."
@@ -160,12 +173,18 @@ def _prepare(cfg) -> None:
     out = Path(cfg.out)
     lock_run_dir(out)
     for p in [*(out / "checkpoints").glob(".tmp-step-*"), out / ".final-tmp"]: shutil.rmtree(p, ignore_errors=True)
-    old = [p for p in [*(out / f for f in RECORD_FILES), out / "checkpoints", out / "final", out / "config_changes.jsonl"] if p.exists()]
+    old = [
+        p
+        for p in [*(out / f for f in RECORD_FILES), out / "checkpoints", out / "final", out / "config_changes.jsonl"]
+        if p.exists()
+    ]
     new = json.loads(json.dumps(asdict(cfg)))
     if old and not cfg.resume:
         if not cfg.overwrite:
-            raise FileExistsError(f"{out} holds a previous run ({', '.join(p.name for p in old)}): pass --resume to continue "
-                                  "it, --overwrite to replace it, or choose another --out")
+            raise FileExistsError(
+                f"{out} holds a previous run ({', '.join(p.name for p in old)}): pass --resume to continue "
+                "it, --overwrite to replace it, or choose another --out"
+            )
         for p in old: shutil.rmtree(p) if p.is_dir() else p.unlink()
     if cfg.resume and (out / "config.json").exists():
         if ch := config_changes(json.loads((out / "config.json").read_text()), new):
@@ -197,7 +216,8 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     out, perms = [], {}
     for k in range(step * batch_size, (step + 1) * batch_size):
         ep, i = divmod(k, n)
-        if ep not in perms: perms[ep] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + ep)).tolist()
+        if ep not in perms:
+            perms[ep] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + ep)).tolist()
         out.append(perms[ep][i])
     return out
 
@@ -221,7 +241,11 @@ def bucket_indices(step: int, batch_size: int, groups: list[list[int]], seed: in
     "The global batch of step `step`: `batch_size` indices of one group (chosen ∝ its size), a pure function of (seed, step)."
     g = torch.Generator().manual_seed(seed * 1_000_081 + step)
     grp = groups[int(torch.multinomial(torch.tensor([float(len(x)) for x in groups]), 1, generator=g))]
-    pick = torch.randperm(len(grp), generator=g)[:batch_size] if len(grp) >= batch_size else torch.randint(len(grp), (batch_size,), generator=g)
+    pick = (
+        torch.randperm(len(grp), generator=g)[:batch_size]
+        if len(grp) >= batch_size
+        else torch.randint(len(grp), (batch_size,), generator=g)
+    )
     return [grp[j] for j in pick.tolist()]
 
 # %% ../nbs/16_loop.ipynb #ebbf09c3
@@ -287,7 +311,10 @@ class StopRequest:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         self.flag = True
-        print("\nCtrl-C: stopping after this step and writing a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
+        print(
+            "\nCtrl-C: stopping after this step and writing a checkpoint (Ctrl-C again to stop at once)",
+            file=sys.stderr,
+        )
     def requested(self, acc) -> bool:
         if acc.num_processes == 1: return self.flag
         return bool(acc.reduce(torch.tensor([float(self.flag)], device=acc.device), "max").item())
@@ -300,10 +327,13 @@ def resume_run(stage: Stage, eng: Engine, opt, sched) -> int:
     if ck is None: return 0
     path, st = ck
     if (path / "shards").exists():
-        _, mb = added_peak_mb(lambda: load_shards(eng, opt, path / "shards"), acc.device)   # reshards to this run's count
+        # reshards to this run's count
+        _, mb = added_peak_mb(lambda: load_shards(eng, opt, path / "shards"), acc.device)
         log0(acc, f"loaded the shards of {path}: rank 0's memory peaked {mb:.0f} MB above what it held")
     elif eng.sharded and eng.wrapped:
-        raise CheckpointError(f"checkpoint {path} holds whole weights (written with --strategy ddp): resume it with ddp")
+        raise CheckpointError(
+            f"checkpoint {path} holds whole weights (written with --strategy ddp): resume it with ddp"
+        )
     else:
         stage.load_weights(path / "model")
         opt.load_state_dict(st["optimizer"])
@@ -329,8 +359,10 @@ def write_checkpoint(stage: Stage, eng: Engine, opt, sched, step: int) -> None:
         acc.wait_for_everyone()
         return
     if acc.is_main_process: checkpoint_tmp(cfg.out, step, fresh=True)
-    acc.wait_for_everyone()                     # rank 0's added peak is recorded: a shard, never the whole state
-    _, state["save_peak_mb"] = added_peak_mb(lambda: save_shards(eng, opt, checkpoint_tmp(cfg.out, step) / "shards"), acc.device)
+    acc.wait_for_everyone()  # rank 0's added peak is recorded: a shard, never the whole state
+    _, state["save_peak_mb"] = added_peak_mb(
+        lambda: save_shards(eng, opt, checkpoint_tmp(cfg.out, step) / "shards"), acc.device
+    )
     acc.wait_for_everyone()
     if acc.is_main_process: seal_checkpoint(cfg.out, step, state)
     acc.wait_for_everyone()
@@ -380,7 +412,9 @@ def train_loop(stage: Stage, progress: bool = True) -> dict:
     cfg, acc = stage.cfg, stage.acc
     out, W = Path(cfg.out), acc.num_processes
     if cfg.batch_size % (W * cfg.grad_accum):
-        raise ConfigError(f"batch_size {cfg.batch_size} must be divisible by processes × grad_accum = {W * cfg.grad_accum}")
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} must be divisible by processes × grad_accum = {W * cfg.grad_accum}"
+        )
     check_precision(cfg, [p for p in stage.module.parameters() if p.requires_grad])
     eng = make_engine(stage.module, cfg, acc)
     params = [p for p in stage.module.parameters() if p.requires_grad]           # after wrapping: shards under FSDP2
@@ -449,7 +483,9 @@ def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
     the trainable weights as fp32 masters. A bf16 base then needs bf16 compute (`--precision bf16`, autocast)."""
     if not cfg.lora_r: return
     if cfg.dtype not in ("fp32", "float32") and cfg.precision != "bf16":
-        raise ConfigError(f"lora_r over a {cfg.dtype} base needs --precision bf16 (the fp32 adapters run under autocast)")
+        raise ConfigError(
+            f"lora_r over a {cfg.dtype} base needs --precision bf16 (the fp32 adapters run under autocast)"
+        )
     add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
     fp32_masters(module)
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from .logprobs import IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, _compute_dtype, _lse_, _head_parts, _raw_logits
+from latent_rl.logprobs import (IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, _compute_dtype, _lse_, _head_parts,
+    _raw_logits)
 
 # %% auto #0
 __all__ = ['group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput', 'generalized_jsd', 'generalized_jsd_from_hidden',
@@ -33,9 +34,11 @@ def group_advantages(rewards: torch.Tensor,    # [N] rewards, N = n_groups * gro
                      eps: float = 1e-4,
                     ) -> tuple[torch.Tensor, dict]:  # adv [N] float32 (float64 for float64 rewards)
     "`(R - mean_g) / max(std_g, eps)` with the population std; equal-reward groups give exactly 0."
-    if scale not in ("group", "batch", "none"): raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     r = rewards.detach().reshape(-1).to(_compute_dtype(rewards.dtype) if rewards.is_floating_point() else torch.float32)
-    if group_size < 1 or r.numel() % group_size: raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
+    if group_size < 1 or r.numel() % group_size:
+        raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
     if not torch.isfinite(r).all(): raise ValueError("rewards contain NaN or inf")
     R = r.view(-1, group_size)                                       # [G, g]
     centred = R - R.mean(1, keepdim=True)                            # [G, g]
@@ -78,7 +81,9 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
                          "(latent_rl generators do; for vLLM request logprobs and use processed logprobs).")
     if norm not in ("sequence", "token"): raise ValueError(f"norm must be 'sequence' or 'token', got {norm!r}")
     if logp.shape != mask.shape or logp_inf.shape != logp.shape:
-        raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, logp_inf {tuple(logp_inf.shape)}, mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"shape mismatch: logp {tuple(logp.shape)}, logp_inf {tuple(logp_inf.shape)}, mask {tuple(mask.shape)}"
+        )
     B = logp.shape[0]
     A = advantages.reshape(-1, 1).to(logp.device, logp.dtype)       # [B, 1]
     if A.shape[0] != B: raise ValueError(f"{A.shape[0]} advantages for a batch of {B}")
@@ -106,7 +111,8 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
     per_tok = -torch.minimum(ratio * A, clipped * A)                 # [B, S]
     if w is not None: per_tok = per_tok * w
     if kl_beta:
-        if logp_ref is None: raise ValueError("kl_beta > 0 needs logp_ref, the reference policy's logprobs of the same tokens")
+        if logp_ref is None:
+            raise ValueError("kl_beta > 0 needs logp_ref, the reference policy's logprobs of the same tokens")
         d_ref = torch.where(v, logp_ref.detach().to(logp.device, logp.dtype), zero) - lp       # [B, S] log(π_ref / π)
         k3 = torch.exp(d_ref.clamp(-20, 20)) - d_ref - 1                                      # [B, S] ≥ 0
         per_tok = per_tok + kl_beta * k3
@@ -165,8 +171,11 @@ class TeacherOutput:
         else:
             lp, ids = self.topk_logprobs, self.topk_ids
             if lp.ndim != 3 or lp.shape != ids.shape:
-                raise ValueError(f"topk_logprobs {tuple(lp.shape)} and topk_ids {tuple(ids.shape)} must both be [B, S, K]")
-            if not lp.is_floating_point() or ids.is_floating_point(): raise ValueError("topk_logprobs float, topk_ids integer")
+                raise ValueError(
+                    f"topk_logprobs {tuple(lp.shape)} and topk_ids {tuple(ids.shape)} must both be [B, S, K]"
+                )
+            if not lp.is_floating_point() or ids.is_floating_point():
+                raise ValueError("topk_logprobs float, topk_ids integer")
             if torch.isnan(lp).any() or (lp > 1e-4).any() or torch.isposinf(lp).any():
                 raise ValueError("topk_logprobs must be log-probabilities (<= 0, -inf for no entry), without NaN")
         if self.labels is not None and tuple(self.labels.shape) != self.shape:
@@ -180,7 +189,9 @@ class TeacherOutput:
         return tuple((self.logits if self.logits is not None else self.topk_logprobs).shape[:-1])
 
     @classmethod
-    def topk_from_logits(cls, logits: torch.Tensor, k: int, labels=None, chunk_size: int = DEFAULT_CHUNK) -> "TeacherOutput":
+    def topk_from_logits(
+        cls, logits: torch.Tensor, k: int, labels=None, chunk_size: int = DEFAULT_CHUNK
+    ) -> "TeacherOutput":
         "Top-k (T = 1) log-probabilities and ids of full logits `[B, S, V]`, computed in row chunks."
         flat = logits.detach().reshape(-1, logits.shape[-1])
         vals, ids = [], []
@@ -392,9 +403,23 @@ class _GatheredLogits(torch.autograd.Function):
         C = ctx.chunk_size
         for i in range(0, h.shape[0], C):
             sl = slice(i, i + C)
-            if need_h: gh[sl] = torch.einsum("ck,ckh->ch", g[sl], W.index_select(0, ids[sl].reshape(-1)).view(*ids[sl].shape, -1))
-            if need_W: gW.index_add_(0, ids[sl].reshape(-1), (g[sl].unsqueeze(2) * h[sl].unsqueeze(1)).reshape(-1, h.shape[1]).to(gW.dtype))
-        gb = torch.zeros(W.shape[0], dtype=b.dtype, device=b.device).index_add_(0, ids.reshape(-1), g.reshape(-1).to(b.dtype)) if need_b else None
+            if need_h:
+                gh[sl] = torch.einsum(
+                    "ck,ckh->ch", g[sl], W.index_select(0, ids[sl].reshape(-1)).view(*ids[sl].shape, -1)
+                )
+            if need_W:
+                gW.index_add_(
+                    0,
+                    ids[sl].reshape(-1),
+                    (g[sl].unsqueeze(2) * h[sl].unsqueeze(1)).reshape(-1, h.shape[1]).to(gW.dtype),
+                )
+        gb = (
+            torch.zeros(W.shape[0], dtype=b.dtype, device=b.device).index_add_(
+                0, ids.reshape(-1), g.reshape(-1).to(b.dtype)
+            )
+            if need_b
+            else None
+        )
         return gh, None if gW is None else gW.to(W.dtype), gb, None, None
 
 # %% ../nbs/06_losses.ipynb #26ef800d
@@ -471,7 +496,8 @@ def generalized_jsd(student_logits: torch.Tensor,   # [B, S, V]
     zs = student_logits.reshape(B * S, V)
     cd = _compute_dtype(student_logits.dtype)
     if not teacher.is_topk:
-        if teacher.logits.shape[-1] != V: raise ValueError(f"teacher vocabulary {teacher.logits.shape[-1]} != student {V}")
+        if teacher.logits.shape[-1] != V:
+            raise ValueError(f"teacher vocabulary {teacher.logits.shape[-1]} != student {V}")
         total, per_tok = _JSDFromLogits.apply(zs, teacher.logits.reshape(B * S, V).to(zs.device), rows, float(beta),
                                               float(temperature), chunk_size)
         n = rows.new_tensor(rows.shape[0])
@@ -502,7 +528,8 @@ def generalized_jsd_from_hidden(student_hidden: torch.Tensor,  # [B, S, H]
     if scale != 1.0: h, head_bias = h * scale, None if head_bias is None else head_bias * scale   # s(hW+b) = (sh)W + sb
     cd = _compute_dtype(h.dtype)
     if not teacher.is_topk:
-        if teacher.logits.shape[-1] != V: raise ValueError(f"teacher vocabulary {teacher.logits.shape[-1]} != student {V}")
+        if teacher.logits.shape[-1] != V:
+            raise ValueError(f"teacher vocabulary {teacher.logits.shape[-1]} != student {V}")
         need = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, head_weight, head_bias))
         total, per_tok = _JSDFromHidden.apply(h, head_weight, head_bias,
                                               teacher.logits.reshape(B * S, V).to(h.device), rows,
@@ -526,8 +553,10 @@ def anchor_kd_loss(student: torch.Tensor,   # [B, K, L, H] states at each anchor
                    eps: float = 1e-6,
                   ) -> tuple[torch.Tensor, dict]:
     "CODI's KD per example `[B]` (mean over its real anchors); metrics: `dist` `[B, K, L]` per anchor (detached)."
-    if target not in ("hidden", "logit"): raise ValueError(f"anchor_kd_loss: target must be 'hidden' or 'logit', got {target!r}")
-    if student.shape != teacher.shape: raise ValueError(f"student {tuple(student.shape)} vs teacher {tuple(teacher.shape)}")
+    if target not in ("hidden", "logit"):
+        raise ValueError(f"anchor_kd_loss: target must be 'hidden' or 'logit', got {target!r}")
+    if student.shape != teacher.shape:
+        raise ValueError(f"student {tuple(student.shape)} vs teacher {tuple(teacher.shape)}")
     teacher, vf = teacher.detach(), valid.float()                                     # [B, K]
     if target == "logit":
         T = temperature
@@ -546,14 +575,19 @@ def state_kd_loss(student: torch.Tensor,   # [M, L, H] student states
                   eps: float = 1e-6,
                  ) -> tuple[torch.Tensor, dict]:
     "Smooth-L1 between states after dividing each layer by the teacher's std (over places and features); mean."
-    if student.shape != teacher.shape: raise ValueError(f"student {tuple(student.shape)} vs teacher {tuple(teacher.shape)}")
+    if student.shape != teacher.shape:
+        raise ValueError(f"student {tuple(student.shape)} vs teacher {tuple(teacher.shape)}")
     if student.shape[0] == 0:
         return student.sum() * 0.0, {"loss": 0.0, "n": 0}                            # nothing to distil in this batch
     t = teacher.detach().to(student.dtype)
-    sd = t.std(dim=(0, 2), keepdim=True).clamp_min(eps) if t.shape[0] * t.shape[2] > 1 else torch.ones_like(t[:1, :, :1])  # [1, L, 1]
+    sd = (
+        t.std(dim=(0, 2), keepdim=True).clamp_min(eps) if t.shape[0] * t.shape[2] > 1 else torch.ones_like(t[:1, :, :1])
+    )  # [1, L, 1]
     per_layer = F.smooth_l1_loss(student / sd, t / sd, reduction="none", beta=beta).mean(dim=(0, 2))   # [L]
     loss = per_layer.mean()
-    return loss, _floats({"loss": loss.detach(), "per_layer_loss": per_layer.detach(), "n": torch.tensor(float(student.shape[0]))})
+    return loss, _floats(
+        {"loss": loss.detach(), "per_layer_loss": per_layer.detach(), "n": torch.tensor(float(student.shape[0]))}
+    )
 
 def embed_kd_loss(z: torch.Tensor,        # [M, H] latent input vectors
                   target: torch.Tensor,   # [M, H] embedding rows they should stand for (detached here)

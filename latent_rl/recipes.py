@@ -13,38 +13,154 @@ __all__ = ['RECIPES', 'recipe_fields', 'recipe_toml']
 RECIPES: dict[str, dict[str, dict]] = {
     "cpu-tiny": {
         "SFTConfig": dict(size="tiny", steps=2000, batch_size=32, lr=3e-3, warmup=30, max_len=384, save_every=500),
-        "CodiConfig": dict(model="data/teacher", steps=480, batch_size=16, lr=1e-3, warmup=20, latent_steps=3, g=0.0,
-                           value_kd=1.0, value_kd_at="sequence", answer_weight=3.0, prj_init="embed", log_every=10,
-                           save_every=80),
-        "GKDConfig": dict(model="runs/demo/codi/final", teacher="data/teacher", steps=40, batch_size=16, lmbda=0.5, beta=0.5,
-                          lr=3e-5, warmup=5, max_new_tokens=300, log_every=5, save_every=20, record_every=5),
-        "GRPOConfig": dict(model="runs/demo/gkd/final", steps=40, batch_size=8, group_size=16, lr=1e-4, warmup=3,
-                           temperature=1.0, max_new_tokens=300, log_every=1, save_every=20, record_every=8),
+        "CodiConfig": dict(
+            model="data/teacher",
+            steps=480,
+            batch_size=16,
+            lr=1e-3,
+            warmup=20,
+            latent_steps=3,
+            g=0.0,
+            value_kd=1.0,
+            value_kd_at="sequence",
+            answer_weight=3.0,
+            prj_init="embed",
+            log_every=10,
+            save_every=80,
+        ),
+        "GKDConfig": dict(
+            model="runs/demo/codi/final",
+            teacher="data/teacher",
+            steps=40,
+            batch_size=16,
+            lmbda=0.5,
+            beta=0.5,
+            lr=3e-5,
+            warmup=5,
+            max_new_tokens=300,
+            log_every=5,
+            save_every=20,
+            record_every=5,
+        ),
+        "GRPOConfig": dict(
+            model="runs/demo/gkd/final",
+            steps=40,
+            batch_size=8,
+            group_size=16,
+            lr=1e-4,
+            warmup=3,
+            temperature=1.0,
+            max_new_tokens=300,
+            log_every=1,
+            save_every=20,
+            record_every=8,
+        ),
     },
-    "cpu-smoke": {   # the demo's code path in about a minute (tests): a few steps per stage
-        "CodiConfig": dict(steps=2, batch_size=4, max_train=64, lr=1e-3, warmup=0, log_every=1, save_every=0, anchor_every=1),
-        "GKDConfig": dict(steps=2, batch_size=4, max_train=64, lmbda=1.0, max_new_tokens=200, log_every=1, save_every=0,
-                          record_every=1),
-        "GRPOConfig": dict(steps=2, batch_size=2, group_size=4, max_train=64, max_new_tokens=200, log_every=1, save_every=0,
-                           record_every=1),
+    "cpu-smoke": {  # the demo's code path in about a minute (tests): a few steps per stage
+        "CodiConfig": dict(
+            steps=2, batch_size=4, max_train=64, lr=1e-3, warmup=0, log_every=1, save_every=0, anchor_every=1
+        ),
+        "GKDConfig": dict(
+            steps=2,
+            batch_size=4,
+            max_train=64,
+            lmbda=1.0,
+            max_new_tokens=200,
+            log_every=1,
+            save_every=0,
+            record_every=1,
+        ),
+        "GRPOConfig": dict(
+            steps=2,
+            batch_size=2,
+            group_size=4,
+            max_train=64,
+            max_new_tokens=200,
+            log_every=1,
+            save_every=0,
+            record_every=1,
+        ),
     },
     "gpu-qwen2.5-coder-1.5b": {
-        "SFTConfig": dict(model="Qwen/Qwen2.5-Coder-1.5B", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=3000, batch_size=128, grad_accum=4, lr=2e-5,
-                          warmup=100, max_len=2048, save_every=500, log_every=10, wandb="online", out="runs/sft"),
-        "CodiConfig": dict(model="runs/sft/final", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=3000, batch_size=64, grad_accum=4, lr=2e-5,
-                           warmup=100, latent_steps=6, kd_norm_std=True, max_len=2048, save_every=500, grad_ckpt=True,
-                           wandb="online", out="runs/codi"),
-        "GKDConfig": dict(model="runs/codi/final", teacher="runs/sft/final", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=500, batch_size=64,
-                          grad_accum=4, lr=1e-6, lmbda=0.5, beta=0.5, topk=64, max_new_tokens=1024, max_len=2048,
-                          steps_per_generation=4, save_every=100, wandb="online", out="runs/gkd"),
-        "GRPOConfig": dict(model="runs/gkd/final", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=300, batch_size=64, group_size=8, grad_accum=8,
-                           lr=1e-6, warmup=10, max_new_tokens=1024, steps_per_generation=2, use_vllm=False, save_every=50,
-                           wandb="online", out="runs/grpo"),
+        "SFTConfig": dict(
+            model="Qwen/Qwen2.5-Coder-1.5B",
+            precision="bf16",
+            strategy="fsdp",
+            activation_checkpointing=True,
+            steps=3000,
+            batch_size=128,
+            grad_accum=4,
+            lr=2e-5,
+            warmup=100,
+            max_len=2048,
+            save_every=500,
+            log_every=10,
+            wandb="online",
+            out="runs/sft",
+        ),
+        "CodiConfig": dict(
+            model="runs/sft/final",
+            precision="bf16",
+            strategy="fsdp",
+            activation_checkpointing=True,
+            steps=3000,
+            batch_size=64,
+            grad_accum=4,
+            lr=2e-5,
+            warmup=100,
+            latent_steps=6,
+            kd_norm_std=True,
+            max_len=2048,
+            save_every=500,
+            grad_ckpt=True,
+            wandb="online",
+            out="runs/codi",
+        ),
+        "GKDConfig": dict(
+            model="runs/codi/final",
+            teacher="runs/sft/final",
+            precision="bf16",
+            strategy="fsdp",
+            activation_checkpointing=True,
+            steps=500,
+            batch_size=64,
+            grad_accum=4,
+            lr=1e-6,
+            lmbda=0.5,
+            beta=0.5,
+            topk=64,
+            max_new_tokens=1024,
+            max_len=2048,
+            steps_per_generation=4,
+            save_every=100,
+            wandb="online",
+            out="runs/gkd",
+        ),
+        "GRPOConfig": dict(
+            model="runs/gkd/final",
+            precision="bf16",
+            strategy="fsdp",
+            activation_checkpointing=True,
+            steps=300,
+            batch_size=64,
+            group_size=8,
+            grad_accum=8,
+            lr=1e-6,
+            warmup=10,
+            max_new_tokens=1024,
+            steps_per_generation=2,
+            use_vllm=False,
+            save_every=50,
+            wandb="online",
+            out="runs/grpo",
+        ),
     },
 }
 
 # 7B: the same pipeline on Qwen2.5-Coder-7B; micro-batches of 2 × 2048 tokens on 8 GPUs (`latent-rl plan`: CODI 40 GB)
-RECIPES["gpu-qwen2.5-coder-7b"] = {k: dict(v, grad_accum=2 * v["grad_accum"]) for k, v in RECIPES["gpu-qwen2.5-coder-1.5b"].items()}
+RECIPES["gpu-qwen2.5-coder-7b"] = {
+    k: dict(v, grad_accum=2 * v["grad_accum"]) for k, v in RECIPES["gpu-qwen2.5-coder-1.5b"].items()
+}
 
 RECIPES["gpu-qwen2.5-coder-7b"]["SFTConfig"]["model"] = "Qwen/Qwen2.5-Coder-7B"
 
@@ -75,8 +191,20 @@ RECIPES["cpu-mult4"] = {   # `latent-rl mult --out runs/mult4` writes the lines;
                        latent_steps=3, g=0.0, value_kd=1.0, value_kd_at="sequence", answer_weight=3.0, prj_init="embed",
                        max_len=256, log_every=10, save_every=80, out="runs/mult4/latent"),
 }
-_CODI_PAPER = dict(train="data/gsm8k_aug/train.txt", val="", lora_r=128, lora_alpha=32.0, batch_size=128, weight_decay=0.1,
-                   max_grad_norm=2.0, precision="bf16", max_len=512, save_every=2000, log_every=10, wandb="online")
+_CODI_PAPER = dict(
+    train="data/gsm8k_aug/train.txt",
+    val="",
+    lora_r=128,
+    lora_alpha=32.0,
+    batch_size=128,
+    weight_decay=0.1,
+    max_grad_norm=2.0,
+    precision="bf16",
+    max_len=512,
+    save_every=2000,
+    log_every=10,
+    wandb="online",
+)
 _GPT2 = dict(model="gpt2", lora_targets="c_attn,c_proj,c_fc", lr=3e-3, steps=120_506, warmup=3_615)      # 40 epochs
 _LLAMA1B = dict(model="meta-llama/Llama-3.2-1B-Instruct", lr=8e-4, steps=30_127, warmup=904)             # 10 epochs
 for _name, _m, _beta in (("gpt2", _GPT2, 1.0), ("llama3.2-1b", _LLAMA1B, 20.0)):
@@ -86,7 +214,9 @@ for _name, _m, _beta in (("gpt2", _GPT2, 1.0), ("llama3.2-1b", _LLAMA1B, 20.0)):
                            step_blocks="one", out=f"runs/{_name}-gsm8k-aug/codi"),
     }
 for _d in (4, 5):
-    _t = dict(train=f"runs/mult{_d}/train.txt", val=f"runs/mult{_d}/val.txt", precision="bf16", max_len=512, wandb="online")
+    _t = dict(
+        train=f"runs/mult{_d}/train.txt", val=f"runs/mult{_d}/val.txt", precision="bf16", max_len=512, wandb="online"
+    )
     RECIPES[f"gpu-gpt2-mult{_d}"] = {
         "SFTConfig": dict(_t, model="gpt2", steps=25_000, batch_size=32, lr=5e-5, warmup=500, save_every=5000,
                           out=f"runs/gpt2-mult{_d}/explicit"),
@@ -111,5 +241,8 @@ def recipe_toml(name: str) -> str:
     for cls, d in RECIPES[name].items():
         lines.append(f"\n[{cls}]")
         for k, v in d.items():
-            lines.append(f"{k} = " + ("true" if v is True else "false" if v is False else f'"{v}"' if isinstance(v, str) else repr(v)))
+            lines.append(
+                f"{k} = "
+                + ("true" if v is True else "false" if v is False else f'"{v}"' if isinstance(v, str) else repr(v))
+            )
     return "\n".join(lines) + "\n"

@@ -11,7 +11,8 @@ from pathlib import Path
 __all__ = ['RECORD_FILES', 'METRICS_STEP_OFFSET', 'RunRecord', 'trim_records']
 
 # %% ../nbs/12_records.ipynb #a5fb848d
-RECORD_FILES = {"metrics.jsonl": 1, "kd_anchors.jsonl": 0, "logprobs.jsonl": 0, "rollouts.jsonl": 0}   # name -> step base
+# name -> step base
+RECORD_FILES = {"metrics.jsonl": 1, "kd_anchors.jsonl": 0, "logprobs.jsonl": 0, "rollouts.jsonl": 0}
 METRICS_STEP_OFFSET = RECORD_FILES["metrics.jsonl"]   # a metrics row's `step` describes record step `step - 1`
 
 class RunRecord:

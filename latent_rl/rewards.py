@@ -24,7 +24,8 @@ _EXEC_CACHE: dict = {}
 
 def executed_reward(texts: list[str], rows: list[dict], timeout: float = 2.0) -> list[float]:
     "Correctness against the program's value computed in the sandbox (never in this process)."
-    need = list({(r["code"], r["input"]): r for r in rows if (r["code"], r["input"]) not in _EXEC_CACHE}.values())  # once per program
+    # once per program
+    need = list({(r["code"], r["input"]): r for r in rows if (r["code"], r["input"]) not in _EXEC_CACHE}.values())
     if need:
         for r, res in zip(need, trace_rows(need, workers=1, timeout=timeout, progress=False)):
             _EXEC_CACHE[(r["code"], r["input"])] = res.value if res.ok else None

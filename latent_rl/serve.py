@@ -47,48 +47,70 @@ class HTTPError(Exception):
 
 # %% ../nbs/09_serve.ipynb #64d0d9db
 def _token_list(x, where: str, vocab: int) -> list[int]:
-    if not isinstance(x, list): raise HTTPError(400, f"{where} must be a list of token ids, got {type(x).__name__}", where)
+    if not isinstance(x, list):
+        raise HTTPError(400, f"{where} must be a list of token ids, got {type(x).__name__}", where)
     if not x: raise HTTPError(400, f"{where} is empty: a prompt needs at least one token", where)
     for j, t in enumerate(x):
         if type(t) is not int:
-            raise HTTPError(400, f"{where}[{j}] must be an integer token id, got {type(t).__name__} {json.dumps(t)[:40]}", f"{where}[{j}]")
+            raise HTTPError(
+                400,
+                f"{where}[{j}] must be an integer token id, got {type(t).__name__} {json.dumps(t)[:40]}",
+                f"{where}[{j}]",
+            )
         if not 0 <= t < vocab:
-            raise HTTPError(400, f"{where}[{j}] = {t} is not a token id of this model (vocabulary {vocab})", f"{where}[{j}]")
+            raise HTTPError(
+                400, f"{where}[{j}] = {t} is not a token id of this model (vocabulary {vocab})", f"{where}[{j}]"
+            )
     return x
 
 # %% ../nbs/09_serve.ipynb #f2c256d8
 def parse_completion(body: bytes, lim: ServerLimits, name: str, vocab: int, encode=None) -> dict:
     "Validate a `/v1/completions` body: `{seqs, k}` or an `HTTPError(400/404)` naming the offending field."
-    try: req = json.loads(body)
-    except RecursionError: raise HTTPError(400, "body: JSON nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as e: raise HTTPError(400, f"body is not valid JSON: {str(e)[:200]}") from None
+    try:
+        req = json.loads(body)
+    except RecursionError:
+        raise HTTPError(400, "body: JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(req, dict): raise HTTPError(400, f"body must be a JSON object, got {type(req).__name__}")
     m = req.get("model")
-    if m is not None and m != name: raise HTTPError(404, f"The model `{str(m)[:100]}` does not exist (this server has `{name}`).", "model")
+    if m is not None and m != name:
+        raise HTTPError(404, f"The model `{str(m)[:100]}` does not exist (this server has `{name}`).", "model")
     if "prompt" not in req: raise HTTPError(400, "prompt is required", "prompt")
     p = req["prompt"]
     if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(s, str) for s in p)):
         if encode is None: raise HTTPError(400, "prompt: this server takes token ids only", "prompt")
         p = [encode(s) for s in ([p] if isinstance(p, str) else p)]
     elif isinstance(p, list) and p and all(type(t) is int for t in p): p = [p]
-    if not isinstance(p, list) or not p: raise HTTPError(400, "prompt must be token ids, a list of token-id lists, or text", "prompt")
-    if len(p) > lim.max_prompts: raise HTTPError(400, f"prompt has {len(p)} sequences; the limit is {lim.max_prompts}", "prompt")
+    if not isinstance(p, list) or not p:
+        raise HTTPError(400, "prompt must be token ids, a list of token-id lists, or text", "prompt")
+    if len(p) > lim.max_prompts:
+        raise HTTPError(400, f"prompt has {len(p)} sequences; the limit is {lim.max_prompts}", "prompt")
     seqs = [_token_list(s, f"prompt[{i}]", vocab) for i, s in enumerate(p)]
     for i, s in enumerate(seqs):
         if len(s) > lim.max_model_len:
             raise HTTPError(400, f"prompt[{i}] has {len(s)} tokens, but this model's maximum context length is "
                                  f"{lim.max_model_len} tokens", f"prompt[{i}]")
     if (tot := sum(map(len, seqs))) > lim.max_request_tokens:
-        raise HTTPError(400, f"prompt has {tot} tokens in all; the server's limit per request is {lim.max_request_tokens}", "prompt")
+        raise HTTPError(
+            400, f"prompt has {tot} tokens in all; the server's limit per request is {lim.max_request_tokens}", "prompt"
+        )
     k = req.get("prompt_logprobs")
     if k is not None:
-        if type(k) is not int: raise HTTPError(400, f"prompt_logprobs must be an integer, got {type(k).__name__}", "prompt_logprobs")
+        if type(k) is not int:
+            raise HTTPError(400, f"prompt_logprobs must be an integer, got {type(k).__name__}", "prompt_logprobs")
         if k < 0: raise HTTPError(400, f"prompt_logprobs must be >= 0, got {k}", "prompt_logprobs")
-        if k > lim.max_logprobs:   # vLLM's wording, which HTTPTeacher explains
-            raise HTTPError(400, f"Requested prompt logprobs of {k}, which is greater than max allowed: {lim.max_logprobs}", "prompt_logprobs")
+        if k > lim.max_logprobs:  # vLLM's wording, which HTTPTeacher explains
+            raise HTTPError(
+                400,
+                f"Requested prompt logprobs of {k}, which is greater than max allowed: {lim.max_logprobs}",
+                "prompt_logprobs",
+            )
     mt = req.get("max_tokens", 1)
     if mt is not None and (type(mt) is not int or not 0 <= mt <= 1):
-        raise HTTPError(400, f"max_tokens must be 0 or 1 (this server scores prompts), got {json.dumps(mt)[:40]}", "max_tokens")
+        raise HTTPError(
+            400, f"max_tokens must be 0 or 1 (this server scores prompts), got {json.dumps(mt)[:40]}", "max_tokens"
+        )
     if req.get("n", 1) != 1: raise HTTPError(400, "n must be 1", "n")
     for f in ("temperature", "top_p"):
         v = req.get(f)
@@ -99,7 +121,9 @@ def parse_completion(body: bytes, lim: ServerLimits, name: str, vocab: int, enco
 def _say(msg: str): print(msg, flush=True)
 
 @torch.no_grad()
-def score_sequences(model, seqs: list[list[int]], k: int, max_batch_tokens: int = 16_384, chunk: int = 1024) -> list[dict]:
+def score_sequences(
+    model, seqs: list[list[int]], k: int, max_batch_tokens: int = 16_384, chunk: int = 1024
+) -> list[dict]:
     "Per sequence `{top_v [L-1, k], top_i, actual [L-1], rank [L-1], next}`: batched, right-padded forwards of at most `max_batch_tokens`."
     head = lm_head(model)
     W = head.weight
@@ -114,10 +138,12 @@ def score_sequences(model, seqs: list[list[int]], k: int, max_batch_tokens: int 
     if cur: groups.append(cur)
     for g in groups:
         L = max(len(seqs[i]) for i in g)
-        ids = torch.tensor([seqs[i] + [0] * (L - len(seqs[i])) for i in g], device=W.device)            # [b, L] right-padded
+        # [b, L] right-padded
+        ids = torch.tensor([seqs[i] + [0] * (L - len(seqs[i])) for i in g], device=W.device)
         am = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in g], device=W.device)  # [b, L]
         pos = torch.arange(L, device=W.device)[None].expand(len(g), L)
-        h = backbone(model)(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state  # [b, L, H]
+        # [b, L, H]
+        h = backbone(model)(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state
         for r, i in enumerate(g):
             n, s = len(seqs[i]), ids[r, :len(seqs[i])]
             tv, ti, act, rk = [], [], [], []
@@ -131,14 +157,25 @@ def score_sequences(model, seqs: list[list[int]], k: int, max_batch_tokens: int 
                 rk.append((lp > lp.gather(1, y)).sum(-1) + 1)
             nxt = int(head.logits(h[r, n - 1]).argmax())
             cat = lambda xs, shape: torch.cat(xs) if xs else torch.zeros(shape)
-            out[i] = {"top_v": cat(tv, (0, max(k, 1))), "top_i": cat(ti, (0, max(k, 1))).long(), "actual": cat(act, (0,)),
-                      "rank": cat(rk, (0,)).long(), "next": nxt}
+            out[i] = {
+                "top_v": cat(tv, (0, max(k, 1))),
+                "top_i": cat(ti, (0, max(k, 1))).long(),
+                "actual": cat(act, (0,)),
+                "rank": cat(rk, (0,)).long(),
+                "next": nxt,
+            }
     return out
 
 # %% ../nbs/09_serve.ipynb #851af335
 def prompt_logprobs_json(seq: list[int], sc: dict, k: int) -> list:
     "vLLM's `prompt_logprobs`: `[None]` then, per position, the top-k `{id: {logprob, rank, decoded_token}}` plus the actual token."
-    rows, tv, ti, act, rk = [None], sc["top_v"][:, :k].tolist(), sc["top_i"][:, :k].tolist(), sc["actual"].tolist(), sc["rank"].tolist()
+    rows, tv, ti, act, rk = (
+        [None],
+        sc["top_v"][:, :k].tolist(),
+        sc["top_i"][:, :k].tolist(),
+        sc["actual"].tolist(),
+        sc["rank"].tolist(),
+    )
     for t in range(len(act)):
         d = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": None} for r, (v, i) in enumerate(zip(tv[t], ti[t]))}
         a = str(seq[t + 1])
@@ -152,15 +189,19 @@ class Batcher:
     def __init__(self, model, tok, name: str, lim: ServerLimits, log=None):
         self.model, self.tok, self.name, self.lim, self.log = model, tok, name, lim, log or _say
         self.q: queue.Queue = queue.Queue(maxsize=lim.max_queue)
-        self.batches: list[int] = []                                          # sequences per batch (for tests and /metrics)
+        # sequences per batch (for tests and /metrics)
+        self.batches: list[int] = []
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="teacher-batcher", daemon=True)
 
     def submit(self, job: dict):
         try: self.q.put_nowait(job)
         except queue.Full:
-            raise HTTPError(503, f"the teacher is busy: {self.lim.max_queue} scoring requests already wait (--max-queue); retry later",
-                            headers={"Retry-After": "1"}) from None
+            raise HTTPError(
+                503,
+                f"the teacher is busy: {self.lim.max_queue} scoring requests already wait (--max-queue); retry later",
+                headers={"Retry-After": "1"},
+            ) from None
 
     def _take(self) -> list[dict]:
         jobs = [self.q.get()]
@@ -190,7 +231,10 @@ class Batcher:
                     j["done"](200, self._response(j, mine))
             except Exception:
                 self.log("teacher server: scoring failed:\n" + traceback.format_exc())
-                for j in jobs: j["done"](500, HTTPError(500, "internal error while scoring the batch (see the server's log)").body())
+                for j in jobs:
+                    j["done"](
+                        500, HTTPError(500, "internal error while scoring the batch (see the server's log)").body()
+                    )
             self.batches.append(len(seqs))
             self.log(f"batch: {len(seqs)} sequences from {len(jobs)} requests, {sum(map(len, seqs))} tokens, "
                      f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
@@ -198,10 +242,23 @@ class Batcher:
     def _response(self, job, scores) -> dict:
         k, choices = job["k"], []
         for i, (s, sc) in enumerate(zip(job["seqs"], scores)):
-            choices.append({"index": i, "text": self.tok.decode([sc["next"]]), "logprobs": None, "finish_reason": "length",
-                            "prompt_logprobs": prompt_logprobs_json(s, sc, k) if k is not None else None})
-        return {"id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()), "model": self.name,
-                "choices": choices, "usage": {"prompt_tokens": sum(map(len, job["seqs"])), "completion_tokens": len(job["seqs"])}}
+            choices.append(
+                {
+                    "index": i,
+                    "text": self.tok.decode([sc["next"]]),
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "prompt_logprobs": prompt_logprobs_json(s, sc, k) if k is not None else None,
+                }
+            )
+        return {
+            "id": f"cmpl-{time.time_ns()}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": choices,
+            "usage": {"prompt_tokens": sum(map(len, job["seqs"])), "completion_tokens": len(job["seqs"])},
+        }
 
     def start(self):
         self.thread.start()
@@ -212,14 +269,29 @@ class Batcher:
         except queue.Full: pass
 
 # %% ../nbs/09_serve.ipynb #24aa54f7
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-            411: "Length Required", 413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            501: "Not Implemented", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    411: "Length Required",
+    413: "Payload Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+}
 
 def _http_bytes(status: int, obj, headers: dict | None = None) -> bytes:
     b = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
     h = {"Content-Type": "application/json", "Content-Length": str(len(b)), "Connection": "close", **(headers or {})}
-    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items()) + "\r\n").encode() + b
+    return (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+        + "".join(f"{k}: {v}\r\n" for k, v in h.items())
+        + "\r\n"
+    ).encode() + b
 
 async def read_head(reader, lim: ServerLimits, line: bytes) -> tuple[str, str, dict]:
     "Parse the request `line` and read the headers within `max_header_bytes` (the caller bounds the time)."
@@ -242,16 +314,31 @@ def body_length(headers: dict, lim: ServerLimits) -> int:
         raise HTTPError(501, "chunked request bodies are not supported: send Content-Length", "Transfer-Encoding")
     cl = headers.get("content-length")
     if cl is None: raise HTTPError(411, "POST needs a Content-Length header", "Content-Length")
-    if not cl.isdigit() or not cl.isascii(): raise HTTPError(400, f"Content-Length must be a non-negative integer, got {cl[:40]!r}", "Content-Length")
+    if not cl.isdigit() or not cl.isascii():
+        raise HTTPError(400, f"Content-Length must be a non-negative integer, got {cl[:40]!r}", "Content-Length")
     n = int(cl)
     if n > lim.max_body_bytes:
-        raise HTTPError(413, f"body of {n} bytes exceeds the server's limit of {lim.max_body_bytes} bytes (--max-body-mb)", "Content-Length")
+        raise HTTPError(
+            413,
+            f"body of {n} bytes exceeds the server's limit of {lim.max_body_bytes} bytes (--max-body-mb)",
+            "Content-Length",
+        )
     return n
 
 # %% ../nbs/09_serve.ipynb #1c50166e
 class TeacherServer:
     "The teacher in vLLM's completions protocol on an asyncio loop (its own thread): reading, limits and routing never wait on the model."
-    def __init__(self, model, tok, name: str, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits | None = None, log=None):
+
+    def __init__(
+        self,
+        model,
+        tok,
+        name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ServerLimits | None = None,
+        log=None,
+    ):
         model.eval().requires_grad_(False)
         self.model, self.tok, self.name, self.host, self.port = model, tok, name, host, port
         self.lim, self.log = limits or ServerLimits(), log or _say
@@ -293,8 +380,19 @@ class TeacherServer:
             self._thread.join(10)
 
     def models(self) -> dict:   # the served name only: never a local path
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "latent_rl", "vocab_size": self.vocab,
-                                            "max_model_len": self.lim.max_model_len, "max_logprobs": self.lim.max_logprobs}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.name,
+                    "object": "model",
+                    "owned_by": "latent_rl",
+                    "vocab_size": self.vocab,
+                    "max_model_len": self.lim.max_model_len,
+                    "max_logprobs": self.lim.max_logprobs,
+                }
+            ],
+        }
 
 # %% ../nbs/09_serve.ipynb #7ab69f5e
 def _authorized(headers: dict, key: str | None) -> bool:
@@ -305,16 +403,24 @@ def _authorized(headers: dict, key: str | None) -> bool:
 async def _serve_one(self: TeacherServer, reader) -> tuple[int, object, dict]:
     "One request → (status, JSON body or bytes, headers). Every failure is an `HTTPError` answered to the client."
     lim = self.lim
-    try: line = await asyncio.wait_for(reader.readline(), lim.idle_timeout)
-    except asyncio.TimeoutError: raise HTTPError(408, f"no request line within {lim.idle_timeout:g} s (idle timeout)") from None
-    except (asyncio.LimitOverrunError, ValueError): raise HTTPError(431, f"request line exceeds {lim.max_header_bytes} bytes") from None
+    try:
+        line = await asyncio.wait_for(reader.readline(), lim.idle_timeout)
+    except asyncio.TimeoutError:
+        raise HTTPError(408, f"no request line within {lim.idle_timeout:g} s (idle timeout)") from None
+    except (asyncio.LimitOverrunError, ValueError):
+        raise HTTPError(431, f"request line exceeds {lim.max_header_bytes} bytes") from None
     if not line: raise ConnectionResetError
     t_end = asyncio.get_running_loop().time() + lim.request_timeout
     left = lambda: max(0.0, t_end - asyncio.get_running_loop().time())
     try:
         method, path, headers = await asyncio.wait_for(read_head(reader, lim, line), left())
         path = path.split("?", 1)[0]
-        if path == "/health": return (200, {"status": "ok"}, {}) if method in ("GET", "HEAD") else (405, HTTPError(405, "use GET").body(), {})
+        if path == "/health":
+            return (
+                (200, {"status": "ok"}, {})
+                if method in ("GET", "HEAD")
+                else (405, HTTPError(405, "use GET").body(), {})
+            )
         if path not in ("/v1/models", "/v1/completions"): raise HTTPError(404, f"no route {path[:100]}")
         if not _authorized(headers, lim.api_key): raise HTTPError(401, "Unauthorized: send 'Authorization: Bearer KEY'")
         if path == "/v1/models":
@@ -322,10 +428,13 @@ async def _serve_one(self: TeacherServer, reader) -> tuple[int, object, dict]:
             return 200, self.models(), {}
         if method != "POST": raise HTTPError(405, "use POST")
         body = await asyncio.wait_for(reader.readexactly(body_length(headers, lim)), left())
-    except asyncio.TimeoutError: raise HTTPError(408, f"request not received within {lim.request_timeout:g} s (request timeout)") from None
-    except asyncio.IncompleteReadError: raise ConnectionResetError from None
+    except asyncio.TimeoutError:
+        raise HTTPError(408, f"request not received within {lim.request_timeout:g} s (request timeout)") from None
+    except asyncio.IncompleteReadError:
+        raise ConnectionResetError from None
     except (asyncio.LimitOverrunError, ValueError) as e:
-        if isinstance(e, HTTPError): raise
+        if isinstance(e, HTTPError):
+            raise
         raise HTTPError(431, f"a request or header line exceeds {lim.max_header_bytes} bytes") from None
     loop = asyncio.get_running_loop()
     req = await loop.run_in_executor(None, parse_completion, body, lim, self.name, self.vocab, self._encode)
@@ -343,7 +452,11 @@ async def _handle(self: TeacherServer, reader, writer):
     self.connections += 1
     try:
         if self.connections > self.lim.max_connections:
-            status, obj, hdr = 503, HTTPError(503, f"too many connections (limit {self.lim.max_connections})").body(), {"Retry-After": "1"}
+            status, obj, hdr = (
+                503,
+                HTTPError(503, f"too many connections (limit {self.lim.max_connections})").body(),
+                {"Retry-After": "1"},
+            )
         else:
             try: status, obj, hdr = await _serve_one(self, reader)
             except HTTPError as e: status, obj, hdr = e.status, e.body(), e.headers
@@ -359,10 +472,13 @@ async def _handle(self: TeacherServer, reader, writer):
         writer.transport.abort() if writer.transport.get_write_buffer_size() else writer.close()
 
 # %% ../nbs/09_serve.ipynb #15521cfd
-def make_teacher_server(model, tok, name: str, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits | None = None,
-                        log=None) -> TeacherServer:
+def make_teacher_server(
+    model, tok, name: str, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits | None = None, log=None
+) -> TeacherServer:
     "A `TeacherServer` (not started: `.start()` serves in a background thread, then `server_address` holds the port)."
-    lim = limits or ServerLimits(max_model_len=int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 2048))
+    lim = limits or ServerLimits(
+        max_model_len=int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 2048)
+    )
     return TeacherServer(model, tok, name, host, port, lim, log)
 
 def is_loopback(host: str) -> bool:
@@ -374,9 +490,11 @@ def check_exposure(host: str, api_key: str | None, no_auth: bool) -> str | None:
     "Refuse a non-loopback address without `--api-key` (unless `--no-auth`); returns the warning to print, if any."
     if is_loopback(host): return None
     if not api_key and not no_auth:
-        raise ValueError(f"serve-teacher: --host {host} makes the model reachable from other machines; pass --api-key KEY "
-                         "(or set $LATENT_RL_API_KEY; clients send 'Authorization: Bearer KEY', HTTPTeacher reads "
-                         "$LATENT_RL_API_KEY), or --no-auth to serve without authentication on a network you trust")
+        raise ValueError(
+            f"serve-teacher: --host {host} makes the model reachable from other machines; pass --api-key KEY "
+            "(or set $LATENT_RL_API_KEY; clients send 'Authorization: Bearer KEY', HTTPTeacher reads "
+            "$LATENT_RL_API_KEY), or --no-auth to serve without authentication on a network you trust"
+        )
     if api_key: return f"WARNING: serving on {host}, reachable from other machines; /v1/* requires the bearer token"
     return f"WARNING: serving on {host} WITHOUT authentication (--no-auth): anyone who can reach this port can use the model"
 
@@ -390,11 +508,19 @@ def serve_teacher(argv=None):
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--name", default=None, help="served model name (default: the model directory's name, never its path)")
-    ap.add_argument("--api-key", default=os.environ.get("LATENT_RL_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1/* "
-                    "(default $LATENT_RL_API_KEY); needed for a non-loopback --host")
+    ap.add_argument(
+        "--name", default=None, help="served model name (default: the model directory's name, never its path)"
+    )
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("LATENT_RL_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* "
+        "(default $LATENT_RL_API_KEY); needed for a non-loopback --host",
+    )
     ap.add_argument("--no-auth", action="store_true", help="allow a non-loopback --host without --api-key")
-    ap.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest prompt_logprobs (vLLM's default: 20)")
+    ap.add_argument(
+        "--max-logprobs", type=int, default=d.max_logprobs, help="largest prompt_logprobs (vLLM's default: 20)"
+    )
     ap.add_argument("--max-model-len", type=int, default=0, help="longest sequence (default: the model's context)")
     ap.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20)
     ap.add_argument("--max-queue", type=int, default=d.max_queue, help="scoring requests waiting (503 beyond)")
@@ -408,10 +534,20 @@ def serve_teacher(argv=None):
     except ValueError as e: raise SystemExit(str(e)) from None
     model, tok = load_model(a.model, dtype=a.dtype)
     ctx = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    if a.max_model_len > ctx: raise SystemExit(f"serve-teacher: --max-model-len {a.max_model_len} exceeds the model's context ({ctx})")
-    lim = ServerLimits(max_body_bytes=int(a.max_body_mb * 2**20), max_model_len=a.max_model_len or ctx, max_logprobs=a.max_logprobs,
-                       max_connections=a.max_connections, max_queue=a.max_queue, max_batch_tokens=a.max_batch_tokens,
-                       batch_wait_ms=a.batch_wait_ms, idle_timeout=a.idle_timeout, request_timeout=a.request_timeout, api_key=a.api_key)
+    if a.max_model_len > ctx:
+        raise SystemExit(f"serve-teacher: --max-model-len {a.max_model_len} exceeds the model's context ({ctx})")
+    lim = ServerLimits(
+        max_body_bytes=int(a.max_body_mb * 2**20),
+        max_model_len=a.max_model_len or ctx,
+        max_logprobs=a.max_logprobs,
+        max_connections=a.max_connections,
+        max_queue=a.max_queue,
+        max_batch_tokens=a.max_batch_tokens,
+        batch_wait_ms=a.batch_wait_ms,
+        idle_timeout=a.idle_timeout,
+        request_timeout=a.request_timeout,
+        api_key=a.api_key,
+    )
     name = a.name or Path(str(a.model).rstrip("/")).name
     srv = TeacherServer(model, tok, name, a.host, a.port, lim).start()
     if warn: print(warn, flush=True)

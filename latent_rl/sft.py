@@ -105,12 +105,19 @@ def sft_examples(cfg: SFTConfig, tok, acc, progress: bool = True) -> tuple[list[
     if not exs: raise ValueError(f"{cfg.train}: no usable training examples (all longer than max_len={cfg.max_len}?)")
     val = []
     if cfg.val and Path(cfg.val).exists():
-        val = [e for e in (sft_example(tok, r, cfg.mode, cfg.max_len) for r in load_traced(cfg.val, 256, False, cfg.step_blocks)) if e]
+        val = [
+            e
+            for e in (
+                sft_example(tok, r, cfg.mode, cfg.max_len) for r in load_traced(cfg.val, 256, False, cfg.step_blocks)
+            )
+            if e
+        ]
     return exs, val
 
 def run_sft(cfg: SFTConfig, progress: bool = True) -> Path:
     "Train; returns the path of the final model directory (`{out}/final`)."
-    if cfg.mode not in ("trace", "answer"): raise ValueError(f"SFTConfig.mode must be 'trace' or 'answer', got {cfg.mode!r}")
+    if cfg.mode not in ("trace", "answer"):
+        raise ValueError(f"SFTConfig.mode must be 'trace' or 'answer', got {cfg.mode!r}")
     acc = setup(cfg.seed)
     write_config(cfg, acc)
     model, tok = build_or_load(cfg)

@@ -73,7 +73,9 @@ def find_data(name: str) -> Path | None:
     "The directory `shared/data/NAME` (`$LATENT_RL_<NAME>` first, then searched upwards from here and from the package)."
     env = os.environ.get(f"LATENT_RL_{name.upper()}")
     if env: return Path(env) if Path(env).is_dir() else None
-    starts = [Path.cwd().resolve(), Path(__file__).resolve().parent] if "__file__" in globals() else [Path.cwd().resolve()]
+    starts = (
+        [Path.cwd().resolve(), Path(__file__).resolve().parent] if "__file__" in globals() else [Path.cwd().resolve()]
+    )
     for s in starts:
         for d in (s, *s.parents):
             for c in (d / "shared" / "data" / name, d / ".." / "shared" / "data" / name):
@@ -173,7 +175,11 @@ def multiplication_files(out, n: int = 4, m: int = 4, count: int = 79_000, val: 
                          exclude=None) -> tuple[Path, Path]:
     "`OUT/train.txt` (`count` lines) and `OUT/val.txt` (`val` more) of n×m multiplication, none a pair of `exclude`"
     "(default: the implicit-CoT validation file of that size, where `find_data` finds it)."
-    if exclude is None and (d := find_data("icot")) is not None and (p := d / f"{n}_by_{m}_mult" / "valid.txt").exists():
+    if (
+        exclude is None
+        and (d := find_data("icot")) is not None
+        and (p := d / f"{n}_by_{m}_mult" / "valid.txt").exists()
+    ):
         exclude = p
     rows = generate_multiplication(count + val, n, m, seed, load_step_rows(exclude) if exclude else ())
     out = Path(out)

@@ -85,7 +85,9 @@ def run_one(g: Grid, run: dict, seed: int, rows: list[dict], progress: bool = Tr
     t0 = time.time()
     if not (d / "final" / "config.json").exists():
         resume = (d / "checkpoints").exists() or (d / "metrics.jsonl").exists()
-        cfg = config_from_dict(cls, {**g.base, **over, "seed": seed, "out": str(d), "resume": resume, "overwrite": not resume})
+        cfg = config_from_dict(
+            cls, {**g.base, **over, "seed": seed, "out": str(d), "resume": resume, "overwrite": not resume}
+        )
         train(cfg, progress=progress)
     t_train = time.time() - t0
     final = d / "final"
@@ -96,9 +98,18 @@ def run_one(g: Grid, run: dict, seed: int, rows: list[dict], progress: bool = Tr
     if LatentModel.is_latent_dir(final):
         lm, tok = LatentModel.load(final)
         lm.eval()
-        u = latent_usage(lm, tok, rows, variants=tuple(g.usage), max_new_tokens=g.max_new_tokens, seed=seed, progress=progress)
-        row.update(accuracy=u["accuracy"]["mean"], ci=[u["accuracy"]["lo"], u["accuracy"]["hi"]], usage=u["variants"],
-                   collapse=u["collapse"], used=u["used"], verdict=u["verdict"], correct="".join("01"[r["correct"]] for r in u["records"]))
+        u = latent_usage(
+            lm, tok, rows, variants=tuple(g.usage), max_new_tokens=g.max_new_tokens, seed=seed, progress=progress
+        )
+        row.update(
+            accuracy=u["accuracy"]["mean"],
+            ci=[u["accuracy"]["lo"], u["accuracy"]["hi"]],
+            usage=u["variants"],
+            collapse=u["collapse"],
+            used=u["used"],
+            verdict=u["verdict"],
+            correct="".join("01"[r["correct"]] for r in u["records"]),
+        )
     else:
         r = evaluate_path(final, rows, g.max_new_tokens, desc=f"eval {run['name']}", progress=progress)
         row.update(accuracy=r["accuracy"], ci=r["ci"], correct="".join("01"[x["correct"]] for x in r["records"]))
@@ -112,14 +123,26 @@ def sweep(g: Grid, progress: bool = True, only: list[str] | None = None) -> list
     out.mkdir(parents=True, exist_ok=True)
     res = out / "results.jsonl"
     done = {(r["name"], r["seed"]) for r in RunRecord.read(res)} if res.exists() else set()
-    todo = [(r, s) for r in g.runs for s in r.get("seeds", g.seeds) if (r["name"], s) not in done and (not only or r["name"] in only)]
+    todo = [
+        (r, s)
+        for r in g.runs
+        for s in r.get("seeds", g.seeds)
+        if (r["name"], s) not in done and (not only or r["name"] in only)
+    ]
     rows = load_eval_rows(g.rows, g.limit, progress=progress) if todo else []
     for i, (run, seed) in enumerate(todo):
         print(f"== sweep {i + 1}/{len(todo)}: {run['name']} seed {seed}", flush=True)
         row = run_one(g, run, seed, rows, progress)
         with open(res, "a") as fh: fh.write(json.dumps(row) + "\n")
-        print(f"   {row['accuracy']:.1%} [{row['ci'][0]:.1%}, {row['ci'][1]:.1%}]" +
-              (f"; shuffle Δ {100 * row['usage']['shuffle']['mean']:+.1f} points" if "shuffle" in row.get("usage", {}) else ""), flush=True)
+        print(
+            f"   {row['accuracy']:.1%} [{row['ci'][0]:.1%}, {row['ci'][1]:.1%}]"
+            + (
+                f"; shuffle Δ {100 * row['usage']['shuffle']['mean']:+.1f} points"
+                if "shuffle" in row.get("usage", {})
+                else ""
+            ),
+            flush=True,
+        )
     return RunRecord.read(res) if res.exists() else []
 
 # %% ../nbs/24_sweep.ipynb #9ccbc326
@@ -141,14 +164,21 @@ def sweep_table(rows: list[dict], order: list[str] | None = None) -> str:
         sh = [r["usage"]["shuffle"] for r in rs if "shuffle" in (r.get("usage") or {})]
         if sh:
             d, dlo, dhi = np.mean([[x["mean"], x["lo"], x["hi"]] for x in sh], 0)
-            shs, shci = f"{100 * d:+.1f}" + (" (noise)" if dlo <= 0 <= dhi else ""), f"{100 * dlo:+.1f} to {100 * dhi:+.1f}"
+            shs, shci = (
+                f"{100 * d:+.1f}" + (" (noise)" if dlo <= 0 <= dhi else ""),
+                f"{100 * dlo:+.1f} to {100 * dhi:+.1f}",
+            )
         else: shs = shci = "—"
         col = [np.mean([c["cos"] for c in r["collapse"]]) for r in rs if r.get("collapse")]
         col = f"{np.mean(col):.2f}" if col else "—"
         ts = [r["train_s"] for r in rs if r.get("train_s") is not None]
         cell = n.replace("|", "\\|")                                             # a name may hold a trace token
-        L.append(f"| {cell} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | "
-                 f"{np.mean(ts):.0f} |" if ts else f"| {cell} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | — |")
+        L.append(
+            f"| {cell} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | "
+            f"{np.mean(ts):.0f} |"
+            if ts
+            else f"| {cell} | {100 * a:.1f}% | {100 * lo:.1f}–{100 * hi:.1f} | {seeds} | {shs} | {shci} | {col} | — |"
+        )
     return "\n".join(L)
 
 # %% ../nbs/24_sweep.ipynb #364f8e85
@@ -164,8 +194,11 @@ def paired_runs(rows: list[dict], a: str, b: str) -> dict:
 # %% ../nbs/24_sweep.ipynb #69654301
 def main(argv: list[str] | None = None):
     "`latent-rl sweep GRID.toml [--table] [--only NAME]`"
-    ap = argparse.ArgumentParser(prog="latent-rl sweep", description="Run a grid of training runs × seeds (resumable) and "
-                                 "print one table: held-out pass@1 with 95% CIs, the shuffled-latents delta, collapse, time.")
+    ap = argparse.ArgumentParser(
+        prog="latent-rl sweep",
+        description="Run a grid of training runs × seeds (resumable) and "
+        "print one table: held-out pass@1 with 95% CIs, the shuffled-latents delta, collapse, time.",
+    )
     ap.add_argument("grid", help="grid TOML/YAML/JSON: stage, out, seeds, rows, usage, [base], [[run]] ...")
     ap.add_argument("--table", action="store_true", help="only print the table of the results so far")
     ap.add_argument("--only", action="append", default=None, help="run only this variant (repeatable)")

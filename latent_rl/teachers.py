@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 from .tokens import IGNORE_INDEX
-from .models import Head, backbone, lm_head, lm_head_weight, load_model, cache_kw, out_cache, lora_scale, adapters_off
+from latent_rl.models import (Head, backbone, lm_head, lm_head_weight, load_model, cache_kw, out_cache, lora_scale,
+    adapters_off)
 from .losses import TeacherOutput
 from .latent import LatentSpec
 from .policy import Policy, completion_labels
@@ -44,13 +45,18 @@ def check_vocab(student_tok, teacher: Teacher, student_logits: int | None = None
         raise ValueError(f"teacher/student vocabulary mismatch: teacher has {len(tv)} tokens, student {len(sv)}; "
                          f"first differences {diff}. Distillation needs one tokenizer.")
     n = teacher.n_logits()
-    if tv is None and n is not None and student_logits is not None and n != student_logits:   # tokens unseen: sizes must match
-        raise ValueError(f"teacher/student vocabulary mismatch: the teacher serves {n} logits, the student has {student_logits}")
+    # tokens unseen: sizes must match
+    if tv is None and n is not None and student_logits is not None and n != student_logits:
+        raise ValueError(
+            f"teacher/student vocabulary mismatch: the teacher serves {n} logits, the student has {student_logits}"
+        )
     if n is not None and student_logits is not None and n != student_logits and teacher.topk is None:
         raise ValueError(f"teacher LM head has {n} rows, student {student_logits}: use top-k distillation (topk = k) "
                          "or a teacher with the same head size")
 
-def hidden_to_output(h: torch.Tensor, head: Head, mask: torch.Tensor, topk: int | None, chunk: int = 1024) -> TeacherOutput:
+def hidden_to_output(
+    h: torch.Tensor, head: Head, mask: torch.Tensor, topk: int | None, chunk: int = 1024
+) -> TeacherOutput:
     "Teacher hidden states `[B, N, H]` → full logits `[B, N, V]` or chunked top-k logprobs (T = 1); labels from `mask`."
     lab = torch.where(mask, 0, IGNORE_INDEX)
     if topk is None: return TeacherOutput(logits=head.logits(h).float(), labels=lab)   # [B, N, V]
@@ -60,12 +66,17 @@ def hidden_to_output(h: torch.Tensor, head: Head, mask: torch.Tensor, topk: int 
         v, j = torch.log_softmax(head.logits(flat[i:i + chunk]).float(), -1).topk(topk, -1)   # [c, k]
         vals.append(v)
         ids.append(j)
-    return TeacherOutput(topk_logprobs=torch.cat(vals).view(B, N, topk), topk_ids=torch.cat(ids).view(B, N, topk), labels=lab)
+    return TeacherOutput(
+        topk_logprobs=torch.cat(vals).view(B, N, topk), topk_ids=torch.cat(ids).view(B, N, topk), labels=lab
+    )
 
 # %% ../nbs/11_teachers.ipynb #403b41b7
 def _check_counts(name, batch: ScoreBatch, teacher_mask: torch.Tensor):
     s, t = batch.mask.sum(1).tolist(), teacher_mask.to(batch.mask.device).sum(1).tolist()
-    if s != t: raise ValueError(f"{name}: the teacher scores {t} tokens per row but the student {s}: the response tokens differ")
+    if s != t:
+        raise ValueError(
+            f"{name}: the teacher scores {t} tokens per row but the student {s}: the response tokens differ"
+        )
 
 # %% ../nbs/11_teachers.ipynb #fd290153
 class ModelTeacher(Teacher):
@@ -137,16 +148,22 @@ def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, p
     cache, h, next_pos = out_cache(out), out.last_hidden_state[:, -1], pos[:, -1] + 1                  # h: [B, H]
     pred = torch.zeros(B, N, W.shape[1], device=dev, dtype=h.dtype)                                    # [B, N, H]
     n = torch.zeros(B, dtype=torch.long, device=dev)
-    free, nfree, bi = torch.zeros(B, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev), torch.arange(B, device=dev)
+    free, nfree, bi = (
+        torch.zeros(B, dtype=torch.bool, device=dev),
+        torch.zeros(B, dtype=torch.long, device=dev),
+        torch.arange(B, device=dev),
+    )
     fed = []
     while True:
         live = n < clen
         if not live.any(): break
-        am = head.logits(h).argmax(-1) if free.any() else torch.zeros_like(n)                                 # [B] (only in blocks)
+        # [B] (only in blocks)
+        am = head.logits(h).argmax(-1) if free.any() else torch.zeros_like(n)
         stop = free & ((am == spec.action_sep_id) | (nfree >= max_locals))
         use_free = free & ~stop & live
         student = live & ~use_free
-        pred[bi[student], n[student]] = h[student]                                                     # h predicts token n
+        # h predicts token n
+        pred[bi[student], n[student]] = h[student]
         tok = torch.where(use_free, am, C.gather(1, n[:, None]).squeeze(1))
         free = use_free | (student & block.gather(1, n[:, None]).squeeze(1))
         nfree = torch.where(use_free, nfree + 1, torch.zeros_like(nfree))
@@ -193,22 +210,36 @@ class HTTPTeacher(Teacher):
     "Top-k teacher logprobs from a vLLM-compatible `/v1/completions` server (`vllm serve` or `latent-rl serve-teacher`)."
     def __init__(self, url: str, topk: int = 20, model: str | None = None, timeout: float = 60.0, retries: int = 3,
                  backoff: float = 1.0, log=print, api_key: str | None = None):
-        self.url, self.topk, self.timeout, self.retries, self.backoff, self.log = url.rstrip("/"), topk, timeout, retries, backoff, log
+        self.url, self.topk, self.timeout, self.retries, self.backoff, self.log = (
+            url.rstrip("/"),
+            topk,
+            timeout,
+            retries,
+            backoff,
+            log,
+        )
         self.model, self.info = model, None
-        self.api_key = api_key if api_key is not None else os.environ.get("LATENT_RL_API_KEY")   # never stored in a config
+        # never stored in a config
+        self.api_key = api_key if api_key is not None else os.environ.get("LATENT_RL_API_KEY")
 
     def _explain(self, code: int, body: str) -> str:
-        if code == 401: return "the server wants an API key: set $LATENT_RL_API_KEY (sent as 'Authorization: Bearer KEY')"
+        if code == 401:
+            return "the server wants an API key: set $LATENT_RL_API_KEY (sent as 'Authorization: Bearer KEY')"
         if (cap := _logprob_cap(body)) is not None:
-            return (f"the server returns at most {cap} prompt logprobs per position but topk = {self.topk}: start it with "
-                    f"`vllm serve MODEL --max-logprobs {self.topk}` (or `latent-rl serve-teacher --max-logprobs {self.topk}`), "
-                    f"or set topk <= {cap}")
+            return (
+                f"the server returns at most {cap} prompt logprobs per position but topk = {self.topk}: start it with "
+                f"`vllm serve MODEL --max-logprobs {self.topk}` (or `latent-rl serve-teacher --max-logprobs {self.topk}`), "
+                f"or set topk <= {cap}"
+            )
         if code == 413: return "the request is larger than the server accepts: lower batch_size or max_len"
         return body[:300]
 
     def _request(self, path: str, payload: dict | None = None) -> dict:
         url, last = self.url + path, None
-        hdr = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
+        hdr = {
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}),
+        }
         for attempt in range(self.retries + 1):
             try:
                 data = json.dumps(payload).encode() if payload is not None else None
@@ -217,7 +248,9 @@ class HTTPTeacher(Teacher):
             except urllib.error.HTTPError as e:
                 if e.code < 500 and e.code not in (408, 429):
                     body = e.read().decode("utf-8", "replace")
-                    raise TeacherUnavailable(f"HTTP teacher {url}: {e.code} {e.reason}: {self._explain(e.code, body)}") from None
+                    raise TeacherUnavailable(
+                        f"HTTP teacher {url}: {e.code} {e.reason}: {self._explain(e.code, body)}"
+                    ) from None
                 last = f"HTTP {e.code}"
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
@@ -232,10 +265,21 @@ class HTTPTeacher(Teacher):
         if self.info is None:
             info = self._request("/v1/models")["data"][0]
             cap = info.get("max_logprobs")
-            if cap is not None and 0 <= cap < self.topk: raise TeacherUnavailable(f"HTTP teacher {self.url}: {self._explain(400, f'greater than max allowed: {cap}')}")
+            if cap is not None and 0 <= cap < self.topk:
+                raise TeacherUnavailable(
+                    f"HTTP teacher {self.url}: {self._explain(400, f'greater than max allowed: {cap}')}"
+                )
             self.model = self.model or info["id"]
-            self._request("/v1/completions", {"model": self.model, "prompt": [[0, 0]], "max_tokens": 1, "temperature": 0.0,
-                                              "prompt_logprobs": self.topk})          # a 400 here explains the cap
+            self._request(
+                "/v1/completions",
+                {
+                    "model": self.model,
+                    "prompt": [[0, 0]],
+                    "max_tokens": 1,
+                    "temperature": 0.0,
+                    "prompt_logprobs": self.topk,
+                },
+            )          # a 400 here explains the cap
             self.info = info
         return self.info
     def vocab(self): return None   # the server's tokenizer is not visible: ids are checked against the student's head
@@ -246,8 +290,10 @@ class HTTPTeacher(Teacher):
         k, B = self.topk, len(batch.prompts)
         N = batch.mask.shape[1]
         seqs = [list(p) + list(c) for p, c in zip(batch.prompts, batch.completions)]
-        res = self._request("/v1/completions", {"model": self.model, "prompt": seqs, "max_tokens": 1, "temperature": 0.0,
-                                                "prompt_logprobs": k})
+        res = self._request(
+            "/v1/completions",
+            {"model": self.model, "prompt": seqs, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k},
+        )
         ch = sorted(res["choices"], key=lambda c: c["index"])
         if len(ch) != B: raise TeacherUnavailable(f"HTTP teacher {self.url}: {len(ch)} choices for {B} prompts")
         lp = torch.full((B, N, k), float("-inf"))
@@ -255,12 +301,17 @@ class HTTPTeacher(Teacher):
         for b, (c, p, comp) in enumerate(zip(ch, batch.prompts, batch.completions)):
             plp = c.get("prompt_logprobs")
             if plp is None or len(plp) != len(p) + len(comp):
-                raise TeacherUnavailable(f"HTTP teacher {self.url}: prompt_logprobs missing or of the wrong length for row {b}")
+                raise TeacherUnavailable(
+                    f"HTTP teacher {self.url}: prompt_logprobs missing or of the wrong length for row {b}"
+                )
             for n in range(len(comp)):
-                ent = sorted(((int(t), d["logprob"], d.get("rank", 0)) for t, d in plp[len(p) + n].items()), key=lambda x: x[2])
+                ent = sorted(
+                    ((int(t), d["logprob"], d.get("rank", 0)) for t, d in plp[len(p) + n].items()), key=lambda x: x[2]
+                )
                 ent = [e for e in ent if e[2] <= k][:k]
                 for j, (t, l, _) in enumerate(ent): ids[b, n, j], lp[b, n, j] = t, max(float(l), -1e30)
         V = self.n_logits()
-        if V is not None and int(ids.max()) >= V: raise ValueError(f"HTTP teacher returned token id {int(ids.max())} >= vocabulary {V}")
+        if V is not None and int(ids.max()) >= V:
+            raise ValueError(f"HTTP teacher returned token id {int(ids.max())} >= vocabulary {V}")
         return TeacherOutput(topk_logprobs=lp.to(batch.mask.device), topk_ids=ids.to(batch.mask.device),
                              labels=torch.where(batch.mask, 0, IGNORE_INDEX))

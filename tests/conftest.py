@@ -24,11 +24,19 @@ if not sandbox_status()["available"]:
 
 def run_cli(*args, cwd=None, timeout=600, check=True, module="latent_rl.train", env=None):
     "Run `python -m latent_rl.train ARGS` (or another module) in a subprocess; return the CompletedProcess."
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
     p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd or ROOT, env=env, capture_output=True,
                        text=True, timeout=timeout)
     if check and p.returncode != 0:
-        raise AssertionError(f"{module} {args} failed ({p.returncode}):\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-4000:]}")
+        raise AssertionError(
+            f"{module} {args} failed ({p.returncode}):\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-4000:]}"
+        )
     return p
 
 def shared_dir(tmp_path_factory, worker_id, name, build) -> Path:

@@ -17,7 +17,9 @@ shard_frozen(model, SimpleNamespace(strategy="fsdp"), acc)
 
 def gathered() -> int:
     "Bytes of decoder-layer parameters this rank holds whole (FSDP2 swaps a gathered parameter for a plain tensor)."
-    return sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters() if not isinstance(p, DTensor))
+    return sum(
+        p.numel() * p.element_size() for layer in layers for p in layer.parameters() if not isinstance(p, DTensor)
+    )
 
 ids = torch.tensor([tok.encode("def f(x):\n    return x + 1\n")])
 out = {"whole_bytes": whole, "after_shard": gathered()}

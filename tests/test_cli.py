@@ -8,8 +8,15 @@ def test_data_builds_corpus_and_tokenizer(tiny_data):
     for s in ("train", "val", "test"):
         rows = [json.loads(l) for l in (tiny_data / "corpus" / f"{s}.jsonl").read_text().splitlines()]
         assert rows and all({"id", "code", "input", "output", "trace"} <= set(r) for r in rows)
-    codes = {s: {json.loads(l)["code"] for l in (tiny_data / "corpus" / f"{s}.jsonl").read_text().splitlines()} for s in ("train", "val", "test")}
-    assert not (codes["train"] & codes["test"]) and not (codes["train"] & codes["val"]) and not (codes["val"] & codes["test"])
+    codes = {
+        s: {json.loads(l)["code"] for l in (tiny_data / "corpus" / f"{s}.jsonl").read_text().splitlines()}
+        for s in ("train", "val", "test")
+    }
+    assert (
+        not (codes["train"] & codes["test"])
+        and not (codes["train"] & codes["val"])
+        and not (codes["val"] & codes["test"])
+    )
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(tiny_data / "tokenizer"))
     assert tok.convert_tokens_to_ids("<|latent_start|>") != tok.unk_token_id
@@ -21,8 +28,12 @@ def test_data_is_deterministic(tiny_data, tmp_path):
 
 def test_trace_command(tmp_path):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(json.dumps({"id": "a", "code": "def f(x):\n    return x * 2", "input": "21", "output": "42"}) + "\n" +
-                    json.dumps({"id": "b", "code": "def f(x):\n    while True:\n        pass", "input": "1", "output": "1"}) + "\n")
+    rows.write_text(
+        json.dumps({"id": "a", "code": "def f(x):\n    return x * 2", "input": "21", "output": "42"})
+        + "\n"
+        + json.dumps({"id": "b", "code": "def f(x):\n    while True:\n        pass", "input": "1", "output": "1"})
+        + "\n"
+    )
     p = run_cli("trace", rows, "-o", tmp_path / "out.jsonl", "--timeout", 1)
     out = [json.loads(l) for l in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert out[0]["ok"] and out[0]["value"] == "42" and out[0]["trace"].endswith("<|end_of_text|>")
@@ -48,9 +59,29 @@ def test_unknown_config_field_is_refused(tmp_path, tiny_data):
     assert p.returncode != 0 and "bogus" in p.stderr and "c.toml" in p.stderr
 
 def test_sft_then_eval(tiny_data, tmp_path):
-    run_cli("sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
-            "--val", tiny_data / "corpus/val.jsonl", "--size", "nano", "--steps", 6, "--batch_size", 8,
-            "--save_every", 3, "--log_every", 2, "--out", tmp_path / "run")
+    run_cli(
+        "sft",
+        "--recipe",
+        "none",
+        "--tokenizer",
+        tiny_data / "tokenizer",
+        "--train",
+        tiny_data / "corpus/train.jsonl",
+        "--val",
+        tiny_data / "corpus/val.jsonl",
+        "--size",
+        "nano",
+        "--steps",
+        6,
+        "--batch_size",
+        8,
+        "--save_every",
+        3,
+        "--log_every",
+        2,
+        "--out",
+        tmp_path / "run",
+    )
     run = tmp_path / "run"
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["steps"] == 6
@@ -61,14 +92,33 @@ def test_sft_then_eval(tiny_data, tmp_path):
                 "--max_new_tokens", 16, "--out", tmp_path / "ev")
     assert "| sft |" in p.stdout
     recs = [json.loads(l) for l in (tmp_path / "ev" / "sft.records.jsonl").read_text().splitlines()]
-    assert len(recs) == 8 and all({"id", "generated", "predicted", "truth", "correct", "well_formed"} <= set(r) for r in recs)
+    assert len(recs) == 8 and all(
+        {"id", "generated", "predicted", "truth", "correct", "well_formed"} <= set(r) for r in recs
+    )
 
 def test_sft_resume_continues_exactly(tiny_data, tmp_path):
     # one intra-op thread: multi-threaded CPU kernels (e.g. the embedding backward) may sum in a different order from
     # run to run, and Adam amplifies last-bit differences; exactness of *resume* is what this test is about
     one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    common = ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-              "--size", "nano", "--batch_size", 8, "--save_every", 3, "--log_every", 1]
+    common = [
+        "sft",
+        "--recipe",
+        "none",
+        "--tokenizer",
+        tiny_data / "tokenizer",
+        "--train",
+        tiny_data / "corpus/train.jsonl",
+        "--val",
+        "",
+        "--size",
+        "nano",
+        "--batch_size",
+        8,
+        "--save_every",
+        3,
+        "--log_every",
+        1,
+    ]
     run_cli(*common, "--steps", 6, "--out", tmp_path / "full", env=one)
     run_cli(*common, "--steps", 6, "--out", tmp_path / "part", "--save_every", 3, env=one)
     import shutil
@@ -84,7 +134,9 @@ def test_sft_resume_continues_exactly(tiny_data, tmp_path):
 
 def test_bench_prints_table_and_json(tmp_path):
     from latent_rl.trace import find_cruxeval
-    if find_cruxeval() is None: pytest.skip("cruxeval_dev.jsonl not found (set LATENT_RL_CRUXEVAL or provide shared/data/cruxeval)")
+
+    if find_cruxeval() is None:
+        pytest.skip("cruxeval_dev.jsonl not found (set LATENT_RL_CRUXEVAL or provide shared/data/cruxeval)")
     p = run_cli("trace", "--quick", "--json", tmp_path / "b.json", module="latent_rl.bench")
     assert "| mode | programs | seconds | programs_per_s |" in p.stdout
     d = json.loads((tmp_path / "b.json").read_text())
@@ -98,18 +150,49 @@ def test_every_announced_command_exists():
 
 def test_demo_pipeline_smoke(tmp_path):
     "`latent-rl demo` end to end with the cpu-smoke recipe: every stage, the table, the diagnosis and the figures."
-    p = run_cli("demo", "--recipe", "cpu-smoke", "--limit", 8, "--out", tmp_path / "demo", "--figures", tmp_path / "figs",
-                env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    p = run_cli(
+        "demo",
+        "--recipe",
+        "cpu-smoke",
+        "--limit",
+        8,
+        "--out",
+        tmp_path / "demo",
+        "--figures",
+        tmp_path / "figs",
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=900,
+    )
     for stage in ("SFT", "CODI", "CODI → GKD", "CODI → GKD → GRPO"):
         assert f"| {stage} |" in p.stdout, p.stdout[-3000:]
     res = json.loads((tmp_path / "demo" / "results.json").read_text())
     assert set(res["results"]) == {"teacher", "notrace", "codi", "gkd", "grpo"}
-    assert (tmp_path / "figs" / "grpo_reward_curve.png").exists() and (tmp_path / "figs" / "gkd" / "alignment.png").exists()
+    assert (tmp_path / "figs" / "grpo_reward_curve.png").exists() and (
+        tmp_path / "figs" / "gkd" / "alignment.png"
+    ).exists()
     assert all(Path(f).exists() for f in res["figures"]) and Path(res["diagnosis"]).exists()
 
 def _sft_args(tiny_data, out, *more):
-    return ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-            "--size", "nano", "--batch_size", 8, "--log_every", 1, "--out", out, *more]
+    return [
+        "sft",
+        "--recipe",
+        "none",
+        "--tokenizer",
+        tiny_data / "tokenizer",
+        "--train",
+        tiny_data / "corpus/train.jsonl",
+        "--val",
+        "",
+        "--size",
+        "nano",
+        "--batch_size",
+        8,
+        "--log_every",
+        1,
+        "--out",
+        out,
+        *more,
+    ]
 
 @pytest.mark.parametrize("text,msg", [('lr = "fast"\n', "field 'lr' expects a finite number, got 'fast'"),
                                       ("steps = 2.5\n", "field 'steps' expects an integer, got 2.5"),
@@ -132,13 +215,19 @@ def test_recipe_without_the_stage_is_refused(tmp_path):
 
 def test_non_utf8_row_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(json.dumps({"id": "a", "code": "def f(x):\n    return x", "input": "1", "output": "1"}).encode() + b"\n\xfe\n")
+    bad.write_bytes(
+        json.dumps({"id": "a", "code": "def f(x):\n    return x", "input": "1", "output": "1"}).encode() + b"\n\xfe\n"
+    )
     p = run_cli("trace", bad, "-o", tmp_path / "o.jsonl", check=False)
-    assert p.returncode == 2 and "bad.jsonl:2: not UTF-8 text (byte 0xfe" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 2 and "bad.jsonl:2: not UTF-8 text (byte 0xfe" in p.stderr and "Traceback" not in p.stderr, (
+        p.stderr[-2000:]
+    )
 
 def test_resume_with_another_config_is_refused(tiny_data, tmp_path):
     run_cli(*_sft_args(tiny_data, tmp_path / "run", "--steps", 4, "--save_every", 2, "--lr", 0.003))
-    p = run_cli(*_sft_args(tiny_data, tmp_path / "run", "--steps", 4, "--save_every", 2, "--lr", 0.01, "--resume"), check=False)
+    p = run_cli(
+        *_sft_args(tiny_data, tmp_path / "run", "--steps", 4, "--save_every", 2, "--lr", 0.01, "--resume"), check=False
+    )
     assert p.returncode == 2 and "lr 0.003 → 0.01" in p.stderr, p.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.003        # the run's config is kept
     run_cli(*_sft_args(tiny_data, tmp_path / "run", "--steps", 4, "--save_every", 2, "--lr", 0.01, "--resume",
@@ -150,8 +239,17 @@ def test_second_run_on_one_out_is_refused(tiny_data, tmp_path):
     import subprocess, sys, time, os
     out = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "latent_rl.train", *map(str, _sft_args(tiny_data, out, "--steps", 400,
-                              "--save_every", 0))], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "latent_rl.train",
+            *map(str, _sft_args(tiny_data, out, "--steps", 400, "--save_every", 0)),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(600):                                   # until the first run holds the directory
             if (out / ".lock").exists() and (out / ".lock").read_text().strip(): break
@@ -226,15 +324,44 @@ def test_bf16_compute_keeps_fp32_master_weights_and_learns(tmp_path):
     "lr 1e-6, 3 AdamW steps: bf16 autocast over fp32 weights moves them like fp32 does; bf16 weights lose the update."
     from conftest import TEACHER
     from safetensors.torch import load_file
-    base = ["sft", "--recipe", "none", "--model", TEACHER, "--train", TEACHER.parent / "corpus/train.jsonl", "--val", "", "--max_train", 64,
-            "--steps", 3, "--batch_size", 8, "--lr", 1e-6, "--warmup", 0, "--min_lr_frac", 1.0, "--save_every", 0]
+
+    base = [
+        "sft",
+        "--recipe",
+        "none",
+        "--model",
+        TEACHER,
+        "--train",
+        TEACHER.parent / "corpus/train.jsonl",
+        "--val",
+        "",
+        "--max_train",
+        64,
+        "--steps",
+        3,
+        "--batch_size",
+        8,
+        "--lr",
+        1e-6,
+        "--warmup",
+        0,
+        "--min_lr_frac",
+        1.0,
+        "--save_every",
+        0,
+    ]
     one = {"OMP_NUM_THREADS": "1"}
     p = run_cli(*base, "--dtype", "bf16", "--out", tmp_path / "x", check=False)
-    assert p.returncode == 2 and "--precision bf16" in p.stderr                      # refused without the explicit flag
-    for name, extra in (("fp32", []), ("mixed", ["--precision", "bf16"]), ("pure", ["--dtype", "bf16", "--pure_low_precision"])):
+    assert p.returncode == 2 and "--precision bf16" in p.stderr  # refused without the explicit flag
+    for name, extra in (
+        ("fp32", []),
+        ("mixed", ["--precision", "bf16"]),
+        ("pure", ["--dtype", "bf16", "--pure_low_precision"]),
+    ):
         run_cli(*base, *extra, "--out", tmp_path / name, env=one)
     w0 = load_file(TEACHER / "model.safetensors")
-    start = {"fp32": w0, "mixed": w0, "pure": {k: v.bfloat16() for k, v in w0.items()}}       # pure: from the rounded weights
+    # pure: from the rounded weights
+    start = {"fp32": w0, "mixed": w0, "pure": {k: v.bfloat16() for k, v in w0.items()}}
     upd = {n: {k: (load_file(tmp_path / n / "final/model.safetensors")[k].float() - start[n][k].float()) for k in w0}
            for n in ("fp32", "mixed", "pure")}
     norm = lambda n: sum(float(v.norm() ** 2) for v in upd[n].values()) ** 0.5
@@ -246,8 +373,23 @@ def test_bf16_compute_keeps_fp32_master_weights_and_learns(tmp_path):
     assert norm("pure") < 0.5 * norm("fp32"), (norm("pure"), norm("fp32"))             # what pure bf16 weights lose
 
 def test_plan_prints_parts_and_a_fix():
-    p = run_cli("plan", "--model", "qwen2.5-coder-7b", "--stage", "sft", "--gpus", "8", "--gpu-mem", "80", "--strategy", "ddp",
-                "--micro-batch", "4", "--seq", "2048")
+    p = run_cli(
+        "plan",
+        "--model",
+        "qwen2.5-coder-7b",
+        "--stage",
+        "sft",
+        "--gpus",
+        "8",
+        "--gpu-mem",
+        "80",
+        "--strategy",
+        "ddp",
+        "--micro-batch",
+        "4",
+        "--seq",
+        "2048",
+    )
     assert "| optimizer | 60.9 |" in p.stdout and "does not fit" in p.stdout and "cheapest change" in p.stdout
     p = run_cli("plan", "--model", "qwen2.5-coder-0.5b", "--stage", "codi", "--gpus", "1", "--gpu_mem", "141", "--json")
     out = json.loads(p.stdout)

@@ -7,7 +7,13 @@ from conftest import ROOT
 
 TEACHER = ROOT / "data" / "teacher"
 ROWS = ROOT / "data" / "corpus" / "train.jsonl"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "WANDB_MODE": "disabled",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 def free_port():
     s = socket.socket()
@@ -17,8 +23,22 @@ def free_port():
     return p
 
 def launch(nproc, *args, timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-           "-m", "latent_rl.train", *map(str, args)] if nproc > 1 else [sys.executable, "-m", "latent_rl.train", *map(str, args)]
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "latent_rl.train",
+            *map(str, args),
+        ]
+        if nproc > 1
+        else [sys.executable, "-m", "latent_rl.train", *map(str, args)]
+    )
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
     return p
@@ -39,13 +59,80 @@ def assert_close(a, b, tol=1e-5):
 def summary(d): return json.loads((Path(d) / "final" / "training_summary.json").read_text())
 
 STAGES = {
-    "sft": lambda data: ["sft", "--recipe", "none", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val", "",
-                         "--size", "nano", "--steps", 3, "--batch_size", 8, "--lr", 1e-3, "--save_every", 0, "--log_every", 1],
-    "codi": lambda data: ["codi", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2,
-                          "--batch_size", 4, "--lr", 1e-4, "--save_every", 0, "--log_every", 1],
-    "grpo": lambda data: ["grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
-                          "--group_size", 4, "--max_new_tokens", 200, "--lr", 5e-5, "--warmup", 0, "--save_every", 0,
-                          "--record_every", 0],   # Adam turns float noise in near-zero gradients into ~0.1·lr weight noise
+    "sft": lambda data: [
+        "sft",
+        "--recipe",
+        "none",
+        "--tokenizer",
+        data / "tokenizer",
+        "--train",
+        data / "corpus/train.jsonl",
+        "--val",
+        "",
+        "--size",
+        "nano",
+        "--steps",
+        3,
+        "--batch_size",
+        8,
+        "--lr",
+        1e-3,
+        "--save_every",
+        0,
+        "--log_every",
+        1,
+    ],
+    "codi": lambda data: [
+        "codi",
+        "--recipe",
+        "none",
+        "--model",
+        TEACHER,
+        "--train",
+        ROWS,
+        "--val",
+        "",
+        "--max_train",
+        32,
+        "--steps",
+        2,
+        "--batch_size",
+        4,
+        "--lr",
+        1e-4,
+        "--save_every",
+        0,
+        "--log_every",
+        1,
+    ],
+    "grpo": lambda data: [
+        "grpo",
+        "--recipe",
+        "none",
+        "--model",
+        TEACHER,
+        "--train",
+        ROWS,
+        "--max_train",
+        16,
+        "--steps",
+        2,
+        "--batch_size",
+        2,
+        "--group_size",
+        4,
+        "--max_new_tokens",
+        200,
+        "--lr",
+        5e-5,
+        "--warmup",
+        0,
+        "--save_every",
+        0,
+        # Adam turns float noise in near-zero gradients into ~0.1·lr weight noise
+        "--record_every",
+        0,
+    ],
 }
 
 @pytest.fixture(scope="module")
@@ -54,9 +141,33 @@ def latent_dir(tmp_path_factory):
     lm, tok = LatentModel.load(TEACHER)
     return lm.save(tmp_path_factory.mktemp("latent") / "student", tok)
 
-STAGES["gkd"] = lambda data, latent: ["gkd", "--recipe", "none", "--model", latent, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32,
-                                      "--batch_size", 4, "--max_new_tokens", 48, "--lmbda", 1, "--steps", 2, "--lr", 1e-4,
-                                      "--save_every", 0, "--record_every", 0]    # on-policy: latent generation + replay
+STAGES["gkd"] = lambda data, latent: [
+    "gkd",
+    "--recipe",
+    "none",
+    "--model",
+    latent,
+    "--teacher",
+    TEACHER,
+    "--train",
+    ROWS,
+    "--max_train",
+    32,
+    "--batch_size",
+    4,
+    "--max_new_tokens",
+    48,
+    "--lmbda",
+    1,
+    "--steps",
+    2,
+    "--lr",
+    1e-4,
+    "--save_every",
+    0,
+    "--record_every",
+    0,
+]    # on-policy: latent generation + replay
 
 @pytest.mark.parametrize("stage,strategies", [("sft", ["ddp", "fsdp"]), ("codi", ["ddp", "fsdp"]), ("gkd", ["fsdp"]),
                                               ("grpo", ["ddp", "fsdp"])])
@@ -71,13 +182,25 @@ def test_two_processes_equal_one(stage, strategies, tiny_data, latent_dir, tmp_p
         assert len(s2["param_checksums"]) == 2 and s2["param_checksums"][0] == s2["param_checksums"][1]
         assert_close(a, weights(tmp_path / strategy / "final"), 1e-5)
     base = weights(latent_dir if stage == "gkd" else TEACHER) if stage != "sft" else None
-    if base is not None: assert max((a[k] - base[k]).abs().max().item() for k in base) > 1e-6   # training moved the weights
+    # training moved the weights
+    if base is not None: assert max((a[k] - base[k]).abs().max().item() for k in base) > 1e-6
 
 def kill_after_checkpoint(cmd_args, out, step, nproc=1):
     "Start a run, SIGKILL it (every process of it) as soon as checkpoint `step` exists."
-    run = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())] if nproc > 1 else []
-    p = subprocess.Popen([sys.executable, *run, "-m", "latent_rl.train", *map(str, cmd_args), "--out", str(out)], cwd=ROOT,
-                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = (
+        ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+        if nproc > 1
+        else []
+    )
+    p = subprocess.Popen(
+        [sys.executable, *run, "-m", "latent_rl.train", *map(str, cmd_args), "--out", str(out)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     target = Path(out) / "checkpoints" / f"step-{step}"
     for _ in range(3000):
         if target.exists() or p.poll() is not None: break
@@ -88,19 +211,64 @@ def kill_after_checkpoint(cmd_args, out, step, nproc=1):
     assert not (Path(out) / "final").exists()
 
 def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
-    args = ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-            "--size", "nano", "--steps", 60, "--batch_size", 16, "--save_every", 4, "--log_every", 1]
+    args = [
+        "sft",
+        "--recipe",
+        "none",
+        "--tokenizer",
+        tiny_data / "tokenizer",
+        "--train",
+        tiny_data / "corpus/train.jsonl",
+        "--val",
+        "",
+        "--size",
+        "nano",
+        "--steps",
+        60,
+        "--batch_size",
+        16,
+        "--save_every",
+        4,
+        "--log_every",
+        1,
+    ]
     launch(1, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 8)
     launch(1, *args, "--out", tmp_path / "part", "--resume")
     assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
-    steps = [r["step"] for r in map(json.loads, (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()) if "step" in r]
-    assert steps == list(range(1, 61))          # rows the killed run wrote past its checkpoint were dropped, then redone
+    steps = [
+        r["step"]
+        for r in map(json.loads, (tmp_path / "part" / "metrics.jsonl").read_text().splitlines())
+        if "step" in r
+    ]
+    # rows the killed run wrote past its checkpoint were dropped, then redone
+    assert steps == list(range(1, 61))
 
 def test_fsdp_sigkill_resume_and_reshard(tiny_data, tmp_path):
     "FSDP2 on 2 processes: each rank writes its shard; SIGKILL + resume is exact; a 2-process checkpoint resumes on 1."
-    args = ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-            "--size", "nano", "--steps", 12, "--batch_size", 16, "--save_every", 4, "--log_every", 1, "--strategy", "fsdp"]
+    args = [
+        "sft",
+        "--recipe",
+        "none",
+        "--tokenizer",
+        tiny_data / "tokenizer",
+        "--train",
+        tiny_data / "corpus/train.jsonl",
+        "--val",
+        "",
+        "--size",
+        "nano",
+        "--steps",
+        12,
+        "--batch_size",
+        16,
+        "--save_every",
+        4,
+        "--log_every",
+        1,
+        "--strategy",
+        "fsdp",
+    ]
     launch(2, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 8, nproc=2)
     ck = tmp_path / "part" / "checkpoints" / "step-8"
@@ -111,16 +279,23 @@ def test_fsdp_sigkill_resume_and_reshard(tiny_data, tmp_path):
     shutil.copytree(tmp_path / "part", tmp_path / "one")
     shutil.rmtree(tmp_path / "one" / "final")
     shutil.rmtree(tmp_path / "one" / "checkpoints" / "step-4")
-    launch(1, *args, "--out", tmp_path / "one", "--resume")                               # resharded onto 1 process
-    loss = lambda d: {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "step" in r}
+    launch(1, *args, "--out", tmp_path / "one", "--resume")  # resharded onto 1 process
+    loss = lambda d: {
+        r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "step" in r
+    }
     assert abs(loss(tmp_path / "one")[9] - loss(tmp_path / "full")[9]) < 1e-5
     assert summary(tmp_path / "one")["processes"] == 1
 
 def test_fresh_run_refuses_a_used_directory(tiny_data, tmp_path):
     args = STAGES["sft"](tiny_data)
     launch(1, *args, "--out", tmp_path)
-    p = subprocess.run([sys.executable, "-m", "latent_rl.train", *map(str, args), "--out", str(tmp_path)], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "latent_rl.train", *map(str, args), "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode != 0 and "holds a previous run" in p.stderr and "--overwrite" in p.stderr
     launch(1, *args, "--out", tmp_path, "--overwrite")
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -129,9 +304,35 @@ def test_fresh_run_refuses_a_used_directory(tiny_data, tmp_path):
 def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
     # steps_per_generation 2 and a checkpoint every step: the resume starts inside a cycle and must reuse the saved
     # rollout buffer (regenerating with moved weights would change the run)
-    args = ["grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 12, "--batch_size", 2, "--group_size", 4,
-            "--max_new_tokens", 200, "--lr", 3e-4, "--warmup", 0, "--steps_per_generation", 2, "--save_every", 1,
-            "--record_every", 0]
+    args = [
+        "grpo",
+        "--recipe",
+        "none",
+        "--model",
+        TEACHER,
+        "--train",
+        ROWS,
+        "--max_train",
+        16,
+        "--steps",
+        12,
+        "--batch_size",
+        2,
+        "--group_size",
+        4,
+        "--max_new_tokens",
+        200,
+        "--lr",
+        3e-4,
+        "--warmup",
+        0,
+        "--steps_per_generation",
+        2,
+        "--save_every",
+        1,
+        "--record_every",
+        0,
+    ]
     launch(1, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 3)
     import shutil
@@ -143,8 +344,27 @@ def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
     assert_close(weights(tmp_path / "full" / "final"), weights(tmp_path / "part" / "final"), 1e-6)
 
 def test_corrupt_checkpoint_is_named_and_skipped(tiny_data, tmp_path):
-    args = ["sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-            "--size", "nano", "--steps", 60, "--batch_size", 8, "--save_every", 2, "--log_every", 1]
+    args = [
+        "sft",
+        "--recipe",
+        "none",
+        "--tokenizer",
+        tiny_data / "tokenizer",
+        "--train",
+        tiny_data / "corpus/train.jsonl",
+        "--val",
+        "",
+        "--size",
+        "nano",
+        "--steps",
+        60,
+        "--batch_size",
+        8,
+        "--save_every",
+        2,
+        "--log_every",
+        1,
+    ]
     kill_after_checkpoint(args, tmp_path, 6)
     from latent_rl.loop import list_checkpoints, load_checkpoint_state, CheckpointError
     cks = list_checkpoints(tmp_path)
@@ -161,10 +381,35 @@ def test_accelerate_launch_two_processes(tiny_data, tmp_path):
     "The same script under `accelerate launch` (2 CPU processes, gloo, FSDP2) equals the 1-process run."
     args = STAGES["sft"](tiny_data)
     launch(1, *args, "--out", tmp_path / "one")
-    p = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                        str(free_port()), "-m", "latent_rl.train", *map(str, args), "--strategy", "fsdp", "--out", str(tmp_path / "acc")],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "accelerate"),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "latent_rl.train",
+            *map(str, args),
+            "--strategy",
+            "fsdp",
+            "--out",
+            str(tmp_path / "acc"),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(tmp_path / "acc")
     assert s["processes"] == 2 and s["param_checksums"][0] == s["param_checksums"][1]
@@ -175,10 +420,35 @@ def test_two_nodes_by_rendezvous(tiny_data, tmp_path):
     args = [*map(str, STAGES["codi"](tiny_data)), "--strategy", "fsdp", "--save_every", "1"]
     launch(1, *args, "--out", tmp_path / "one")
     port = free_port()
-    node = lambda r: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                                       "--node_rank", str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-                                       "--rdzv_id", "latent-rl-test", "-m", "latent_rl.train", *args, "--out", str(tmp_path / "nodes")],
-                                      cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    node = lambda r: subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--node_rank",
+            str(r),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv_id",
+            "latent-rl-test",
+            "-m",
+            "latent_rl.train",
+            *args,
+            "--out",
+            str(tmp_path / "nodes"),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     procs = [node(0), node(1)]
     errs = [p.communicate(timeout=600)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errs[0][-3000:] + errs[1][-3000:]
@@ -187,8 +457,33 @@ def test_two_nodes_by_rendezvous(tiny_data, tmp_path):
     st = torch.load(tmp_path / "nodes" / "checkpoints" / "step-1" / "state.pt", weights_only=False)
     assert math.isfinite(st["save_peak_mb"])               # rank 0's added peak while writing its shard is recorded
 
-GKD_TEXT = ["gkd", "--recipe", "none", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32, "--batch_size", 4,
-            "--max_new_tokens", 48, "--lmbda", 1, "--steps", 2, "--lr", 1e-4, "--save_every", 0, "--record_every", 0]
+GKD_TEXT = [
+    "gkd",
+    "--recipe",
+    "none",
+    "--model",
+    TEACHER,
+    "--teacher",
+    TEACHER,
+    "--train",
+    ROWS,
+    "--max_train",
+    32,
+    "--batch_size",
+    4,
+    "--max_new_tokens",
+    48,
+    "--lmbda",
+    1,
+    "--steps",
+    2,
+    "--lr",
+    1e-4,
+    "--save_every",
+    0,
+    "--record_every",
+    0,
+]
 
 @pytest.mark.parametrize("stage", ["codi", "gkd"])
 def test_frozen_teacher_sharded_two_processes_equal_one(stage, tiny_data, tmp_path):
@@ -212,19 +507,65 @@ def test_frozen_teacher_stays_sharded_after_its_forward(tmp_path):
     forward (a sharded teacher that stays gathered after its first forward saves nothing); `gathered_weights` still
     holds them for a decode and frees them after."""
     out = tmp_path / "probe.json"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                        str(ROOT / "tests" / "frozen_shard_probe.py"), str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(ROOT / "tests" / "frozen_shard_probe.py"),
+            str(out),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(out.read_text())
-    assert r["after_shard"] == 0 and r["after_forward"] == 0, r          # was: the whole teacher gathered after a forward
+    # was: the whole teacher gathered after a forward
+    assert r["after_shard"] == 0 and r["after_forward"] == 0, r
     assert r["inside_gathered_weights"] == r["whole_bytes"] and r["after_gathered_weights"] == 0, r
 
 
 def test_two_process_fsdp_latent_grpo_with_a_kl_reference(latent_dir, tmp_path):
     "kl_beta under 2-process FSDP2: the sharded frozen reference replays latent rollouts whose call counts differ by rank."
-    launch(2, "grpo", "--model", latent_dir, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
-           "--group_size", 4, "--max_new_tokens", 64, "--lr", 1e-4, "--warmup", 0, "--save_every", 0, "--record_every", 0,
-           "--strategy", "fsdp", "--kl_beta", 0.1, "--out", tmp_path, timeout=300)
+    launch(
+        2,
+        "grpo",
+        "--model",
+        latent_dir,
+        "--train",
+        ROWS,
+        "--max_train",
+        16,
+        "--steps",
+        2,
+        "--batch_size",
+        2,
+        "--group_size",
+        4,
+        "--max_new_tokens",
+        64,
+        "--lr",
+        1e-4,
+        "--warmup",
+        0,
+        "--save_every",
+        0,
+        "--record_every",
+        0,
+        "--strategy",
+        "fsdp",
+        "--kl_beta",
+        0.1,
+        "--out",
+        tmp_path,
+        timeout=300,
+    )
     s = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
     assert len(s) == 2 and all("kl_ref" in r and r["align_abs_max"] <= 1e-4 for r in s)

@@ -12,10 +12,56 @@ ONE = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 def tiny_codi(tiny_data, tmp_path_factory):
     "A nano SFT model and a 4-step CODI run from it (kd_anchors.jsonl every step)."
     d = tmp_path_factory.mktemp("diag")
-    run_cli("sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl", "--val", "",
-            "--size", "nano", "--steps", 4, "--batch_size", 8, "--save_every", 0, "--log_every", 2, "--out", d / "sft", env=ONE)
-    run_cli("codi", "--recipe", "none", "--model", d / "sft" / "final", "--train", tiny_data / "corpus/train.jsonl", "--val", "", "--steps", 4,
-            "--batch_size", 8, "--warmup", 1, "--save_every", 0, "--log_every", 1, "--anchor_every", 1, "--out", d / "codi", env=ONE)
+    run_cli(
+        "sft",
+        "--recipe",
+        "none",
+        "--tokenizer",
+        tiny_data / "tokenizer",
+        "--train",
+        tiny_data / "corpus/train.jsonl",
+        "--val",
+        "",
+        "--size",
+        "nano",
+        "--steps",
+        4,
+        "--batch_size",
+        8,
+        "--save_every",
+        0,
+        "--log_every",
+        2,
+        "--out",
+        d / "sft",
+        env=ONE,
+    )
+    run_cli(
+        "codi",
+        "--recipe",
+        "none",
+        "--model",
+        d / "sft" / "final",
+        "--train",
+        tiny_data / "corpus/train.jsonl",
+        "--val",
+        "",
+        "--steps",
+        4,
+        "--batch_size",
+        8,
+        "--warmup",
+        1,
+        "--save_every",
+        0,
+        "--log_every",
+        1,
+        "--anchor_every",
+        1,
+        "--out",
+        d / "codi",
+        env=ONE,
+    )
     return d
 
 def test_diagnose_writes_report(tiny_data, tiny_codi):
@@ -30,15 +76,29 @@ def test_diagnose_writes_report(tiny_data, tiny_codi):
     for f in FIGS: assert (out / f"{f}.png").stat().st_size > 1000, f
     assert "| LINE frames | n | explicit exact | latent exact | no-trace exact |" in md
     assert "| latent |" in md and "plateau step" in md and "| *chance (majority class)* |" in md
-    assert "usage cannot be measured" in md or "| intact |" in md        # a 4-step student may not write <|line_sep|> yet
+    # a 4-step student may not write <|line_sep|> yet
+    assert "usage cannot be measured" in md or "| intact |" in md
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["modes"]) == {"explicit", "latent", "no-trace"} and rep["n"] == 8
     assert {r["features"] for r in rep["probes"]["rows"]} >= {"latent step 1", "student layer 2", "teacher layer 2"}
     assert [r["layer"] for r in rep["kd_floor"]["table"]][-1] == "mean" and len(rep["kd_floor"]["steps"]) == 4
     for stem in ("explicit", "latent", "notrace"):
         recs = [json.loads(l) for l in (out / f"{stem}.records.jsonl").read_text().splitlines()]
-        assert len(recs) == 8 and all({"id", "n_line_frames", "generated", "frames", "well_formed", "predicted", "truth",
-                                       "correct", "forward_passes"} <= set(r) for r in recs)
+        assert len(recs) == 8 and all(
+            {
+                "id",
+                "n_line_frames",
+                "generated",
+                "frames",
+                "well_formed",
+                "predicted",
+                "truth",
+                "correct",
+                "forward_passes",
+            }
+            <= set(r)
+            for r in recs
+        )
     # a latent model directory finds its run by walking up, and the records written above are reused (in-process)
     from latent_rl.diagnose import main
     main([d / "codi" / "final", *common, "--no_probes"])
@@ -79,7 +139,9 @@ class Oracle:
         for b, r in enumerate(rs):
             z = Z[b, :n[b]]
             said = min(self.code, key=lambda v: (self.code[v] - z[-1]).norm()) if self.uses else r["output"]
-            text = re.sub(r"<\|line_sep\|>\{[^}]*\}", "<|line_sep|>", r["trace"]).replace(json.dumps(r["output"]), json.dumps(said))
+            text = re.sub(r"<\|line_sep\|>\{[^}]*\}", "<|line_sep|>", r["trace"]).replace(
+                json.dumps(r["output"]), json.dumps(said)
+            )
             comp.append(encode(self.tok, text))
             lats.append(z[:, None])
         return Rollout([list(p) for p in prompts], comp, [[0.0] * len(c) for c in comp], latents=lats)
@@ -89,12 +151,23 @@ def test_latent_usage_tells_users_from_ignorers(tiny_data):
     from latent_rl.diagnose import latent_usage, usage_markdown
     tok = load_tokenizer(tiny_data / "tokenizer")
     rows = [json.loads(l) for l in (tiny_data / "corpus/train.jsonl").read_text().splitlines()][:120]
-    res = {u: latent_usage(None, tok, rows, variants=("shuffle", "zero", "mean", "noise"), generate=Oracle(tok, rows, u),
-                           progress=False) for u in (True, False)}
+    res = {
+        u: latent_usage(
+            None,
+            tok,
+            rows,
+            variants=("shuffle", "zero", "mean", "noise"),
+            generate=Oracle(tok, rows, u),
+            progress=False,
+        )
+        for u in (True, False)
+    }
     for u in (True, False): assert res[u]["accuracy"]["mean"] == 1.0
     user, ignorer = res[True]["variants"], res[False]["variants"]
-    assert all(ignorer[v]["mean"] == 0.0 and ignorer[v]["lo"] == ignorer[v]["hi"] == 0.0 for v in ignorer)   # delta exactly 0
-    assert user["shuffle"]["mean"] < -0.5 and user["shuffle"]["hi"] < -0.4 and res[True]["used"]             # large delta
+    # delta exactly 0
+    assert all(ignorer[v]["mean"] == 0.0 and ignorer[v]["lo"] == ignorer[v]["hi"] == 0.0 for v in ignorer)
+    # large delta
+    assert user["shuffle"]["mean"] < -0.5 and user["shuffle"]["hi"] < -0.4 and res[True]["used"]
     assert res[False]["used"] is False and res[False]["verdict"].startswith("latents unused")
     md = "\n".join(usage_markdown(res[True]))
     assert md.startswith("**Latents used: replacing") and "| another program's latents (same block, same step) |" in md

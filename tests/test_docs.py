@@ -22,9 +22,13 @@ def site():
 def page_facts(page, path: Path) -> dict:
     page.goto(path.as_uri())
     page.wait_for_load_state("load")
-    return {"text": page.inner_text("article"),
-            "images": page.eval_on_selector_all("article img", "els => els.filter(e => e.complete && e.naturalWidth > 0).length"),
-            "nav": page.inner_text("nav.md-nav--primary").split("\n")}
+    return {
+        "text": page.inner_text("article"),
+        "images": page.eval_on_selector_all(
+            "article img", "els => els.filter(e => e.complete && e.naturalWidth > 0).length"
+        ),
+        "nav": page.inner_text("nav.md-nav--primary").split("\n"),
+    }
 
 
 def test_site_renders_index_and_lessons_with_figures(site):
@@ -46,4 +50,5 @@ def test_site_renders_index_and_lessons_with_figures(site):
     nav = idx["nav"]
     assert [n for n in nav if n in ("trace", "losses", "codi", "gkd", "grpo", "diagnose")] == \
         ["trace", "losses", "codi", "gkd", "grpo", "diagnose"]
-    assert "def grpo_loss" in losses["text"] and "def generalized_jsd" in losses["text"]   # API entries (signature + docstring)
+    # API entries (signature + docstring)
+    assert "def grpo_loss" in losses["text"] and "def generalized_jsd" in losses["text"]

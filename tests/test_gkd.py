@@ -5,8 +5,29 @@ from conftest import run_cli, ROOT, TEACHER, ROWS, ONE, rows_of, steps_of
 
 
 def gkd(out, *args, check=True, env=None, **kw):
-    base = ["gkd", "--recipe", "none", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 64, "--batch_size", 4,
-            "--max_new_tokens", 48, "--log_every", 1, "--save_every", 0, "--out", out]
+    base = [
+        "gkd",
+        "--recipe",
+        "none",
+        "--model",
+        TEACHER,
+        "--teacher",
+        TEACHER,
+        "--train",
+        ROWS,
+        "--max_train",
+        64,
+        "--batch_size",
+        4,
+        "--max_new_tokens",
+        48,
+        "--log_every",
+        1,
+        "--save_every",
+        0,
+        "--out",
+        out,
+    ]
     return run_cli(*base, *map(str, args), check=check, env={**ONE, **(env or {})}, **kw)
 
 
@@ -33,8 +54,23 @@ def test_self_teacher_is_never_stale(tmp_path):
     # dataset completions, CE moves the weights every step; the self-teacher must be the *current* student at every
     # step of a 3-step generation buffer, so the JSD stays 0. A teacher cached at generation time would give JSD > 0
     # at the 2nd and 3rd step of each cycle.
-    gkd(tmp_path, "--steps", 6, "--lmbda", 0, "--sft_alpha", 1, "--teacher", "self", "--steps_per_generation", 3, "--lr", 3e-3,
-        "--warmup", 0)
+    gkd(
+        tmp_path,
+        "--steps",
+        6,
+        "--lmbda",
+        0,
+        "--sft_alpha",
+        1,
+        "--teacher",
+        "self",
+        "--steps_per_generation",
+        3,
+        "--lr",
+        3e-3,
+        "--warmup",
+        0,
+    )
     s = steps_of(tmp_path)
     assert all(r["grad_norm"] > 0 for r in s)
     assert max(abs(r["jsd_loss"]) for r in s) < 1e-6, [r["jsd_loss"] for r in s]
@@ -49,7 +85,8 @@ def test_stale_teacher_would_be_caught():
     P, C = [i["prompt"] for i in items], [i["completion"] for i in items]
     from latent_rl.policy import sampled_mask
     stale = SelfTeacher(pol).score(ScoreBatch(P, C, sampled_mask(C)))
-    g = torch.Generator().manual_seed(0)                              # a fixed move (the global RNG depends on test order)
+    # a fixed move (the global RNG depends on test order)
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in pol.module.parameters(): p.add_(torch.randn(p.shape, generator=g) * 3e-2)
     _, m_fresh = gkd_loss(pol, SelfTeacher(pol), items)
@@ -92,8 +129,14 @@ def free_port():
 def server():
     port = free_port()
     env = {**os.environ, **ONE, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "latent_rl.train", "serve-teacher", "--model", str(TEACHER), "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "latent_rl.train", "serve-teacher", "--model", str(TEACHER), "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     from latent_rl.teachers import HTTPTeacher
     for _ in range(120):
@@ -125,11 +168,49 @@ def test_http_topk_equals_local(server):
 def test_http_teacher_killed_mid_run(server, tmp_path):
     url, proc = server
     env = {**os.environ, **ONE, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-    run = subprocess.Popen([sys.executable, "-m", "latent_rl.train", "gkd", "--recipe", "none", "--model", str(TEACHER), "--teacher", url,
-                            "--topk", "8", "--train", str(ROWS), "--max_train", "64", "--batch_size", "4", "--lmbda", "0",
-                            "--steps", "400", "--save_every", "1", "--log_every", "1", "--http_retries", "2",
-                            "--http_backoff", "0.2", "--http_timeout", "5", "--out", str(tmp_path)],
-                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "latent_rl.train",
+            "gkd",
+            "--recipe",
+            "none",
+            "--model",
+            str(TEACHER),
+            "--teacher",
+            url,
+            "--topk",
+            "8",
+            "--train",
+            str(ROWS),
+            "--max_train",
+            "64",
+            "--batch_size",
+            "4",
+            "--lmbda",
+            "0",
+            "--steps",
+            "400",
+            "--save_every",
+            "1",
+            "--log_every",
+            "1",
+            "--http_retries",
+            "2",
+            "--http_backoff",
+            "0.2",
+            "--http_timeout",
+            "5",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ck = tmp_path / "checkpoints"
     for _ in range(600):
         if ck.exists() and any(p.name.startswith("step-") for p in ck.iterdir()): break
@@ -146,11 +227,49 @@ def test_http_teacher_killed_mid_run(server, tmp_path):
 
 def test_two_rank_run_agrees_on_the_coin(tmp_path):
     env = {**os.environ, **ONE, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                        "-m", "latent_rl.train", "gkd", "--recipe", "none", "--model", str(TEACHER), "--teacher", str(TEACHER), "--train", str(ROWS),
-                        "--max_train", "64", "--batch_size", "4", "--max_new_tokens", "32", "--lmbda", "0.5", "--steps", "6",
-                        "--log_every", "1", "--save_every", "0", "--out", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "latent_rl.train",
+            "gkd",
+            "--recipe",
+            "none",
+            "--model",
+            str(TEACHER),
+            "--teacher",
+            str(TEACHER),
+            "--train",
+            str(ROWS),
+            "--max_train",
+            "64",
+            "--batch_size",
+            "4",
+            "--max_new_tokens",
+            "32",
+            "--lmbda",
+            "0.5",
+            "--steps",
+            "6",
+            "--log_every",
+            "1",
+            "--save_every",
+            "0",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     from latent_rl.gkd import gkd_coin
     got = [bool(r["on_policy"]) for r in steps_of(tmp_path)]
@@ -223,5 +342,7 @@ def test_value_weighted_jsd_equals_a_per_token_reference():
         loss, m = gkd_loss(stu, teacher, items, beta=0.5, teacher_out=tout, value_weight=w)
         ref = (per[mask & ~vm].sum() + w * per[vm & mask].sum()) / mask.sum()
         assert abs(loss.item() - ref.item()) < 1e-5, (w, loss.item(), ref.item())
-        assert abs(m["jsd_value"] - per[vm & mask].mean().item()) < 1e-5 and m["value_tokens"] == (vm & mask).sum().item()
+        assert (
+            abs(m["jsd_value"] - per[vm & mask].mean().item()) < 1e-5 and m["value_tokens"] == (vm & mask).sum().item()
+        )
         assert abs(m["jsd_rest"] - per[mask & ~vm].mean().item()) < 1e-5

@@ -24,7 +24,9 @@ def test_stages_bench_real_size_on_gpu(tmp_path):
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]
     assert all(r["peak_mem_gb"] > 0 for r in rows)
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'latent_rl[vllm]')")
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'latent_rl[vllm]')"
+)
 
 def _prompts(pol, n=8):
     from latent_rl.trace import prompt_text
@@ -91,8 +93,9 @@ def test_vllm_sleep_releases_memory_and_wakes(colocated):
     eng.llm.sleep(level=2)
     eng.weights_loaded = False
     print(f"sleep releases {(free_asleep - free_awake) / 2**30:.2f} GiB")
-    assert free_asleep - free_awake > 2**28                          # the KV cache (0.2 of the card) at least
-    with pytest.raises(RuntimeError, match="sync"): eng.generate(_prompts(pol, 1), max_new_tokens=4, temperature=1.0, eos_id=pol.eos_id)
+    assert free_asleep - free_awake > 2**28  # the KV cache (0.2 of the card) at least
+    with pytest.raises(RuntimeError, match="sync"):
+        eng.generate(_prompts(pol, 1), max_new_tokens=4, temperature=1.0, eos_id=pol.eos_id)
     eng.sync(pol.lm)
     assert eng.generate(_prompts(pol, 1), max_new_tokens=4, temperature=1.0, eos_id=pol.eos_id).completion_ids[0]
 
@@ -111,9 +114,28 @@ def test_vllm_server_round_trip(tmp_path):
     two = torch.cuda.device_count() >= 2
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": "1"} if two else {})}
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "latent_rl.train", "serve-rollouts", "--model", str(ROOT / "data" / "teacher"),
-                             "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.2", "--max-logprobs", "16"],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "latent_rl.train",
+            "serve-rollouts",
+            "--model",
+            str(ROOT / "data" / "teacher"),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            "0.2",
+            "--max-logprobs",
+            "16",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -171,7 +193,9 @@ def test_vllm_bf16_alignment_within_documented_tolerance(tmp_path):
     "bf16 (its own process: one LLM per process): mean |logp_vllm - logp_train| <= 0.05, the tolerance documented in 08_policy."
     import subprocess, sys
     (tmp_path / "bf16.py").write_text(BF16)
-    p = subprocess.run([sys.executable, str(tmp_path / "bf16.py"), str(ROOT)], capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, str(tmp_path / "bf16.py"), str(ROOT)], capture_output=True, text=True, timeout=900
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     print(f"vLLM bf16 T=1.0: mean |logp_vllm - logp_train| = {r['mean']:.2e}, max {r['max']:.2e} over {r['tokens']} tokens")

@@ -23,8 +23,29 @@ def test_alignment_at_step_start(kind, T, latent_student):
     assert m["invalid_inf_logp"] == 0 and abs(m["ratio_mean"] - 1) < 1e-5
 
 def grpo(out, *args, check=True, **kw):
-    base = ["grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 64, "--batch_size", 2, "--group_size", 4,
-            "--max_new_tokens", 96, "--log_every", 1, "--save_every", 0, "--out", out]
+    base = [
+        "grpo",
+        "--recipe",
+        "none",
+        "--model",
+        TEACHER,
+        "--train",
+        ROWS,
+        "--max_train",
+        64,
+        "--batch_size",
+        2,
+        "--group_size",
+        4,
+        "--max_new_tokens",
+        96,
+        "--log_every",
+        1,
+        "--save_every",
+        0,
+        "--out",
+        out,
+    ]
     return run_cli(*base, *map(str, args), check=check, env=ONE, **kw)
 
 def test_zero_advantage_step_changes_no_weight(tmp_path):
@@ -43,8 +64,24 @@ def test_grpo_stage_records(tmp_path, kind, latent_student):
     grpo(tmp_path, "--model", model, "--steps", 2, "--record_every", 1, "--temperature", 0.7)
     s = steps_of(tmp_path)
     assert len(s) == 2 and s[0]["align_abs_max"] <= 1e-4
-    for k in ("loss", "grad_norm", "lr", "ratio_mean", "clip_frac_low", "clip_frac_high", "pos_adv_logp", "neg_adv_logp",
-              "align_mean", "align_abs_mean", "reward_mean", "frac_reward_zero_std", "gen_s", "train_s", "sync_s", "peak_mem_mb"):
+    for k in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "ratio_mean",
+        "clip_frac_low",
+        "clip_frac_high",
+        "pos_adv_logp",
+        "neg_adv_logp",
+        "align_mean",
+        "align_abs_mean",
+        "reward_mean",
+        "frac_reward_zero_std",
+        "gen_s",
+        "train_s",
+        "sync_s",
+        "peak_mem_mb",
+    ):
         assert k in s[0], k
     lp, ro = rows_of(tmp_path / "logprobs.jsonl"), rows_of(tmp_path / "rollouts.jsonl")
     assert lp and all(len(r["logp"]) == len(r["logp_inf"]) == len(r["mask"]) == len(r["tokens"]) for r in lp)
@@ -66,7 +103,8 @@ def test_truncated_replay_aligns_and_trains(tmp_path, latent_student):
     grpo(tmp_path, "--model", latent_student, "--steps", 2, "--temperature", 0.7, "--replay", "truncated", "--lr", 1e-3)
     s = steps_of(tmp_path)
     assert len(s) == 2 and s[0]["align_abs_max"] <= 1e-4
-    assert all(r["grad_norm"] > 0 for r in s if r["frac_reward_zero_std"] < 1)         # a gradient wherever there is signal
+    # a gradient wherever there is signal
+    assert all(r["grad_norm"] > 0 for r in s if r["frac_reward_zero_std"] < 1)
 
 
 # --- RL that learns: the stage raises a reward the tiny policies can reach, and only with the right signal ---------------
@@ -74,7 +112,9 @@ def _answer_starts_with(c):
     "Reward 1 when the completion's first return value starts with `c` (`<|arg_sep|>\"c...`): reachable by changing answers."
     import re
     def fn(texts, rows):
-        fn.parts = {"target": [float((m := re.search(r'<\|arg_sep\|>"(.)', t)) is not None and m.group(1) == c) for t in texts]}
+        fn.parts = {
+            "target": [float((m := re.search(r'<\|arg_sep\|>"(.)', t)) is not None and m.group(1) == c) for t in texts]
+        }
         return fn.parts["target"]
     return fn
 
@@ -97,18 +137,41 @@ def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, c
         from latent_rl.latent import LatentModel
         torch.manual_seed(0)
         lm, tok = LatentModel.load(TEACHER)
-        path, prompt, N = lm.save(tmp_path / "student", tok), (lambda r: prompt_text(r["code"], r["input"]) + _to_last_line(r)), 24
-    if flip:                                   # the counterfactuals: the advantage's sign flipped, or its groups misaligned
+        path, prompt, N = (
+            lm.save(tmp_path / "student", tok),
+            (lambda r: prompt_text(r["code"], r["input"]) + _to_last_line(r)),
+            24,
+        )
+    # the counterfactuals: the advantage's sign flipped, or its groups misaligned
+    if flip:
         orig, G = GRPOStep.advantages, 8
         wrong = {"sign": lambda a: [-x for x in a], "shift": lambda a: a[G:] + a[:G]}[flip]
-        monkeypatch.setattr(GRPOStep, "advantages", lambda self, R, gather=True: (lambda a, m: (wrong(a), m))(*orig(self, R, gather)))
-    cfg = GRPOConfig(model=str(path), steps=steps, batch_size=8, group_size=8, max_new_tokens=N, lr=1e-3, warmup=0,
-                     temperature=1.0, save_every=0, record_every=0, log_every=1, out=str(tmp_path / "run"), **(cfg_kw or {}))
+        monkeypatch.setattr(
+            GRPOStep, "advantages", lambda self, R, gather=True: (lambda a, m: (wrong(a), m))(*orig(self, R, gather))
+        )
+    cfg = GRPOConfig(
+        model=str(path),
+        steps=steps,
+        batch_size=8,
+        group_size=8,
+        max_new_tokens=N,
+        lr=1e-3,
+        warmup=0,
+        temperature=1.0,
+        save_every=0,
+        record_every=0,
+        log_every=1,
+        out=str(tmp_path / "run"),
+        **(cfg_kw or {}),
+    )
     torch.set_num_threads(1)
     acc, pol = setup(cfg.seed), Policy.load(cfg.model)
     stochastic_latents(cfg, pol)
     assert pol.kind == kind
-    train_loop(GRPOStep(cfg, acc, pol, rows, [encode(pol.tok, prompt(r)) for r in rows], _answer_starts_with("0")), progress=False)
+    train_loop(
+        GRPOStep(cfg, acc, pol, rows, [encode(pol.tok, prompt(r)) for r in rows], _answer_starts_with("0")),
+        progress=False,
+    )
     return [r["reward_mean"] for r in steps_of(tmp_path / "run")]
 
 @pytest.mark.parametrize("kind,steps", [("text", 20), ("latent", 16)])
@@ -147,11 +210,13 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_carry_signal(tmp_path
     assert signal(g0) < 8 and plain.cycle_metrics["frac_reward_zero_std"] > 0        # the loop's own prompts: some dead
     assert signal(g3) == 8 and dyn.cycle_metrics["ds_frac_kept_zero_std"] == 0       # all replaced
     assert dyn.cycle_metrics["ds_rounds"] >= 1 and dyn.cycle_metrics["ds_groups_sampled"] > 1
-    assert dyn.cycle_metrics["reward_mean"] == plain.cycle_metrics["reward_mean"]       # unfiltered: the policy's own figure
+    # unfiltered: the policy's own figure
+    assert dyn.cycle_metrics["reward_mean"] == plain.cycle_metrics["reward_mean"]
     idx = plain.batch(0)
     loss, m = dyn.micro_loss(0, idx, idx)                  # the loop's slots hold the buffer's own prompts
     assert torch.isfinite(loss) and m["align_abs_max"] <= 1e-4
-    loss.backward()                                         # at ratio 1 the loss is ~0 (advantages centre), its gradient is not
+    # at ratio 1 the loss is ~0 (advantages centre), its gradient is not
+    loss.backward()
     assert sum(p.grad.abs().sum().item() for p in pol.module.parameters() if p.grad is not None) > 0
 
 def test_kl_penalty_to_the_starting_policy(tmp_path):

@@ -17,8 +17,12 @@ from latent_rl.bench import ref_forward
 V = 48
 KW = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=64, bos_token_id=0, eos_token_id=1, pad_token_id=0)
-HEADS = {"phi-bias": (PhiConfig, {}), "cohere-scale": (CohereConfig, dict(logit_scale=0.25)),
-         "granite-scale": (GraniteConfig, dict(logits_scaling=4.0)), "gemma2-softcap": (Gemma2Config, dict(final_logit_softcapping=2.0))}
+HEADS = {
+    "phi-bias": (PhiConfig, {}),
+    "cohere-scale": (CohereConfig, dict(logit_scale=0.25)),
+    "granite-scale": (GraniteConfig, dict(logits_scaling=4.0)),
+    "gemma2-softcap": (Gemma2Config, dict(final_logit_softcapping=2.0)),
+}
 
 def model_with(name, seed=0):
     "A tiny model of that family whose head visibly transforms its logits (head weights and bias at unit scale)."
@@ -74,9 +78,13 @@ def test_jsd_from_hidden_with_a_full_head(scale, cap, bias, kind):
     hd, ps = Head(W, b, scale, cap), [x for x in (h, W, b) if x is not None]
     for beta in (0.0, 0.5, 1.0):
         ref, _ = generalized_jsd(hd.logits(h), teacher, mask, beta=beta, temperature=0.9, tail=kind == "topk-tail")
-        out, _ = generalized_jsd_from_hidden(h, hd, teacher, mask, beta=beta, temperature=0.9, tail=kind == "topk-tail", chunk_size=3)
+        out, _ = generalized_jsd_from_hidden(
+            h, hd, teacher, mask, beta=beta, temperature=0.9, tail=kind == "topk-tail", chunk_size=3
+        )
         assert torch.allclose(out, ref, atol=1e-12)
-        assert all(torch.allclose(a, c, atol=1e-10) for a, c in zip(torch.autograd.grad(out, ps), torch.autograd.grad(ref, ps)))
+        assert all(
+            torch.allclose(a, c, atol=1e-10) for a, c in zip(torch.autograd.grad(out, ps), torch.autograd.grad(ref, ps))
+        )
 
 # ---------------------------------------------------------------- real architectures vs their own forward
 @pytest.mark.parametrize("name", list(HEADS))
@@ -92,7 +100,8 @@ def test_head_paths_match_the_models_own_logits(name):
     ref = logprobs_from_logits(out.logits, lab)
     lp = token_logprobs(h, hd, lab, chunk_size=3)
     assert torch.allclose(lp, ref, atol=1e-5)
-    params = list(m.get_output_embeddings().parameters())                 # gradients reach the head as through the model
+    # gradients reach the head as through the model
+    params = list(m.get_output_embeddings().parameters())
     ga = torch.autograd.grad(lp.sum(), params, retain_graph=True)
     gb = torch.autograd.grad(ref.sum(), params)
     assert all(torch.allclose(a, c, atol=1e-4) for a, c in zip(ga, gb))
@@ -130,7 +139,8 @@ def test_codi_with_a_full_head_equals_the_reference(name, kd):
     out = codi_forward(lm, exs, opts)
     ref, ref_m = ref_forward(lm, exs, opts)
     assert abs(out.loss.item() - ref.item()) < 1e-4 * max(1.0, abs(ref.item())), (out.loss.item(), ref.item())
-    for k in ("student_loss", "kd_loss", "teacher_loss"): assert out.metrics[k] == pytest.approx(ref_m[k], rel=1e-4, abs=1e-5), k
+    for k in ("student_loss", "kd_loss", "teacher_loss"):
+        assert out.metrics[k] == pytest.approx(ref_m[k], rel=1e-4, abs=1e-5), k
     ps = [p for p in lm.parameters()]
     ga = torch.autograd.grad(out.loss, ps, allow_unused=True)
     gr = torch.autograd.grad(ref, ps, allow_unused=True)

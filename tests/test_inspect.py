@@ -6,14 +6,48 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, ROOT
-from latent_rl.inspect_runs import (read_metrics, read_logprobs, read_rollouts, read_anchors, run_kind, steps_of, token_arrays,
-                                    alignment_stats, clip_stats, ratios, leaks, completion_lines, trace_lines, panel,
-                                    plot_metrics, AlignmentInspector, ClipInspector, AnchorInspector, RolloutViewer,
-                                    plot_run, main, to_png)
+from latent_rl.inspect_runs import (
+    read_metrics,
+    read_logprobs,
+    read_rollouts,
+    read_anchors,
+    run_kind,
+    steps_of,
+    token_arrays,
+    alignment_stats,
+    clip_stats,
+    ratios,
+    leaks,
+    completion_lines,
+    trace_lines,
+    panel,
+    plot_metrics,
+    AlignmentInspector,
+    ClipInspector,
+    AnchorInspector,
+    RolloutViewer,
+    plot_run,
+    main,
+    to_png,
+)
 
-TRACE_TOKENS = ["<|line_sep|>", "<|action_sep|>", "    y = x + 1\n", "<|frame_sep|>", "<|line_sep|>", "<|action_sep|>",
-                "    return y\n", "<|frame_sep|>", "<|return_sep|>", "<|action_sep|>", "    return y\n", "<|arg_sep|>", '"3"',
-                "<|frame_sep|>", "<|end_of_text|>"]
+TRACE_TOKENS = [
+    "<|line_sep|>",
+    "<|action_sep|>",
+    "    y = x + 1\n",
+    "<|frame_sep|>",
+    "<|line_sep|>",
+    "<|action_sep|>",
+    "    return y\n",
+    "<|frame_sep|>",
+    "<|return_sep|>",
+    "<|action_sep|>",
+    "    return y\n",
+    "<|arg_sep|>",
+    '"3"',
+    "<|frame_sep|>",
+    "<|end_of_text|>",
+]
 
 def _jsonl(path, rows, tail=""):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
@@ -22,7 +56,9 @@ def write_run(run: Path, kind="grpo", steps=(0, 1, 2), groups=2, G=4, seed=0, ep
     "Synthetic records in the documented formats (numbers at random, fixed seed); records count steps from 0, metrics from 1."
     rng = np.random.default_rng(seed)
     run.mkdir(parents=True, exist_ok=True)
-    (run / "config.json").write_text(json.dumps({"eps_low": eps[0], "eps_high": eps[1]} if kind == "grpo" else {"beta": 0.5}))
+    (run / "config.json").write_text(
+        json.dumps({"eps_low": eps[0], "eps_high": eps[1]} if kind == "grpo" else {"beta": 0.5})
+    )
     lps, ros, mets = [], [], []
     T = len(TRACE_TOKENS)
     for s in steps:
@@ -39,12 +75,28 @@ def write_run(run: Path, kind="grpo", steps=(0, 1, 2), groups=2, G=4, seed=0, ep
                 lps.append({"step": s, "micro": 0, "row": g * G + k, "tokens": TRACE_TOKENS, "logp": lp.tolist(),
                             "logp_inf": lpi.tolist(), "mask": mask.tolist(), "adv": float(A[k]), "reward": float(R[k]),
                             "latent_at": [0]})
-                samples.append({"text": "".join(TRACE_TOKENS), "tokens": TRACE_TOKENS, "reward": float(R[k]), "adv": float(A[k]),
-                                "correct": bool(R[k]), "latent_at": [0]})
-            ros.append({"step": s, "group": g, "prompt": "<|trace_context_start|>\ndef f(x):\n    y = x + 1\n    return y\n<|frame_sep|>",
-                        "truth": "3", "samples": samples})
+                samples.append(
+                    {
+                        "text": "".join(TRACE_TOKENS),
+                        "tokens": TRACE_TOKENS,
+                        "reward": float(R[k]),
+                        "adv": float(A[k]),
+                        "correct": bool(R[k]),
+                        "latent_at": [0],
+                    }
+                )
+            ros.append(
+                {
+                    "step": s,
+                    "group": g,
+                    "prompt": "<|trace_context_start|>\ndef f(x):\n    y = x + 1\n    return y\n<|frame_sep|>",
+                    "truth": "3",
+                    "samples": samples,
+                }
+            )
         m = {"step": s + 1, "loss": 1.0 / (s + 1), "lr": 1e-5, "grad_norm": 0.5, "step_s": 1.0}
-        if kind == "grpo": m.update(ratio_mean=1.0, clip_frac_low=0.1, clip_frac_high=0.05, align_abs_mean=0.01, reward_mean=0.5)
+        if kind == "grpo":
+            m.update(ratio_mean=1.0, clip_frac_low=0.1, clip_frac_high=0.05, align_abs_mean=0.01, reward_mean=0.5)
         else: m.update(jsd_loss=0.3, sft_loss=0.2, on_policy=s % 2, teacher_s=0.1)
         mets.append(m)
     _jsonl(run / "metrics.jsonl", mets + [{"event": "done"}])
@@ -60,8 +112,21 @@ def codi_run(tmp_path_factory):
     "A real 3-step CODI run from the shipped tiny teacher, recording KD anchors at every step."
     from latent_rl.codi import CodiConfig, run_codi
     out = tmp_path_factory.mktemp("codi")
-    run_codi(CodiConfig(model=str(ROOT / "data/teacher"), train=str(ROOT / "data/corpus/train.jsonl"), val="", steps=3,
-                        batch_size=4, max_train=16, anchor_every=1, log_every=1, save_every=0, out=str(out)), progress=False)
+    run_codi(
+        CodiConfig(
+            model=str(ROOT / "data/teacher"),
+            train=str(ROOT / "data/corpus/train.jsonl"),
+            val="",
+            steps=3,
+            batch_size=4,
+            max_train=16,
+            anchor_every=1,
+            log_every=1,
+            save_every=0,
+            out=str(out),
+        ),
+        progress=False,
+    )
     return out
 
 @pytest.fixture(scope="module")
@@ -69,9 +134,23 @@ def gkd_run(codi_run, tmp_path_factory):
     "A real 2-step on-policy GKD run of the CODI student against the explicit-trace teacher, recording logprobs."
     from latent_rl.gkd import GKDConfig, run_gkd
     out = tmp_path_factory.mktemp("gkd")
-    run_gkd(GKDConfig(model=str(codi_run / "final"), teacher=str(ROOT / "data/teacher"), train=str(ROOT / "data/corpus/train.jsonl"),
-                      out=str(out), steps=2, batch_size=4, max_train=16, max_new_tokens=48, lmbda=1.0, record_every=1,
-                      log_every=1, save_every=0), progress=False)
+    run_gkd(
+        GKDConfig(
+            model=str(codi_run / "final"),
+            teacher=str(ROOT / "data/teacher"),
+            train=str(ROOT / "data/corpus/train.jsonl"),
+            out=str(out),
+            steps=2,
+            batch_size=4,
+            max_train=16,
+            max_new_tokens=48,
+            lmbda=1.0,
+            record_every=1,
+            log_every=1,
+            save_every=0,
+        ),
+        progress=False,
+    )
     return out
 
 @pytest.fixture(scope="module")
@@ -79,9 +158,23 @@ def real_grpo_run(codi_run, tmp_path_factory):
     "A real 2-step GRPO run of the CODI student (2 programs × 4 samples per step), recording logprobs and rollouts."
     from latent_rl.grpo import GRPOConfig, run_grpo
     out = tmp_path_factory.mktemp("grpo")
-    run_grpo(GRPOConfig(model=str(codi_run / "final"), train=str(ROOT / "data/corpus/train.jsonl"), out=str(out), steps=2,
-                        batch_size=2, group_size=4, max_train=16, max_new_tokens=96, lr=1e-3, warmup=1, record_every=1,
-                        save_every=0), progress=False)
+    run_grpo(
+        GRPOConfig(
+            model=str(codi_run / "final"),
+            train=str(ROOT / "data/corpus/train.jsonl"),
+            out=str(out),
+            steps=2,
+            batch_size=2,
+            group_size=4,
+            max_train=16,
+            max_new_tokens=96,
+            lr=1e-3,
+            warmup=1,
+            record_every=1,
+            save_every=0,
+        ),
+        progress=False,
+    )
     return out
 
 def test_readers_skip_partial_lines_and_name_bad_fields(grpo_run, tmp_path):
@@ -106,16 +199,28 @@ def test_stats_by_hand():
     assert (s["n"], s["masked"], s["leaks"]) == (3, 2, 2)
     c = clip_stats(rows + [{**rows[0], "adv": -2.0}], eps_low=0.2, eps_high=0.2)
     assert (c["n"], c["n_pos"], c["n_neg"]) == (6, 3, 3)
-    assert all(math.isclose(c[k], 1 / 3) for k in ("below_pos", "above_pos", "below_neg", "above_neg", "below", "above"))
+    assert all(
+        math.isclose(c[k], 1 / 3) for k in ("below_pos", "above_pos", "below_neg", "above_neg", "below", "above")
+    )
     assert math.isclose(c["ratio_mean_pos"], np.mean(np.exp([0.1, -0.3, 0.4])))
-    assert leaks(np.array([-1.0, 0.0, np.nan, np.inf, 0.5]), np.zeros(5, bool)).tolist() == [False, True, True, True, True]
+    assert leaks(np.array([-1.0, 0.0, np.nan, np.inf, 0.5]), np.zeros(5, bool)).tolist() == [
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
 
 def test_trace_rendering():
     assert completion_lines(TRACE_TOKENS, [0]) == ["LINE [latent 1] |     y = x + 1", "LINE  |     return y",
                                                    'RETURN |     return y -> "3"', "<eot>"]
-    lines, spans = trace_lines('<|line_sep|>{"x": "2"}<|action_sep|>    y = x + 1\n<|frame_sep|><|return_sep|><|action_sep|>'
-                               '    return y\n<|arg_sep|>"3"<|frame_sep|>')
-    assert lines == ['LINE [latent 1: {"x": "2"}] |     y = x + 1', 'RETURN |     return y -> "3"'] and spans == ["y = x + 1"]
+    lines, spans = trace_lines(
+        '<|line_sep|>{"x": "2"}<|action_sep|>    y = x + 1\n<|frame_sep|><|return_sep|><|action_sep|>'
+        '    return y\n<|arg_sep|>"3"<|frame_sep|>'
+    )
+    assert lines == ['LINE [latent 1: {"x": "2"}] |     y = x + 1', 'RETURN |     return y -> "3"'] and spans == [
+        "y = x + 1"
+    ]
 
 def test_alignment_inspector_slider_drives_the_figure(grpo_run):
     insp = AlignmentInspector(grpo_run)
@@ -136,7 +241,8 @@ def test_alignment_inspector_slider_drives_the_figure(grpo_run):
     steps_line = panel(fig, "steps").lines[0]
     assert list(steps_line.get_xdata()) == [0, 1, 2]
     logged = next(l for l in panel(fig, "steps").lines if "metrics" in l.get_label())
-    assert list(logged.get_xdata()) == [0, 1, 2]                              # metrics row s describes record step s - 1
+    # metrics row s describes record step s - 1
+    assert list(logged.get_xdata()) == [0, 1, 2]
 
 def test_alignment_refresh_sees_new_steps(grpo_run):
     insp = AlignmentInspector(grpo_run)
@@ -188,7 +294,12 @@ def test_plot_run_and_cli(grpo_run, tmp_path):
     assert [p.name for p in paths] == ["metrics.png", "alignment.png", "clip.png", "rollouts.png"]
     assert all(p.parent == grpo_run / "figures" and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
     p = run_cli(grpo_run, "--out", tmp_path / "figs", module="latent_rl.inspect_runs")
-    assert sorted(x.name for x in (tmp_path / "figs").iterdir()) == ["alignment.png", "clip.png", "metrics.png", "rollouts.png"]
+    assert sorted(x.name for x in (tmp_path / "figs").iterdir()) == [
+        "alignment.png",
+        "clip.png",
+        "metrics.png",
+        "rollouts.png",
+    ]
     assert str(tmp_path / "figs" / "clip.png") in p.stdout
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -233,10 +344,12 @@ def test_anchor_inspector_live_and_missing_rows(codi_run):
     assert np.allclose(L["lens_p"][0, 0], p.topk(3).values.numpy(), atol=1e-5)
     an2 = AnchorInspector(codi_run, rows=[])                                   # rows that do not hold the example
     assert any("not found" in t.get_text() for t in panel(an2.fig, "trace").texts)
-    for f in (fig, an2.fig):     # legible where JupyterLab shows it: scaled to its output area (860 px: the file browser open)
+    # legible where JupyterLab shows it: scaled to its output area (860 px: the file browser open)
+    for f in (fig, an2.fig):
         assert smallest_text_px(f, 860) >= 9, smallest_text_px(f, 860)
     lens_box = panel(fig, "lens").get_position()
-    assert lens_box.width > 0.8 and lens_box.y1 < panel(fig, "heatmap").get_position().y0   # the lens: its own full-width row
+    # the lens: its own full-width row
+    assert lens_box.width > 0.8 and lens_box.y1 < panel(fig, "heatmap").get_position().y0
 
 
 def smallest_text_px(fig, out_px: int) -> float:
@@ -268,9 +381,12 @@ def test_inspectors_on_a_real_grpo_run(real_grpo_run):
     ai.slider.value = 0
     rows = read_logprobs(run, step=0)
     t = token_arrays(rows)
-    assert np.allclose(np.asarray(panel(ai.fig, "scatter").collections[0].get_offsets())[:, 0], t["logp_inf"][t["mask"]])
+    assert np.allclose(
+        np.asarray(panel(ai.fig, "scatter").collections[0].get_offsets())[:, 0], t["logp_inf"][t["mask"]]
+    )
     st = alignment_stats(rows)
-    assert st["abs_max"] < 1e-3 and st["leaks"] == 0                          # in-process engine, fp32, before the update
+    # in-process engine, fp32, before the update
+    assert st["abs_max"] < 1e-3 and st["leaks"] == 0
     ci = ClipInspector(run)
     ci.slider.value = 1
     assert sum(p.get_height() for p in panel(ci.fig, "hist").patches) == len(ratios(read_logprobs(run, step=1))[0])

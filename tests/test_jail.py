@@ -20,7 +20,12 @@ USER = 1_900_000_001            # the ordinary user: an uid no account has
 
 
 def _plain(k):
-    return {"id": f"plain{k}", "code": "def f(x):\n    return [x * 2, 'plain']", "input": str(k), "output": repr([2 * k, "plain"])}
+    return {
+        "id": f"plain{k}",
+        "code": "def f(x):\n    return [x * 2, 'plain']",
+        "input": str(k),
+        "output": repr([2 * k, "plain"]),
+    }
 
 
 def _write(rows, path):
@@ -63,7 +68,18 @@ def as_user(cmd, uid, home):
     for d in dict.fromkeys(d for d, _ in pairs): lines.append(f"mount -t tmpfs -o mode=755 tmpfs '{d}'")
     for k, (d, c) in enumerate(pairs): lines += [f"mkdir -p '{d}/{c}'", f"mount --bind '{stage}/{k}' '{d}/{c}'"]
     lines.append(f'exec setpriv --reuid={uid} --regid={uid} --clear-groups -- env HOME={home} "$@"')
-    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", "\n".join(lines), "sh", *cmd], stage
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "/bin/sh",
+        "-c",
+        "\n".join(lines),
+        "sh",
+        *cmd,
+    ], stage
 
 
 @needs_jail
@@ -76,7 +92,9 @@ def test_hostile_suite_as_an_ordinary_user(host):   # noqa: F811 (the fixture im
     os.chown(work, USER, USER)
     rows = hostile_rows(list(ATTACKS), host)
     src = _write(rows, Path(work) / "hostile.jsonl")
-    cmd, stage = as_user(_cli("trace", src, "-o", Path(work) / "out.jsonl", "--timeout", 0.5, "--workers", 2), USER, work)
+    cmd, stage = as_user(
+        _cli("trace", src, "-o", Path(work) / "out.jsonl", "--timeout", 0.5, "--workers", 2), USER, work
+    )
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=_env(LATENT_RL_TEST_SECRET=SECRET), capture_output=True, text=True,
                            timeout=600)
@@ -107,7 +125,11 @@ def test_pid_exhaustion_in_a_pids_capped_run(tmp_path):
     try:
         Path(cg, "pids.max").write_text("400")
         storm = "def f(info):\n" + "\n".join("    " + l for l in ATTACKS["thread_storm"].split("\n"))
-        rows = [r for k in range(4) for r in ({"id": f"storm{k}", "code": storm, "input": "None", "output": "None"}, _plain(k))]
+        rows = [
+            r
+            for k in range(4)
+            for r in ({"id": f"storm{k}", "code": storm, "input": "None", "output": "None"}, _plain(k))
+        ]
         src = _write(rows, tmp_path / "rows.jsonl")
         sh = f'echo $$ > {cg}/cgroup.procs && exec "$@"'
         p = subprocess.run(["/bin/sh", "-c", sh, "sh", *_cli("trace", src, "-o", tmp_path / "o.jsonl", "--workers", 2)],
@@ -135,7 +157,9 @@ def test_a_jail_that_cannot_start_costs_only_its_row(monkeypatch):
     monkeypatch.setattr(T._Jail, "__init__", flaky)
     rows = [_plain(k) for k in range(5)]
     with TracePool(1, unsafe_no_sandbox=False) as pool: res = pool.map(rows, progress=False)
-    assert res[0].reason.startswith("sandbox: the jail could not start (") and "[Errno 11]" in res[0].reason, res[0].reason
+    assert res[0].reason.startswith("sandbox: the jail could not start (") and "[Errno 11]" in res[0].reason, res[
+        0
+    ].reason
     assert [r.value for r in res[1:]] == [repr([2 * k, "plain"]) for k in range(1, 5)], [r.reason for r in res]
     calls["n"] = -10 ** 9                                             # one jail starts, every later start fails:
     def second_fails(self, *a, **k):                                  # the jail that is up traces every row
@@ -153,7 +177,9 @@ def test_a_jail_that_cannot_start_costs_only_its_row(monkeypatch):
     monkeypatch.setattr(T, "_bwrap", lambda: "/bin/false")            # every jail dies before it is ready
     t0 = time.monotonic()
     with TracePool(2, unsafe_no_sandbox=False) as pool: res = pool.map([_plain(k) for k in range(30)], progress=False)
-    assert all(not r.ok and r.reason.startswith("sandbox: the jail could not start") for r in res), {r.reason for r in res}
+    assert all(not r.ok and r.reason.startswith("sandbox: the jail could not start") for r in res), {
+        r.reason for r in res
+    }
     assert starts["n"] <= T._START_TRIES * T._LOST_TO_START + 2, starts  # then the rest are answered without a try
     assert time.monotonic() - t0 < 60
 
@@ -266,7 +292,8 @@ def test_a_row_cannot_change_its_jail_for_later_rows(monkeypatch):
     rows = [{"id": "w", "code": _untraced(PROC_WRITES), "input": repr(PROC_WRITES)},
             {"id": "s", "code": _untraced(STATE), "input": repr(STATE)}]
     def run():
-        with TracePool(1, timeout=2.0, unsafe_no_sandbox=False, _audit=False) as pool: return pool.map(rows, progress=False)
+        with TracePool(1, timeout=2.0, unsafe_no_sandbox=False, _audit=False) as pool:
+            return pool.map(rows, progress=False)
     w, s = run()
     assert "written" not in w.value, w.value
     assert eval(s.value) == ("0", "0"), s.value

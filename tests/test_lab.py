@@ -31,7 +31,8 @@ def lab(tmp_path):
     env = {**os.environ, "JUPYTER_PATH": str(jp / "share" / "jupyter"), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "ws")}
     port, token = free_port(), secrets.token_hex(8)
-    log = open(tmp_path / "lab.log", "w")                                   # the server's log: quoted when the test fails
+    # the server's log: quoted when the test fails
+    log = open(tmp_path / "lab.log", "w")
     p = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
                           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work / 'nbs'}", "--allow-root"],
                          env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -65,8 +66,10 @@ def diagnosis(page, work: Path, why: str) -> str:
     status = page.eval_on_selector_all(".jp-Notebook-ExecutionIndicator", "els => els.map(e => e.dataset.status)")
     kernel = page.eval_on_selector_all(".jp-KernelName, .jp-Toolbar-kernelName", "els => els.map(e => e.textContent)")
     log = (work.parent / "lab.log").read_text()[-3000:]
-    return (f"{why}\nprompts: {prompts_of(page)[:8]}...\ndialogs: {dialogs}\nexecution status: {status}; kernel: {kernel}"
-            f"\nscreenshot: {shot}\nserver log (tail):\n{log}")
+    return (
+        f"{why}\nprompts: {prompts_of(page)[:8]}...\ndialogs: {dialogs}\nexecution status: {status}; kernel: {kernel}"
+        f"\nscreenshot: {shot}\nserver log (tail):\n{log}"
+    )
 
 
 def run_all(page, work: Path, attempts: int = 3):
@@ -82,7 +85,9 @@ def run_all(page, work: Path, attempts: int = 3):
             t0 = time.time()
             while time.time() - t0 < 60:
                 if any(p != "[ ]:" for p in prompts_of(page)): return
-                assert page.locator(".jp-Dialog >> text=Select Kernel").count() == 0, diagnosis(page, work, "asked for a kernel")
+                assert page.locator(".jp-Dialog >> text=Select Kernel").count() == 0, diagnosis(
+                    page, work, "asked for a kernel"
+                )
                 time.sleep(1)
         page.keyboard.press("Escape")
         time.sleep(5)
@@ -97,7 +102,9 @@ def test_run_all_of_23_inspect_has_no_error_and_a_slider_redraws(lab):
         page.goto(url)
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
-        assert page.locator("text=Select Kernel").count() == 0, diagnosis(page, work, "the notebook names the project's kernel")
+        assert page.locator("text=Select Kernel").count() == 0, diagnosis(
+            page, work, "the notebook names the project's kernel"
+        )
         run_all(page, work)
         t0 = time.time()
         while time.time() - t0 < 600:                                      # every code cell numbered, none running
@@ -108,15 +115,21 @@ def test_run_all_of_23_inspect_has_no_error_and_a_slider_redraws(lab):
         else: raise AssertionError(diagnosis(page, work, "Run All did not finish in 10 minutes"))
         text = outputs_text(page)
         assert "Traceback" not in text and "SystemExit" not in text, text[-3000:]
-        assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] >> text=Error").count() == 0
+        assert (
+            page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] >> text=Error").count()
+            == 0
+        )
         sliders = page.locator(".widget-slider .noUi-handle")
         assert sliders.count() >= 4, sliders.count()                       # the four live inspectors
         img = page.locator(".widget-output img").first
         before = img.get_attribute("src")
         sliders.first.focus()
         page.keyboard.press("ArrowLeft")
-        page.wait_for_function("s => { const i = document.querySelector('.widget-output img'); return i && i.src !== s }",
-                               arg=before, timeout=60_000)                 # the figure redrew
+        page.wait_for_function(
+            "s => { const i = document.querySelector('.widget-output img'); return i && i.src !== s }",
+            arg=before,
+            timeout=60_000,
+        )                 # the figure redrew
         assert "Traceback" not in outputs_text(page)
         check_anchor_inspector(page, work)
         b.close()
@@ -144,7 +157,8 @@ def check_anchor_inspector(page, work: Path):
     img = row.locator("xpath=..").locator(".widget-output img")
     before = img.get_attribute("src")
     buttons.locator("button:text-is('live')").click()
-    t0 = time.time()                                                      # a redraw replaces the <img>: poll the locator
+    # a redraw replaces the <img>: poll the locator
+    t0 = time.time()
     while img.get_attribute("src") == before:
         assert time.time() - t0 < 120, diagnosis(page, work, "the anchor inspector did not redraw in live mode")
         time.sleep(1)

@@ -14,8 +14,15 @@ V, LS, LE, LSEP, ASEP, EOT = 48, 40, 41, 42, 43, 44
 
 def tiny(seed=0, layers=2):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=True,
+    )
     return AutoModelForCausalLM.from_config(cfg).float()
 
 def make_example(rng, n_spans, prompt_len):
@@ -40,9 +47,18 @@ def batch(seed=0):
 
 # ---------------------------------------------------------------- the per-example reference (seed semantics)
 # ---------------------------------------------------------------- equivalence
-CASES = [dict(steps=s, kd=kd, frozen=fr, single=sa) for s, kd, fr, sa in itertools.product((1, 3), ("hidden", "logit"), (False, True), (False, True))]
+CASES = [
+    dict(steps=s, kd=kd, frozen=fr, single=sa)
+    for s, kd, fr, sa in itertools.product((1, 3), ("hidden", "logit"), (False, True), (False, True))
+]
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"steps{c['steps']}-{c['kd']}-{'frozen' if c['frozen'] else 'shared'}-{'single' if c['single'] else 'all'}")
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: (
+        f"steps{c['steps']}-{c['kd']}-{'frozen' if c['frozen'] else 'shared'}-{'single' if c['single'] else 'all'}"
+    ),
+)
 @pytest.mark.parametrize("call_cost", [None, 0.0], ids=["lockstep", "groups"])
 def test_batched_equals_reference(case, call_cost):
     base = tiny(0)
@@ -58,8 +74,10 @@ def test_batched_equals_reference(case, call_cost):
     assert abs(out.loss.item() - ref_loss.item()) < 1e-5, (out.loss.item(), ref_loss.item())
     for k in ("student_loss", "kd_loss", "teacher_loss"): assert abs(out.metrics[k] - ref_m[k]) < 1e-5, k
     K = max(len(e["spans"]) for e in exs)
-    if call_cost is None: assert out.metrics["model_calls"] == K * case["steps"] + 1   # the last step of a block rides in the next call
-    else: assert out.metrics["model_calls"] > K * case["steps"] + 1 and out.metrics["pad_ratio"] < 1.01   # groups: no padding
+    # the last step of a block rides in the next call
+    if call_cost is None: assert out.metrics["model_calls"] == K * case["steps"] + 1
+    # groups: no padding
+    else: assert out.metrics["model_calls"] > K * case["steps"] + 1 and out.metrics["pad_ratio"] < 1.01
     for a, b in zip(gb, gr):
         if a is None and b is None: continue
         a = torch.zeros_like(b) if a is None else a
@@ -199,7 +217,9 @@ from latent_rl.losses import state_kd_loss, embed_kd_loss
 def with_targets(ex, rng):
     "Synthetic CWM-like targets: value tokens inside each span's dropped locals (or none), answer tokens after the last block."
     e = dict(ex)
-    e["value_tok"] = [list(range(i + 1, min(j, i + 1 + rng.randrange(1, 4)))) if rng.random() < 0.8 else [] for i, j in ex["spans"]]
+    e["value_tok"] = [
+        list(range(i + 1, min(j, i + 1 + rng.randrange(1, 4)))) if rng.random() < 0.8 else [] for i, j in ex["spans"]
+    ]
     last = ex["spans"][-1][1]
     e["answer_tok"] = sorted(rng.sample(range(last + 1, len(ex["trace_ids"])), min(2, len(ex["trace_ids"]) - last - 1)))
     e["recon_ids"] = [[rng.randrange(1, 30) for _ in range(rng.randrange(1, 5))] for _ in ex["spans"]]
@@ -213,7 +233,8 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
     sv, tv, sa, ta, rec_lp, ces = [], [], [], [], [], []
     for bi, ex in enumerate(examples):
         prompt, trace = torch.tensor(ex["prompt_ids"]), torch.tensor(ex["trace_ids"])
-        with torch.no_grad(): ths = tmodel(input_ids=torch.cat([prompt, trace])[None], output_hidden_states=True).hidden_states
+        with torch.no_grad():
+            ths = tmodel(input_ids=torch.cat([prompt, trace])[None], output_hidden_states=True).hidden_states
         T_at = lambda p: torch.stack([h[0, len(prompt) + p] for h in ths])              # [L+1, H]
         o = model(inputs_embeds=emb(prompt[None]), use_cache=True)
         cache, prev = out_cache(o), o.logits[:, -1]
@@ -226,7 +247,11 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
         lps, ws = [], []
         for kind, a, b in segs:
             if kind == "latent":
-                o = body(inputs_embeds=emb(torch.tensor([[lm.spec.latent_start_id]])), use_cache=True, **cache_kw(body, cache))
+                o = body(
+                    inputs_embeds=emb(torch.tensor([[lm.spec.latent_start_id]])),
+                    use_cache=True,
+                    **cache_kw(body, cache),
+                )
                 cache, h = out_cache(o), o.last_hidden_state[:, -1:]
                 zs, hs = [], []
                 vt = ex["value_tok"][a]
@@ -254,11 +279,23 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
                     for q in range(S):
                         sv.append((0, zs[q]))
                         tv.append(E[trace[vt[q] if q < len(vt) else min(vt[-1] + 1, len(trace) - 1)]])
-                dec = torch.cat([emb(torch.tensor([lm.spec.latent_start_id])), torch.stack(zs), emb(torch.tensor([lm.spec.latent_end_id])),
-                                 emb(torch.tensor(ex["recon_ids"][a] + [lm.spec.action_sep_id]))])[None]
+                dec = torch.cat(
+                    [
+                        emb(torch.tensor([lm.spec.latent_start_id])),
+                        torch.stack(zs),
+                        emb(torch.tensor([lm.spec.latent_end_id])),
+                        emb(torch.tensor(ex["recon_ids"][a] + [lm.spec.action_sep_id])),
+                    ]
+                )[None]
                 dl = model(inputs_embeds=dec).logits[0, S + 1:-1]
-                rec_lp.append(F.log_softmax(dl, -1).gather(-1, torch.tensor(ex["recon_ids"][a] + [lm.spec.action_sep_id])[:, None]))
-                o = body(inputs_embeds=emb(torch.tensor([[lm.spec.latent_end_id]])), use_cache=True, **cache_kw(body, cache))
+                rec_lp.append(
+                    F.log_softmax(dl, -1).gather(
+                        -1, torch.tensor(ex["recon_ids"][a] + [lm.spec.action_sep_id])[:, None]
+                    )
+                )
+                o = body(
+                    inputs_embeds=emb(torch.tensor([[lm.spec.latent_end_id]])), use_cache=True, **cache_kw(body, cache)
+                )
                 cache, prev = out_cache(o), model.lm_head(o.last_hidden_state[:, -1])
                 continue
             ids = trace[a:b]
@@ -279,16 +316,28 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
     out = {"student_loss": torch.stack(ces).mean()}
     if opts.value_kd:
         if opts.value_kd_at == "embed":
-            out["value_kd_loss"] = embed_kd_loss(torch.stack([x for _, x in sv]), torch.stack(tv), (E.detach().norm(dim=-1) ** 2).mean())[0]
-        else:   # one state_kd_loss per first layer (0: embeddings included, 1: not), averaged
-            parts = [state_kd_loss(torch.stack([x for f, x in sv if f == g])[:, g:], torch.stack([t for (f, _), t in zip(sv, tv) if f == g])[:, g:])[0]
-                     for g in (0, 1) if any(f == g for f, _ in sv)]
+            out["value_kd_loss"] = embed_kd_loss(
+                torch.stack([x for _, x in sv]), torch.stack(tv), (E.detach().norm(dim=-1) ** 2).mean()
+            )[0]
+        else:  # one state_kd_loss per first layer (0: embeddings included, 1: not), averaged
+            parts = [
+                state_kd_loss(
+                    torch.stack([x for f, x in sv if f == g])[:, g:],
+                    torch.stack([t for (f, _), t in zip(sv, tv) if f == g])[:, g:],
+                )[0]
+                for g in (0, 1)
+                if any(f == g for f, _ in sv)
+            ]
             out["value_kd_loss"] = sum(parts) / len(parts)
     if opts.answer_kd: out["answer_kd_loss"] = state_kd_loss(torch.stack(sa)[:, 1:], torch.stack(ta)[:, 1:])[0]
     if opts.recon: out["recon_loss"] = -torch.cat(rec_lp).mean()
     return out
 
-OBJ = [dict(value_kd=1.0, value_kd_at=m) for m in ("sequence", "predict", "tokens", "embed")] + [dict(answer_kd=1.0), dict(answer_weight=4.0), dict(recon=1.0)]
+OBJ = [dict(value_kd=1.0, value_kd_at=m) for m in ("sequence", "predict", "tokens", "embed")] + [
+    dict(answer_kd=1.0),
+    dict(answer_weight=4.0),
+    dict(recon=1.0),
+]
 
 @pytest.mark.parametrize("call_cost", [None, 0.0], ids=["lockstep", "groups"])
 @pytest.mark.parametrize("steps", [2, 3])
@@ -301,9 +350,11 @@ def test_latent_teacher_forcing_equals_reference(steps, call_cost):
     coins = torch.rand(len(exs), max(len(e["spans"]) for e in exs), generator=torch.Generator().manual_seed(3)) < 0.5
     assert coins.any() and not coins.all()
     ref = ref_objectives(lm, exs, opts, coins=coins)
-    for k in ("student_loss", "value_kd_loss"): assert abs(out.metrics[k] - ref[k].item()) < 1e-5 * max(1, abs(ref[k].item())), k
+    for k in ("student_loss", "value_kd_loss"):
+        assert abs(out.metrics[k] - ref[k].item()) < 1e-5 * max(1, abs(ref[k].item())), k
     free = codi_forward(lm, exs, CodiOptions(g=0.0, a=0.0, value_kd=1.0))
-    assert abs(free.metrics["student_loss"] - out.metrics["student_loss"]) > 1e-4     # forcing changed what the text read
+    # forcing changed what the text read
+    assert abs(free.metrics["student_loss"] - out.metrics["student_loss"]) > 1e-4
 
 @pytest.mark.parametrize("call_cost", [None, 0.0], ids=["lockstep", "groups"])
 @pytest.mark.parametrize("steps", [1, 3])
@@ -318,9 +369,15 @@ def test_latent_objectives_equal_reference(obj, steps, call_cost):
     ref = ref_objectives(lm, exs, opts)
     name = next(k for k in ref if k != "student_loss") if len(ref) > 1 else "student_loss"
     assert abs(out.metrics["student_loss"] - ref["student_loss"].item()) < 1e-5
-    assert abs(out.metrics[name] - ref[name].item()) < 1e-5 * max(1.0, abs(ref[name].item())), (out.metrics[name], ref[name].item())
+    assert abs(out.metrics[name] - ref[name].item()) < 1e-5 * max(1.0, abs(ref[name].item())), (
+        out.metrics[name],
+        ref[name].item(),
+    )
     params = [p for p in lm.parameters()]
-    ref_total = opts.b * ref["student_loss"] + (getattr(opts, name.replace("_loss", ""), 0.0) if name != "student_loss" else 0.0) * ref[name]
+    ref_total = (
+        opts.b * ref["student_loss"]
+        + (getattr(opts, name.replace("_loss", ""), 0.0) if name != "student_loss" else 0.0) * ref[name]
+    )
     gb = torch.autograd.grad(out.loss, params, allow_unused=True)
     gr = torch.autograd.grad(ref_total, params, allow_unused=True)
     for a, b in zip(gb, gr):
@@ -340,7 +397,9 @@ def test_gpt2_codi_equals_reference():
     from transformers import GPT2Config
     from latent_rl.models import add_lora
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     lm = LatentModel(AutoModelForCausalLM.from_config(cfg).float(), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
     exs, opts = batch(7), CodiOptions(g=2.0)
     ref_loss, _ = ref_forward(lm, exs, opts)

@@ -47,7 +47,11 @@ def test_own_imports_sit_at_the_top():
         tree = ast.parse(p.read_text())
         top = set(map(id, tree.body))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and id(node) not in top and (node.level == 1 or (node.module or "").startswith("latent_rl")):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and id(node) not in top
+                and (node.level == 1 or (node.module or "").startswith("latent_rl"))
+            ):
                 inner.append(f"{m}:{node.lineno}")
     assert not inner, inner
 
@@ -60,5 +64,9 @@ def test_cli_is_imported_by_nothing_and_nothing_imports_tests():
 
 
 def test_every_benchmark_lives_in_the_bench_module():
-    offenders = [m for m, p in modules().items() if m != "bench" and re.search(r"^def (?!cmd_)(\w+_)?bench\(", p.read_text(), re.M)]
+    offenders = [
+        m
+        for m, p in modules().items()
+        if m != "bench" and re.search(r"^def (?!cmd_)(\w+_)?bench\(", p.read_text(), re.M)
+    ]
     assert not offenders, offenders

@@ -168,7 +168,9 @@ def test_sft_equals_cross_entropy():
 
 
 # ----------------------------------------------------------------------------------------------- GRPO
-def ref_grpo(logp, logp_inf, adv, mask, eps_low, eps_high, norm, grad_accum=1, token_count=None, logp_ref=None, kl_beta=0.0):
+def ref_grpo(
+    logp, logp_inf, adv, mask, eps_low, eps_high, norm, grad_accum=1, token_count=None, logp_ref=None, kl_beta=0.0
+):
     "Token by token (with `kl_beta`: + β·(π_ref/π − log(π_ref/π) − 1), Schulman's k3)."
     seq_means, total, n_all = [], 0.0, 0
     for b in range(logp.shape[0]):
@@ -278,11 +280,15 @@ def test_grpo_zero_advantages_and_empty_masks_give_no_nan():
     for norm in ("sequence", "token"):
         loss, met = grpo_loss(logp, bad, torch.zeros(4, dtype=logp.dtype), mask, norm=norm)
         (g,) = torch.autograd.grad(loss, logp)
-        assert loss.item() == 0 and (g == 0).all() and not any(math.isnan(v) for v in met.values() if isinstance(v, float))
+        assert (
+            loss.item() == 0 and (g == 0).all() and not any(math.isnan(v) for v in met.values() if isinstance(v, float))
+        )
         empty = torch.zeros_like(mask)
         loss, met = grpo_loss(logp, bad, torch.ones(4, dtype=logp.dtype), empty, norm=norm)
         (g,) = torch.autograd.grad(loss, logp)
-        assert loss.item() == 0 and (g == 0).all() and not any(math.isnan(v) for v in met.values() if isinstance(v, float))
+        assert (
+            loss.item() == 0 and (g == 0).all() and not any(math.isnan(v) for v in met.values() if isinstance(v, float))
+        )
 
 
 def test_grpo_requires_inference_logprobs():
@@ -377,7 +383,12 @@ def ref_jsd_token(zs, zt, beta, T):
 
 
 def ref_jsd(zs, zt, mask, beta, T):
-    vals = [ref_jsd_token(zs[b, t], zt[b, t], beta, T) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
+    vals = [
+        ref_jsd_token(zs[b, t], zt[b, t], beta, T)
+        for b in range(mask.shape[0])
+        for t in range(mask.shape[1])
+        if mask[b, t]
+    ]
     return torch.stack(vals).mean()
 
 
@@ -395,15 +406,28 @@ def test_jsd_full_equals_naive_plain_chunked_and_topk_k_eq_V(beta, T):
     ref = ref_jsd(hidden @ W.T + bias, zt, mask, beta, T)
     ref_g = torch.autograd.grad(ref, (hidden, W, bias))
     variants = {
-        "plain": lambda: generalized_jsd(hidden @ W.T + bias, TeacherOutput(logits=zt), mask, beta=beta, temperature=T, chunk_size=4),
-        "hidden": lambda: generalized_jsd_from_hidden(hidden, W, TeacherOutput(logits=zt), mask, beta=beta,
-                                                      temperature=T, chunk_size=4, head_bias=bias),
-        "topk=V plain": lambda: generalized_jsd(hidden @ W.T + bias, TeacherOutput.topk_from_logits(zt, V), mask,
-                                                beta=beta, temperature=T),
-        "topk=V hidden": lambda: generalized_jsd_from_hidden(hidden, W, TeacherOutput.topk_from_logits(zt, V), mask,
-                                                             beta=beta, temperature=T, chunk_size=5, head_bias=bias),
-        "mask from labels": lambda: generalized_jsd_from_hidden(hidden, W, TeacherOutput(logits=zt, labels=labels),
-                                                                beta=beta, temperature=T, head_bias=bias),
+        "plain": lambda: generalized_jsd(
+            hidden @ W.T + bias, TeacherOutput(logits=zt), mask, beta=beta, temperature=T, chunk_size=4
+        ),
+        "hidden": lambda: generalized_jsd_from_hidden(
+            hidden, W, TeacherOutput(logits=zt), mask, beta=beta, temperature=T, chunk_size=4, head_bias=bias
+        ),
+        "topk=V plain": lambda: generalized_jsd(
+            hidden @ W.T + bias, TeacherOutput.topk_from_logits(zt, V), mask, beta=beta, temperature=T
+        ),
+        "topk=V hidden": lambda: generalized_jsd_from_hidden(
+            hidden,
+            W,
+            TeacherOutput.topk_from_logits(zt, V),
+            mask,
+            beta=beta,
+            temperature=T,
+            chunk_size=5,
+            head_bias=bias,
+        ),
+        "mask from labels": lambda: generalized_jsd_from_hidden(
+            hidden, W, TeacherOutput(logits=zt, labels=labels), beta=beta, temperature=T, head_bias=bias
+        ),
     }
     for name, f in variants.items():
         loss, met = f()
@@ -431,10 +455,16 @@ def test_jsd_from_bf16_hidden_and_head():
     mask = labels != -100
     ref, _ = generalized_jsd_from_hidden(hidden, W, TeacherOutput(logits=zt), mask, temperature=0.9)
     hb, Wb = hidden.detach().bfloat16().requires_grad_(), W.detach().bfloat16().requires_grad_()
-    loss, _ = generalized_jsd_from_hidden(hb, Wb, TeacherOutput(logits=zt.bfloat16()), mask, temperature=0.9, chunk_size=4)
+    loss, _ = generalized_jsd_from_hidden(
+        hb, Wb, TeacherOutput(logits=zt.bfloat16()), mask, temperature=0.9, chunk_size=4
+    )
     assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 2e-2 * max(1.0, ref.item())
     loss.backward()
-    assert hb.grad.dtype == torch.bfloat16 and torch.isfinite(hb.grad.float()).all() and torch.isfinite(Wb.grad.float()).all()
+    assert (
+        hb.grad.dtype == torch.bfloat16
+        and torch.isfinite(hb.grad.float()).all()
+        and torch.isfinite(Wb.grad.float()).all()
+    )
 
 
 def test_jsd_endpoints_are_forward_and_reverse_kl():
@@ -459,8 +489,10 @@ def test_topk_teacher_with_all_mass_in_topk_equals_full(beta):
     full, _ = generalized_jsd(hidden @ W.T + bias, TeacherOutput(logits=zt), mask, beta=beta)
     full_g = torch.autograd.grad(full, (hidden, W, bias))
     topk = TeacherOutput.topk_from_logits(zt, k)
-    for loss, met in [generalized_jsd(hidden @ W.T + bias, topk, mask, beta=beta, tail=True),
-                      generalized_jsd_from_hidden(hidden, W, topk, mask, beta=beta, tail=True, head_bias=bias, chunk_size=4)]:
+    for loss, met in [
+        generalized_jsd(hidden @ W.T + bias, topk, mask, beta=beta, tail=True),
+        generalized_jsd_from_hidden(hidden, W, topk, mask, beta=beta, tail=True, head_bias=bias, chunk_size=4),
+    ]:
         assert close(loss, full, VAL) and abs(met["teacher_topk_mass"] - 1) < 1e-9
         assert all(close(a, b, GRAD) for a, b in zip(torch.autograd.grad(loss, (hidden, W, bias)), full_g))
 
@@ -481,11 +513,16 @@ def test_topk_renormalised_equals_naive_on_the_k_entries_and_missing_entries():
             vals.append(ref_jsd_token(zs[b, t, ids], topk.topk_logprobs[b, t, :4], 0.5, 0.8))
     ref = torch.stack(vals).mean()
     ref_g = torch.autograd.grad(ref, (hidden, W, bias))
-    for f in (lambda: generalized_jsd(hidden @ W.T + bias, topk, mask, temperature=0.8),
-              lambda: generalized_jsd_from_hidden(hidden, W, topk, mask, temperature=0.8, head_bias=bias, chunk_size=3)):
+    for f in (
+        lambda: generalized_jsd(hidden @ W.T + bias, topk, mask, temperature=0.8),
+        lambda: generalized_jsd_from_hidden(hidden, W, topk, mask, temperature=0.8, head_bias=bias, chunk_size=3),
+    ):
         loss, met = f()
         assert close(loss, ref, VAL) and met["n_dropped"] == 1 and met["n_tokens"] == mask.sum().item() - 1
-        assert all(close(a, b, GRAD) and torch.isfinite(a).all() for a, b in zip(torch.autograd.grad(loss, (hidden, W, bias)), ref_g))
+        assert all(
+            close(a, b, GRAD) and torch.isfinite(a).all()
+            for a, b in zip(torch.autograd.grad(loss, (hidden, W, bias)), ref_g)
+        )
     for tail in (True, False):                                  # tail bucket with missing entries: finite gradients
         loss, _ = generalized_jsd_from_hidden(hidden, W, topk, mask, temperature=0.8, tail=tail, head_bias=bias)
         assert all(torch.isfinite(x).all() for x in torch.autograd.grad(loss, (hidden, W, bias)))
@@ -516,7 +553,9 @@ def test_jsd_empty_mask_no_nan():
     for loss, _ in [generalized_jsd_from_hidden(hidden, W, TeacherOutput(logits=zt), empty),
                     generalized_jsd(hidden @ W.T, TeacherOutput.topk_from_logits(zt, 3), empty)]:
         assert loss.item() == 0
-        assert all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, (hidden, W), allow_unused=True) if g is not None)
+        assert all(
+            torch.isfinite(g).all() for g in torch.autograd.grad(loss, (hidden, W), allow_unused=True) if g is not None
+        )
 
 
 # ----------------------------------------------------------------------------------------------- CODI KD
@@ -525,7 +564,10 @@ def test_anchor_kd_loss_equals_naive():
     g = torch.Generator().manual_seed(0)
     B, K, L, H = 3, 4, 2, 8
     student = torch.randn(B, K, L, H, generator=g, dtype=torch.float64, requires_grad=True)
-    teacher = torch.randn(B, K, L, H, generator=g, dtype=torch.float64) * torch.tensor([0.5, 10.0], dtype=torch.float64)[None, None, :, None]
+    teacher = (
+        torch.randn(B, K, L, H, generator=g, dtype=torch.float64)
+        * torch.tensor([0.5, 10.0], dtype=torch.float64)[None, None, :, None]
+    )
     valid = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
     for norm in (False, True):
         std = torch.stack([teacher[valid][:, l].std() for l in range(L)])

@@ -41,8 +41,21 @@ def test_named_weights_gathers_fsdp2_shards_one_at_a_time(tmp_path):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-                        str(tmp_path / "s.py")], env={**os.environ, **ONE, "ROOT": str(ROOT)}, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            str(tmp_path / "s.py"),
+        ],
+        env={**os.environ, **ONE, "ROOT": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("OK") == 2, p.stdout

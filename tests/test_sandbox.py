@@ -12,11 +12,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import latent_rl.trace as T
-from latent_rl.trace import THREAT_MODEL, SandboxUnavailable, TracePool, UNSAFE_ENV, sandbox_status, trace_inprocess, trace_rows
+from latent_rl.trace import (THREAT_MODEL, SandboxUnavailable, TracePool, UNSAFE_ENV, sandbox_status, trace_inprocess,
+    trace_rows)
 from conftest import ROOT, run_cli
 
-needs_jail = pytest.mark.skipif(not sandbox_status()["available"],
-                                reason=f"no sandbox on this machine ({sandbox_status()['reason']}): hostile programs are not run")
+needs_jail = pytest.mark.skipif(
+    not sandbox_status()["available"],
+    reason=f"no sandbox on this machine ({sandbox_status()['reason']}): hostile programs are not run",
+)
 
 SECRET = f"LRSECRET{uuid.uuid4().hex}"
 PWNED = f"latent_rl_pwned_{uuid.uuid4().hex[:8]}"
@@ -418,9 +421,18 @@ def host(tmp_path, monkeypatch):
     absk.bind(abstract)
     absk.listen()
     absk.setblocking(False)
-    info = {"host": str(h), "secret_file": str(h / "secret.txt"), "canary": str(h / "canary.txt"), "parent": os.getpid(),
-            "decoy": decoy.pid, "port": tcp.getsockname()[1], "unix": str(h / "sock"), "abstract": abstract,
-            "project": str(ROOT), "pwned": PWNED}
+    info = {
+        "host": str(h),
+        "secret_file": str(h / "secret.txt"),
+        "canary": str(h / "canary.txt"),
+        "parent": os.getpid(),
+        "decoy": decoy.pid,
+        "port": tcp.getsockname()[1],
+        "unix": str(h / "sock"),
+        "abstract": abstract,
+        "project": str(ROOT),
+        "pwned": PWNED,
+    }
     before = sorted(p.name for p in h.iterdir())
     yield info
     try:
@@ -432,7 +444,9 @@ def host(tmp_path, monkeypatch):
         for p in (Path("/tmp") / PWNED, Path("/") / PWNED, ROOT / PWNED, Path.home() / PWNED, Path("/dev/shm") / PWNED,
                   Path("/tmp/thread_was_here"), Path("/dev/shm/latent_rl_pwned")):
             assert not p.exists(), p
-        kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == os.getpid() and int(p) != decoy.pid]
+        kids = [
+            int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == os.getpid() and int(p) != decoy.pid
+        ]
         assert not kids, f"processes outlived the pool: {kids}"
     finally:
         decoy.kill()
@@ -449,7 +463,11 @@ def check(rows, results):
     "Every row answered; every plain row right; no secret anywhere."
     assert len(results) == len(rows)
     for row, r in zip(rows, results):
-        r = r if isinstance(r, dict) else {"id": r.id, "ok": r.ok, "reason": r.reason, "value": r.value, "trace": r.trace}
+        r = (
+            r
+            if isinstance(r, dict)
+            else {"id": r.id, "ok": r.ok, "reason": r.reason, "value": r.value, "trace": r.trace}
+        )
         assert r["id"] == row["id"] and isinstance(r["ok"], bool), r
         assert r["ok"] or r.get("reason"), r
         assert SECRET not in json.dumps(r), f"{row['id']} leaked the secret"
@@ -459,7 +477,11 @@ def check(rows, results):
             assert T.special_in_frames(pt.frames) is None, (row["id"], T.special_in_frames(pt.frames))
         if row["id"].startswith("plain"):
             want = trace_inprocess(row["code"], row["input"])
-            assert r["ok"] and r["value"] == want.value and r["trace"] == want.trace, (row["id"], r.get("reason"), r["value"])
+            assert r["ok"] and r["value"] == want.value and r["trace"] == want.trace, (
+                row["id"],
+                r.get("reason"),
+                r["value"],
+            )
         print(f"{r['id']:26} ok={r['ok']!s:5} {str(r.get('reason') or r['value'])[:110]}")
 
 
@@ -516,10 +538,22 @@ def test_hostile_programs_os_layers_only(host):
     check(rows, res)
     got = {r.id: r for r in res}
     calls = eval(got["ctypes_syscalls"].value)
-    assert all(r == -1 and e == 1 for r, e in calls.values()), calls          # each refused with EPERM by seccomp
-    assert got["fork"].reason.startswith("raised PermissionError") and got["exec_shell"].reason.startswith("raised PermissionError")
-    assert set(eval(got["read_environs"].value)["env"]) <= {"PYTHONHASHSEED", "LC_ALL", "LANG", "PYTHONIOENCODING",
-                                                            "PYTHONDONTWRITEBYTECODE", "PATH", "HOME", "TMPDIR", "LC_CTYPE", "PWD"}
+    assert all(r == -1 and e == 1 for r, e in calls.values()), calls  # each refused with EPERM by seccomp
+    assert got["fork"].reason.startswith("raised PermissionError") and got["exec_shell"].reason.startswith(
+        "raised PermissionError"
+    )
+    assert set(eval(got["read_environs"].value)["env"]) <= {
+        "PYTHONHASHSEED",
+        "LC_ALL",
+        "LANG",
+        "PYTHONIOENCODING",
+        "PYTHONDONTWRITEBYTECODE",
+        "PATH",
+        "HOME",
+        "TMPDIR",
+        "LC_CTYPE",
+        "PWD",
+    }
     assert got["prlimit_server"].value == got["renice_server"].value == "'PermissionError'"
     # the server's memory, environment and descriptors are closed to its children (it is undumpable); only the list of
     # its descriptor numbers may show, when the jail's uid is root outside (latent-rl run as root)
@@ -534,7 +568,9 @@ def test_hostile_programs_os_layers_only(host):
 def test_hostile_programs_namespaces_only(host):
     "The audit hook and seccomp off: the namespaces alone keep the host, the parent and the secret safe."
     rows = hostile_rows(HOST_ONLY, host)
-    with TracePool(2, timeout=0.5, grace=0.5, result_grace=1.0, unsafe_no_sandbox=False, _audit=False, _seccomp=False) as pool:
+    with TracePool(
+        2, timeout=0.5, grace=0.5, result_grace=1.0, unsafe_no_sandbox=False, _audit=False, _seccomp=False
+    ) as pool:
         res = pool.map(rows, progress=False)
     check(rows, res)
 
@@ -545,8 +581,12 @@ def test_no_state_survives_between_programs():
     mess = {"id": "mess", "input": "", "code": "import builtins, os, threading, time\ndef f():\n" + "\n".join(
         "    " + l for l in ATTACKS["fill_scratch_root"].split("\n")[:-1]) +
         "\n    builtins.sorted = None\n    threading.Thread(target=time.sleep, args=(10,)).start()\n    open('left', 'w').write('x')\n    return 1"}
-    look = {"id": "look", "input": "", "code": "import builtins, os, threading\ndef f():\n    return (sorted(os.listdir('.')), "
-            "sorted(os.listdir('/tmp')), builtins.sorted is sorted, threading.active_count(), os.getcwd())"}
+    look = {
+        "id": "look",
+        "input": "",
+        "code": "import builtins, os, threading\ndef f():\n    return (sorted(os.listdir('.')), "
+        "sorted(os.listdir('/tmp')), builtins.sorted is sorted, threading.active_count(), os.getcwd())",
+    }
     with TracePool(1, timeout=1.0, unsafe_no_sandbox=False, _audit=False) as pool:    # the hook would refuse the mess
         a, b = pool.map([mess, look], progress=False)
     assert a.ok and a.value == "1", a.reason
@@ -582,7 +622,8 @@ def test_refuses_without_a_jail_unless_told(monkeypatch, tmp_path):
 def test_doctor_reports_a_working_jail():
     p = run_cli("doctor")
     assert "sandbox: working" in p.stdout and "FAIL" not in p.stdout
-    for check in ("own namespaces", "processes visible", "your files", "seccomp", "descriptors"): assert check in p.stdout
+    for check in ("own namespaces", "processes visible", "your files", "seccomp", "descriptors"):
+        assert check in p.stdout
 
 
 def test_readme_states_the_threat_model():
@@ -724,8 +765,11 @@ def test_forged_results_of_the_wrong_types_fail_their_row_only():
                   ["line", L, {f"k{i}": "v" for i in range(5000)}, None], ["line", L, {"x" * 2000: "1"}, None]]:
         payload = json.dumps({"ok": False, "reason": "x", "value": None, "frames": [frame]}).encode()
         assert isinstance(T._check_result(payload, lines, 10), str), frame
-    for d in [{"ok": 1, "reason": None, "value": "1", "frames": []}, {"ok": False, "reason": ["x"], "value": None, "frames": []},
-              {"ok": True, "reason": None, "value": {"a": 1}, "frames": []}]:
+    for d in [
+        {"ok": 1, "reason": None, "value": "1", "frames": []},
+        {"ok": False, "reason": ["x"], "value": None, "frames": []},
+        {"ok": True, "reason": None, "value": {"a": 1}, "frames": []},
+    ]:
         assert isinstance(T._check_result(json.dumps(d).encode(), lines, 10), str), d
     many = json.dumps({"ok": False, "reason": "x", "value": None, "frames": [["line", L, None, None]] * 1000}).encode()
     assert "too long" in T._check_result(many, lines, 10_000, deadline=time.monotonic() - 1)
@@ -776,7 +820,11 @@ def test_a_program_cannot_renice_the_rows_after_it():
 def test_a_row_cannot_find_an_earlier_row_in_its_memory():
     "Children fork from a zygote that never saw a row: nothing of row 1 (code, input, result) is in row 2's memory."
     secret = "LRZ" + uuid.uuid4().hex
-    victim = {"id": "victim", "code": f"def f(x):\n    note = '{secret}'\n    return note + x", "input": f"'{secret[::-1]}'"}
+    victim = {
+        "id": "victim",
+        "code": f"def f(x):\n    note = '{secret}'\n    return note + x",
+        "input": f"'{secret[::-1]}'",
+    }
     scan = """import ctypes, re
 found = set()
 for line in open('/proc/self/maps'):

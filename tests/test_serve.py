@@ -13,9 +13,24 @@ def free_port():
 def start(*args, env=None):
     "`latent-rl serve-teacher --model TEACHER ARGS` on a free loopback port; returns (url, process) once /health answers."
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "latent_rl.train", "serve-teacher", "--model", str(TEACHER), "--port", str(port),
-                             *map(str, args)], cwd=ROOT, env={**os.environ, **ONE, "PYTHONUNBUFFERED": "1", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "latent_rl.train",
+            "serve-teacher",
+            "--model",
+            str(TEACHER),
+            "--port",
+            str(port),
+            *map(str, args),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **ONE, "PYTHONUNBUFFERED": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         try:
@@ -42,8 +57,12 @@ def raw(url, data: bytes, timeout=15.0) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body or b"{}")
 
 def post(url, obj, path="/v1/completions", headers=None, timeout=30) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, json.dumps(obj).encode() if obj is not None else None,
-                                 {"Content-Type": "application/json", **(headers or {})}, method="POST" if obj is not None else "GET")
+    req = urllib.request.Request(
+        url + path,
+        json.dumps(obj).encode() if obj is not None else None,
+        {"Content-Type": "application/json", **(headers or {})},
+        method="POST" if obj is not None else "GET",
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r: return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e: return e.code, json.loads(e.read() or b"{}")
@@ -66,7 +85,9 @@ def completion_rows(n):
     return [(lambda d: d["prompt"] + d["completion"])(dataset_completion(tok, r, "text")) for r in rows_of(ROWS)[:n]]
 
 def test_malformed_requests_get_400s_naming_the_field(server):
-    head = lambda cl, body=b"": f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {cl}\r\n\r\n".encode() + body
+    head = lambda cl, body=b"": (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {cl}\r\n\r\n".encode() + body
+    )
     code, b = raw(server, head("-1"))
     assert (code, b["error"]["param"]) == (400, "Content-Length"), b
     code, b = raw(server, head(str(10**12)))
@@ -75,9 +96,14 @@ def test_malformed_requests_get_400s_naming_the_field(server):
     assert code == 400
     code, b = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
     assert code == 411
-    cases = {"prompt_logprobs": [{"prompt": [[1, 2, 3]], "prompt_logprobs": -1}, {"prompt": [[1, 2, 3]], "prompt_logprobs": 10**9}],
-             "prompt[0][1]": [{"prompt": [[1, 2.0, 3]], "prompt_logprobs": 2}, {"prompt": [[1, 10**6]]}],
-             "prompt[0]": [{"prompt": [[]]}, {"prompt": [list(range(10, 300)) * 400]}]}       # the last: 116,000 tokens
+    cases = {
+        "prompt_logprobs": [
+            {"prompt": [[1, 2, 3]], "prompt_logprobs": -1},
+            {"prompt": [[1, 2, 3]], "prompt_logprobs": 10**9},
+        ],
+        "prompt[0][1]": [{"prompt": [[1, 2.0, 3]], "prompt_logprobs": 2}, {"prompt": [[1, 10**6]]}],
+        "prompt[0]": [{"prompt": [[]]}, {"prompt": [list(range(10, 300)) * 400]}],
+    }       # the last: 116,000 tokens
     for param, bodies in cases.items():
         for obj in bodies:
             t0 = time.perf_counter()
@@ -113,7 +139,9 @@ def test_health_and_scoring_within_1s_while_300_requests_are_held_open(server):
     try:
         assert healthy(server, within=1.0) < 1.0
         t0 = time.perf_counter()
-        code, b = post(server, {"prompt": [[10, 11, 12, 13, 14, 15]], "prompt_logprobs": 4, "max_tokens": 1}, timeout=1.0)
+        code, b = post(
+            server, {"prompt": [[10, 11, 12, 13, 14, 15]], "prompt_logprobs": 4, "max_tokens": 1}, timeout=1.0
+        )
         assert code == 200 and len(b["choices"][0]["prompt_logprobs"]) == 6 and time.perf_counter() - t0 < 1.0
         time.sleep(3.5)                                    # the request timeout: every held request is answered 408
         answered = 0
@@ -162,9 +190,25 @@ def test_full_queue_answers_503_not_a_dropped_connection():
     assert all("retry" in b["error"]["message"] for c, b in res if c == 503)
 
 def test_api_key_and_exposure():
-    p = subprocess.run([sys.executable, "-m", "latent_rl.train", "serve-teacher", "--model", str(TEACHER), "--host", "0.0.0.0",
-                        "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "LATENT_RL_API_KEY": ""})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "latent_rl.train",
+            "serve-teacher",
+            "--model",
+            str(TEACHER),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(free_port()),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LATENT_RL_API_KEY": ""},
+    )
     assert p.returncode != 0 and "--api-key" in p.stderr, p.stderr[-2000:]
     url, proc = start("--api-key", "s3cret")
     try:
@@ -173,7 +217,9 @@ def test_api_key_and_exposure():
         assert post(url, None, path="/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
         healthy(url)                                        # /health stays open, as in vLLM
         from latent_rl.teachers import HTTPTeacher, TeacherUnavailable
-        with pytest.raises(TeacherUnavailable, match="LATENT_RL_API_KEY"): HTTPTeacher(url, topk=4, retries=0, api_key="").models()
+
+        with pytest.raises(TeacherUnavailable, match="LATENT_RL_API_KEY"):
+            HTTPTeacher(url, topk=4, retries=0, api_key="").models()
         assert HTTPTeacher(url, topk=4, retries=0, api_key="s3cret").models()["id"] == "teacher"
     finally: stop(proc)
 
@@ -181,18 +227,36 @@ def test_http_teacher_explains_a_logprob_cap_it_finds_by_probing(server):
     "vLLM does not advertise --max-logprobs: the start-up probe's 400 becomes the command that fixes it."
     from latent_rl.teachers import HTTPTeacher, TeacherUnavailable
     t = HTTPTeacher(server, topk=64, retries=0)
-    t._request = (lambda orig: lambda path, payload=None: (lambda r: (r["data"][0].pop("max_logprobs", None), r)[1])(orig(path, payload))
-                  if path == "/v1/models" else orig(path, payload))(t._request)     # a server that, like vLLM, does not say
+    t._request = (
+        lambda orig: (
+            lambda path, payload=None: (
+                (lambda r: (r["data"][0].pop("max_logprobs", None), r)[1])(orig(path, payload))
+                # a server that, like vLLM, does not say
+                if path == "/v1/models"
+                else orig(path, payload)
+            )
+        )
+    )(t._request)
     with pytest.raises(TeacherUnavailable, match=r"vllm serve MODEL --max-logprobs 64"): t.models()
 
 def test_serve_rollouts_command_and_engine_choice():
     "The vLLM server command (printed, no vLLM needed here) and the stage's engine choice, on CPU."
     from conftest import run_cli
     out = run_cli("serve-rollouts", "--model", TEACHER, "--max-logprobs", 64, "--print").stdout
-    for part in ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model", "--generation-config vllm", "--max-logprobs 64", "--logprobs-mode processed_logprobs",
-                 "--weight-transfer-config", "--max-model-len 2048", "--served-model-name teacher", "--host 127.0.0.1"):
+    for part in (
+        "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model",
+        "--generation-config vllm",
+        "--max-logprobs 64",
+        "--logprobs-mode processed_logprobs",
+        "--weight-transfer-config",
+        "--max-model-len 2048",
+        "--served-model-name teacher",
+        "--host 127.0.0.1",
+    ):
         assert part in out, (part, out)
-    p = run_cli("serve-rollouts", "--model", TEACHER, "--host", "0.0.0.0", "--print", check=False, env={"LATENT_RL_API_KEY": ""})
+    p = run_cli(
+        "serve-rollouts", "--model", TEACHER, "--host", "0.0.0.0", "--print", check=False, env={"LATENT_RL_API_KEY": ""}
+    )
     assert p.returncode != 0 and "--api-key" in p.stderr
     p = run_cli("serve-rollouts", "--model", TEACHER, "--max-model-len", 4096, "--print", check=False)
     assert p.returncode != 0 and "context" in p.stderr
@@ -201,9 +265,11 @@ def test_serve_rollouts_command_and_engine_choice():
     from latent_rl.grpo import GRPOConfig
     text, latent = SimpleNamespace(kind="text"), SimpleNamespace(kind="latent")
     assert make_rollout_engine(GRPOConfig(), text) is None
-    with pytest.raises(ValueError, match="vllm_mode"): make_rollout_engine(GRPOConfig(use_vllm=True, vllm_mode="remote"), text)
+    with pytest.raises(ValueError, match="vllm_mode"):
+        make_rollout_engine(GRPOConfig(use_vllm=True, vllm_mode="remote"), text)
     with pytest.raises(ValueError, match="latent blocks"): make_rollout_engine(GRPOConfig(use_vllm=True), latent)
-    if importlib.util.find_spec("vllm") is None:      # the colocated engine needs the extra: the error says how to get it
+    # the colocated engine needs the extra: the error says how to get it
+    if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ImportError, match=r"pip install 'latent_rl\[vllm\]'"):
             make_rollout_engine(GRPOConfig(use_vllm=True, model=str(TEACHER)), text)
 
@@ -219,7 +285,9 @@ def test_server_mode_weight_sync_address_is_a_config_field():
     try:
         text = SimpleNamespace(kind="text")
         for cls in (GRPOConfig, GKDConfig):
-            eng = make_rollout_engine(cls(use_vllm=True, vllm_mode="server", vllm_server=url, vllm_sync_host="trainer-0.cluster"), text)
+            eng = make_rollout_engine(
+                cls(use_vllm=True, vllm_mode="server", vllm_server=url, vllm_sync_host="trainer-0.cluster"), text
+            )
             assert eng.sync_host == "trainer-0.cluster" and eng.model_id
         eng = make_rollout_engine(GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server=url), text)
         assert eng.sync_host == os.environ.get("MASTER_ADDR", "127.0.0.1")

@@ -19,16 +19,94 @@ def test_every_stage_runs_on_multiplication_steps(tmp_path):
     valid = ICOT / "4_by_4_mult" / "valid.txt"
     rows = generate_multiplication(64, seed=0, exclude=load_step_rows(valid))
     train, val = save_step_lines(rows[8:], tmp_path / "train.txt"), save_step_lines(rows[:8], tmp_path / "val.txt")
-    common = ["--tokenizer", ROOT / "data" / "tokenizer", "--train", train, "--val", val, "--size", "nano", "--steps", 4,
-              "--batch_size", 8, "--save_every", 0, "--log_every", 2]
+    common = [
+        "--tokenizer",
+        ROOT / "data" / "tokenizer",
+        "--train",
+        train,
+        "--val",
+        val,
+        "--size",
+        "nano",
+        "--steps",
+        4,
+        "--batch_size",
+        8,
+        "--save_every",
+        0,
+        "--log_every",
+        2,
+    ]
     run_cli("sft", "--recipe", "none", *common, "--out", tmp_path / "explicit")
     run_cli("sft", "--recipe", "none", *common, "--mode", "answer", "--out", tmp_path / "answer")
-    run_cli("codi", "--recipe", "none", "--model", tmp_path / "explicit" / "final", "--train", train, "--val", "", "--steps", 2,
-            "--batch_size", 4, "--save_every", 0, "--log_every", 1, "--out", tmp_path / "latent")
-    run_cli("gkd", "--recipe", "none", "--model", tmp_path / "latent" / "final", "--teacher", tmp_path / "explicit" / "final", "--train", train,
-            "--steps", 2, "--batch_size", 4, "--max_new_tokens", 48, "--save_every", 0, "--log_every", 1, "--out", tmp_path / "gkd")
-    run_cli("grpo", "--recipe", "none", "--model", tmp_path / "gkd" / "final", "--train", train, "--steps", 2, "--batch_size", 2, "--group_size", 4,
-            "--max_new_tokens", 48, "--save_every", 0, "--log_every", 1, "--out", tmp_path / "grpo")   # reward: the answer equals
+    run_cli(
+        "codi",
+        "--recipe",
+        "none",
+        "--model",
+        tmp_path / "explicit" / "final",
+        "--train",
+        train,
+        "--val",
+        "",
+        "--steps",
+        2,
+        "--batch_size",
+        4,
+        "--save_every",
+        0,
+        "--log_every",
+        1,
+        "--out",
+        tmp_path / "latent",
+    )
+    run_cli(
+        "gkd",
+        "--recipe",
+        "none",
+        "--model",
+        tmp_path / "latent" / "final",
+        "--teacher",
+        tmp_path / "explicit" / "final",
+        "--train",
+        train,
+        "--steps",
+        2,
+        "--batch_size",
+        4,
+        "--max_new_tokens",
+        48,
+        "--save_every",
+        0,
+        "--log_every",
+        1,
+        "--out",
+        tmp_path / "gkd",
+    )
+    run_cli(
+        "grpo",
+        "--recipe",
+        "none",
+        "--model",
+        tmp_path / "gkd" / "final",
+        "--train",
+        train,
+        "--steps",
+        2,
+        "--batch_size",
+        2,
+        "--group_size",
+        4,
+        # reward: the answer equals
+        "--max_new_tokens",
+        48,
+        "--save_every",
+        0,
+        "--log_every",
+        1,
+        "--out",
+        tmp_path / "grpo",
+    )
     names = ("explicit", "answer", "latent", "gkd", "grpo")
     p = run_cli("eval", *[a for n in names for a in ("--model", f"{n}={tmp_path / n / 'final'}")],
                 "--rows", valid, "--limit", 4, "--max_new_tokens", 48, "--out", tmp_path / "eval")
@@ -41,7 +119,8 @@ def test_every_stage_runs_on_multiplication_steps(tmp_path):
             "--max_new_tokens", 48, "--out", tmp_path / "diag")                # latent usage, probes, report
     rep = json.loads((tmp_path / "diag" / "report.json").read_text())
     assert rep["n"] == 6 and set(rep["modes"]) == {"explicit", "latent", "no-trace"}
-    assert rep["usage"]["verdict"] and (tmp_path / "diag" / "diagnosis.md").exists()   # a smoke model: no verdict to expect
+    # a smoke model: no verdict to expect
+    assert rep["usage"]["verdict"] and (tmp_path / "diag" / "diagnosis.md").exists()
 
 
 @needs_icot

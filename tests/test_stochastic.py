@@ -11,9 +11,21 @@ def _toy(sigma=0.3, learn=False, steps=1):
     from latent_rl.policy import Policy
     class Tok: eos_token_id, pad_token_id = 1, 0
     torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                                      num_key_value_heads=2, intermediate_size=64))
-    lm = LatentModel(m, LatentSpec(90, 91, 80, 81, latent_steps=steps)).init_projector_to_embeddings().set_noise(sigma, learn)
+    m = AutoModelForCausalLM.from_config(
+        Qwen2Config(
+            vocab_size=96,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+        )
+    )
+    lm = (
+        LatentModel(m, LatentSpec(90, 91, 80, 81, latent_steps=steps))
+        .init_projector_to_embeddings()
+        .set_noise(sigma, learn)
+    )
     return Policy(lm, Tok())
 
 
@@ -26,10 +38,14 @@ def test_stochastic_rollout_replays_with_its_densities(latent_student):
     pol = Policy.load(latent_student)
     pol.model.set_noise(0.3)
     P = [encode(pol.tok, prompt_text(r["code"], r["input"])) for r in rows_of(ROWS)[:6] for _ in range(2)]
-    ro = pol.generate(P, max_new_tokens=120, temperature=1.0, keys=list(range(len(P))), return_latents=True, latent_noise=True)
+    ro = pol.generate(
+        P, max_new_tokens=120, temperature=1.0, keys=list(range(len(P))), return_latents=True, latent_noise=True
+    )
     assert sum(map(len, ro.latent_logprobs)) > 0
-    smp = [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": lp, "adv": 1.0, "latents": z, "latent_lp": d}
-           for p, c, la, lp, z, d in zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, ro.latents, ro.latent_logprobs)]
+    smp = [
+        {"prompt": p, "completion": c, "latent_at": la, "logp_inf": lp, "adv": 1.0, "latents": z, "latent_lp": d}
+        for p, c, la, lp, z, d in zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, ro.latents, ro.latent_logprobs)
+    ]
     _, m = grpo_micro_loss(pol, smp, temperature=1.0)
     assert m["align_abs_max"] <= 1e-4 and m["latent_align_abs_max"] <= 1e-4, m
     assert abs(m["ratio_mean"] - 1) < 1e-5 and abs(m["latent_ratio_mean"] - 1) < 1e-5
@@ -43,7 +59,8 @@ def test_latent_term_moves_mu_toward_rewarded_noise(sign):
     from latent_rl.generate import generate_latent
     pol, G = _toy(), 64
     u = torch.nn.functional.normalize(torch.randn(32), dim=0)
-    comp = [12, 80, 81, 13, 1]                                   # one block after index 1, the same text in every sample
+    # one block after index 1, the same text in every sample
+    comp = [12, 80, 81, 13, 1]
     greedy = lambda: generate_latent(pol.model, [[5, 6, 7]], eos_id=1, pad_id=0, forced=[comp], return_latents=True,
                                      noise=pol.model.noise).latents[0].reshape(-1)         # temperature 0: μ
     mu0 = greedy()
@@ -82,6 +99,9 @@ def test_grpo_cli_stochastic_latents(tmp_path, latent_student):
     assert (tmp_path / "s" / "final" / "latent_noise.pt").exists()
     from latent_rl.latent import LatentModel
     lm, _ = LatentModel.load(tmp_path / "s" / "final")
-    assert lm.noise is not None and abs(float(lm.noise.sigma.mean()) - s[-1]["latent_sigma"]) < 1e-3 * s[-1]["latent_sigma"] + 1e-6
+    assert (
+        lm.noise is not None
+        and abs(float(lm.noise.sigma.mean()) - s[-1]["latent_sigma"]) < 1e-3 * s[-1]["latent_sigma"] + 1e-6
+    )
     p = grpo(tmp_path / "t", "--model", TEACHER, "--steps", 1, "--latent_sigma", 0.3, check=False)
     assert p.returncode == 2 and "text policy has no latent vectors" in p.stderr, p.stderr[-500:]

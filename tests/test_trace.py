@@ -65,11 +65,23 @@ def test_sandbox_batch():
         ("loop", "def f():\n    while True:\n        pass", ("frame cap", "timeout")),
         ("loop_untraced", "while True:\n    pass\ndef f():\n    return 1", ("timeout (1 s)",)),
         ("memory", "def f():\n    x = bytearray(10**10)\n    return len(x)", ("memory limit",)),
-        ("write", f"def f():\n    with open({escape!r}, 'w') as fh:\n        fh.write('x')\n    return 1", ("sandbox: opening",)),
-        ("write_caught", f"def f():\n    try:\n        open({escape!r}, 'w')\n    except OSError:\n        pass\n    return 1", ("sandbox: opening",)),
+        (
+            "write",
+            f"def f():\n    with open({escape!r}, 'w') as fh:\n        fh.write('x')\n    return 1",
+            ("sandbox: opening",),
+        ),
+        (
+            "write_caught",
+            f"def f():\n    try:\n        open({escape!r}, 'w')\n    except OSError:\n        pass\n    return 1",
+            ("sandbox: opening",),
+        ),
         ("remove", "import os\ndef f():\n    os.remove('/tmp/definitely_not_here_latent_rl')", ("sandbox: os.remove",)),
         ("socket", "import socket\ndef f():\n    socket.socket().connect(('127.0.0.1', 9))", ("sandbox: network",)),
-        ("create_connection", "import socket\ndef f():\n    return socket.create_connection(('127.0.0.1', 9))", ("sandbox: network",)),
+        (
+            "create_connection",
+            "import socket\ndef f():\n    return socket.create_connection(('127.0.0.1', 9))",
+            ("sandbox: network",),
+        ),
         ("subprocess", "import subprocess\ndef f():\n    return subprocess.run(['true'])", ("sandbox:",)),
         ("system", "import os\ndef f():\n    return os.system('true')", ("sandbox:",)),
         ("million", "def f():\n    for i in range(10**6):\n        pass\n    return i", ("frame cap",)),
@@ -116,14 +128,25 @@ def test_python_loop_times_out_in_worker():
 
 
 def test_workdir_is_private_and_emptied():
-    rows = [{"code": "import os\ndef f():\n    open('a.txt', 'w').write('hi')\n    os.mkdir('d')\n    return sorted(os.listdir('.'))", "input": ""},
-            {"code": "import os\ndef f():\n    return os.listdir('.')", "input": ""},
-            {"code": "import os, tempfile\ndef f():\n    return os.getcwd() == tempfile.gettempdir() and os.getcwd() != " + repr(os.getcwd()), "input": ""},
-            {"code": "def f():\n    print('noise')\n    return input()", "input": ""}]
+    rows = [
+        {
+            "code": "import os\ndef f():\n    open('a.txt', 'w').write('hi')\n    os.mkdir('d')\n    return sorted(os.listdir('.'))",
+            "input": "",
+        },
+        {"code": "import os\ndef f():\n    return os.listdir('.')", "input": ""},
+        {
+            "code": "import os, tempfile\ndef f():\n    return os.getcwd() == tempfile.gettempdir() and os.getcwd() != "
+            + repr(os.getcwd()),
+            "input": "",
+        },
+        {"code": "def f():\n    print('noise')\n    return input()", "input": ""},
+    ]
     res = trace_rows(rows, workers=1, progress=False)
     assert [r.value for r in res[:3]] == ["['a.txt', 'd']", "[]", "True"]
     assert not res[3].ok and res[3].reason.startswith("raised EOFError")
-    assert not [p for p in Path("/tmp").glob("latent_rl_trace_*") if p.stat().st_mtime > time.time() - 5 and any(p.iterdir())]
+    assert not [
+        p for p in Path("/tmp").glob("latent_rl_trace_*") if p.stat().st_mtime > time.time() - 5 and any(p.iterdir())
+    ]
 
 
 def test_pool_survives_repeated_crashes_and_is_reusable():
@@ -199,7 +222,9 @@ def test_recursion_has_separate_scopes():
 
 
 def test_caught_and_uncaught_exceptions():
-    r = trace_inprocess("def f(d):\n    try:\n        v = d['k']\n    except KeyError:\n        v = -1\n    return v", "{}")
+    r = trace_inprocess(
+        "def f(d):\n    try:\n        v = d['k']\n    except KeyError:\n        v = -1\n    return v", "{}"
+    )
     assert r.ok and r.value == "-1"
     kinds = [(f.kind, f.line.strip(), f.value) for f in r.frames if f.kind != "line"]
     assert kinds == [("call", "def f(d):", None), ("exception", "v = d['k']", "KeyError"),
@@ -208,7 +233,11 @@ def test_caught_and_uncaught_exceptions():
     r = trace_inprocess("def g():\n    raise ValueError('x')\ndef f():\n    try:\n        g()\n    except ValueError as e:\n        return str(e)", "")
     assert r.ok and r.value == "'x'"
     assert [(f.kind, f.line.strip()) for f in r.frames if f.kind in ("exception", "return")] == [
-        ("exception", "raise ValueError('x')"), ("exception", "g()"), ("return", "return str(e)"), ("return", "return f()")]
+        ("exception", "raise ValueError('x')"),
+        ("exception", "g()"),
+        ("return", "return str(e)"),
+        ("return", "return f()"),
+    ]
     r = trace_inprocess("def f():\n    return [][0]", "")
     assert not r.ok and r.reason == "raised IndexError: list index out of range"
     assert [f.kind for f in r.frames][-2:] == ["exception", "exception"] and r.trace.endswith(END_OF_TEXT)
@@ -228,7 +257,9 @@ def test_list_comprehension():
 
 
 def test_nested_function_and_lambda():
-    r = trace_inprocess("def f(k):\n    def add(v):\n        return v + k\n    return sorted(map(add, [3, 1]), key=lambda z: -z)", "10")
+    r = trace_inprocess(
+        "def f(k):\n    def add(v):\n        return v + k\n    return sorted(map(add, [3, 1]), key=lambda z: -z)", "10"
+    )
     assert r.ok and r.value == "[13, 11]"
     calls = [(f.line.strip(), f.locals) for f in r.frames if f.kind == "call"]
     assert calls[0] == ("def f(k):", {"k": "10"})
@@ -252,7 +283,10 @@ def test_parse_roundtrip_all_kinds():
     assert parse_trace(prompt_text("def f(x):\n    return x", "1") + text).frames == frames
     lat = text.replace(LINE_SEP + ACTION_SEP, LINE_SEP + LATENT_START + LATENT_END + ACTION_SEP)
     assert lat != text and parse_trace(lat).frames == frames
-    assert render_frame(frames[1]) == '<|call_sep|>{"x": "1", "\\u00e9": "\'\\\\n\'"}<|action_sep|>def f(x):\n<|frame_sep|>'
+    assert (
+        render_frame(frames[1])
+        == '<|call_sep|>{"x": "1", "\\u00e9": "\'\\\\n\'"}<|action_sep|>def f(x):\n<|frame_sep|>'
+    )
 
 
 @pytest.mark.parametrize("text", [

@@ -52,7 +52,8 @@ def colocated(untied):
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     before = {k: os.environ.get(k) for k in keys}
     eng = VLLMEngine(untied, dtype="float32", gpu_memory_utilization=float(CPU_MEM), sleep=True)
-    for k, v in before.items():                  # the engine's one-process group is up: later subprocesses get their own
+    # the engine's one-process group is up: later subprocesses get their own
+    for k, v in before.items():
         if v is None: os.environ.pop(k, None)
         else: os.environ[k] = v
     return pol, eng
@@ -111,9 +112,31 @@ VLLM_ARGS = ["--use_vllm", "true", "--vllm_gpu_memory_utilization", CPU_MEM, "--
 
 def test_grpo_with_colocated_vllm(tmp_path, untied):
     "GRPO with vLLM rollouts: every step's first micro-batch replays the engine's own logprobs (the weights were synced)."
-    p = run_cli("grpo", "--recipe", "none", "--model", untied, *VLLM_ARGS, "--steps", 3, "--batch_size", 4, "--group_size", 8,
-                "--max_new_tokens", 24, "--temperature", 0.7, "--lr", 3e-3, "--rewards", "correct:1", "--out", tmp_path,
-                timeout=900)
+    p = run_cli(
+        "grpo",
+        "--recipe",
+        "none",
+        "--model",
+        untied,
+        *VLLM_ARGS,
+        "--steps",
+        3,
+        "--batch_size",
+        4,
+        "--group_size",
+        8,
+        "--max_new_tokens",
+        24,
+        "--temperature",
+        0.7,
+        "--lr",
+        3e-3,
+        "--rewards",
+        "correct:1",
+        "--out",
+        tmp_path,
+        timeout=900,
+    )
     assert "no sleep mode" in p.stdout + p.stderr
     s = steps_of(tmp_path)
     assert len(s) == 3 and all(r["align_abs_max"] <= 1e-4 for r in s), [r["align_abs_max"] for r in s]
@@ -121,8 +144,29 @@ def test_grpo_with_colocated_vllm(tmp_path, untied):
 
 def test_gkd_with_colocated_vllm(tmp_path, untied):
     "On-policy GKD with vLLM samples of a text student, scored by the explicit-trace teacher's vocabulary-equal model."
-    run_cli("gkd", "--recipe", "none", "--model", untied, "--teacher", ROOT / "data" / "teacher", *VLLM_ARGS, "--steps", 2, "--batch_size", 4,
-            "--lmbda", 1, "--max_new_tokens", 24, "--lr", 1e-4, "--out", tmp_path, timeout=900)
+    run_cli(
+        "gkd",
+        "--recipe",
+        "none",
+        "--model",
+        untied,
+        "--teacher",
+        ROOT / "data" / "teacher",
+        *VLLM_ARGS,
+        "--steps",
+        2,
+        "--batch_size",
+        4,
+        "--lmbda",
+        1,
+        "--max_new_tokens",
+        24,
+        "--lr",
+        1e-4,
+        "--out",
+        tmp_path,
+        timeout=900,
+    )
     s = steps_of(tmp_path)
     assert len(s) == 2 and all(r["on_policy"] == 1 and r["jsd_loss"] > 0 and r["n_tokens"] > 0 for r in s)
     assert s[-1]["generations"] == 2
@@ -144,10 +188,29 @@ def test_serve_rollouts_over_http(tmp_path, untied):
     from latent_rl.policy import sampled_mask
     port, log = _free_port(), open(tmp_path / "server.log", "w")
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-    env["PATH"] = "/usr/bin:/bin"                                      # no venv on PATH: the server must not need it
-    proc = subprocess.Popen([sys.executable, "-m", "latent_rl.train", "serve-rollouts", "--model", str(untied), "--port", str(port),
-                             "--dtype", "float32", "--gpu-memory-utilization", CPU_MEM, "--max-logprobs", "8"],
-                            cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    env["PATH"] = "/usr/bin:/bin"  # no venv on PATH: the server must not need it
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "latent_rl.train",
+            "serve-rollouts",
+            "--model",
+            str(untied),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            CPU_MEM,
+            "--max-logprobs",
+            "8",
+        ],
+        cwd=ROOT,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(900):
@@ -164,7 +227,10 @@ def test_serve_rollouts_over_http(tmp_path, untied):
         worst = _worst(pol, P, ro, 0.7)
         print(f"vLLM CPU server fp32 T=0.7: max |logp_vllm - logp_train| = {worst:.2e}")
         assert worst <= 1e-4, worst
-        body = dict(completion_request(eng.model_id, P[0], max_new_tokens=32, temperature=0.7, eos_id=pol.eos_id, seed=0), top_k=3)
+        body = dict(
+            completion_request(eng.model_id, P[0], max_new_tokens=32, temperature=0.7, eos_id=pol.eos_id, seed=0),
+            top_k=3,
+        )
         biased = eng._call("POST", "/v1/completions", body)["choices"][0]
         from latent_rl.generate import Rollout
         rb = Rollout([P[0]], [biased["token_ids"]], [biased["logprobs"]["token_logprobs"]], 0.7)
