@@ -98,12 +98,9 @@ def trace_hostile_rows(timeout: float = 1.0, grace: float = 1.0) -> list[dict]:
         h, p = 1 + 2 * k, 2 + 2 * k
         out.append(
             {
-                "attack": name,
-                "cost_s": round(cost[h - 1], 3),
-                "deadline_s": timeout + grace,
+                "attack": name, "cost_s": round(cost[h - 1], 3), "deadline_s": timeout + grace,
                 "multiple_of_deadline": round(cost[h - 1] / (timeout + grace), 2),
-                "row": "ok" if res[h].ok else (res[h].reason or "")[:60],
-                "next_plain_row_s": round(cost[p - 1], 3),
+                "row": "ok" if res[h].ok else (res[h].reason or "")[:60], "next_plain_row_s": round(cost[p - 1], 3),
                 "next_plain_row_ok": res[p].ok and res[p].value == "[3, 6]",
             }
         )
@@ -127,15 +124,8 @@ def trace_memory_rows(n: int = 300, mb: int = 5) -> list[dict]:
             t0 = time.perf_counter()
             p = subprocess.run(
                 [
-                    sys.executable,
-                    "-m",
-                    "latent_rl.train",
-                    "trace",
-                    str(src),
-                    "-o",
-                    str(Path(d) / "o.jsonl"),
-                    "--workers",
-                    "2",
+                    sys.executable, "-m", "latent_rl.train", "trace", str(src), "-o", str(Path(d) / "o.jsonl"),
+                    "--workers", "2",
                 ],
                 capture_output=True,
                 text=True,
@@ -164,12 +154,8 @@ def trace_bench(quick: bool = False) -> dict:
     def row(mode, res, dt, c0):
         c = sum(cpu()) - sum(c0)
         return {
-            "mode": mode,
-            "programs": len(batch),
-            "seconds": round(dt, 3),
-            "programs_per_s": round(len(batch) / dt, 1),
-            "cpu_ms_per_program": round(1000 * c / len(batch), 2),
-            "fidelity": fidelity(res),
+            "mode": mode, "programs": len(batch), "seconds": round(dt, 3), "programs_per_s": round(len(batch) / dt, 1),
+            "cpu_ms_per_program": round(1000 * c / len(batch), 2), "fidelity": fidelity(res),
             "mean_line_frames": round(sum(r.n_line_frames for r in res) / len(res), 1),
         }
     out = []
@@ -358,11 +344,8 @@ def _bench(quick: bool, device: str) -> dict:
             t = statistics.median(times[v])
             rows.append(
                 {
-                    "case": "logprobs+GRPO" if case == "grpo" else "generalised JSD (beta=0.5)",
-                    "variant": v,
-                    "time_ms": round(t * 1e3, 1),
-                    "peak_mb": round(pk, 1),
-                    "time_x": round(t / t_base, 3),
+                    "case": "logprobs+GRPO" if case == "grpo" else "generalised JSD (beta=0.5)", "variant": v,
+                    "time_ms": round(t * 1e3, 1), "peak_mb": round(pk, 1), "time_x": round(t / t_base, 3),
                     "mem_x": round(pk / m_base, 3) if m_base > 0 else float("nan"),
                 }
             )
@@ -474,9 +457,7 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
     loss = opts.a * tl / n + opts.b * sl / n + opts.g * kl / n
     f = lambda x: float(x.detach()) if torch.is_tensor(x) else float(x)
     return loss, {
-        "student_loss": f(sl / n),
-        "kd_loss": f(kl / n),
-        "teacher_loss": f(tl / n) if teacher is None else 0.0,
+        "student_loss": f(sl / n), "kd_loss": f(kl / n), "teacher_loss": f(tl / n) if teacher is None else 0.0,
     }
 
 # %% ../nbs/27_bench.ipynb #51ff7a4d
@@ -542,10 +523,8 @@ def codi_bench(
         for name, r in res.items():
             rows.append(
                 {
-                    "batches": kind,
-                    "impl": name,
-                    "spans": f"{min(spans)}–{max(spans)} (mean {sum(spans) / len(spans):.1f})",
-                    **r,
+                    "batches": kind, "impl": name,
+                    "spans": f"{min(spans)}–{max(spans)} (mean {sum(spans) / len(spans):.1f})", **r,
                     "speedup": r["examples_per_s"] / ref["examples_per_s"],
                     "max_loss_diff": abs(r["mean_loss"] - ref["mean_loss"]),
                 }
@@ -570,16 +549,9 @@ def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
 def _grpo_row(kind, replay, ro, t_gen, t_train, m, st) -> dict:
     toks = sum(len(c) for c in ro.completion_ids)
     return {
-        "policy": kind,
-        "replay": replay,
-        "sequences": len(ro.completion_ids),
-        "gen_tokens": toks,
-        "rollout_tok_per_s": toks / t_gen,
-        "train_tok_per_s": toks / t_train,
-        "gen_share": t_gen / (t_gen + t_train),
-        "align_abs_max": m["align_abs_max"],
-        "forward_passes": ro.forward_passes,
-        "replay_calls": st.get("calls"),
+        "policy": kind, "replay": replay, "sequences": len(ro.completion_ids), "gen_tokens": toks,
+        "rollout_tok_per_s": toks / t_gen, "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
+        "align_abs_max": m["align_abs_max"], "forward_passes": ro.forward_passes, "replay_calls": st.get("calls"),
         "replay_pad_ratio": st["positions_run"] / st["positions_real"] if st else None,
     }
 
@@ -607,11 +579,7 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         sync()
         return out, time.perf_counter() - t0
     gen = lambda k, n=len(P), m=96 if quick else 256: pols[k].generate(
-        P[:n],
-        max_new_tokens=m,
-        temperature=1.0,
-        keys=list(range(n)),
-        return_latents=k != "text",
+        P[:n], max_new_tokens=m, temperature=1.0, keys=list(range(n)), return_latents=k != "text",
         latent_noise=k == "stochastic",
     )
     t_gen = {k: [] for k in pols}
@@ -659,13 +627,8 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         "name": "grpo",
         "rows": [
             _grpo_row(
-                k,
-                replay,
-                ro[k],
-                statistics.median(t_gen[k]),
-                statistics.median(t_train[k, replay]),
-                metrics[k, replay],
-                stats[k, replay],
+                k, replay, ro[k], statistics.median(t_gen[k]), statistics.median(t_train[k, replay]),
+                metrics[k, replay], stats[k, replay],
             )
             for k, replay in variants
         ],
@@ -757,11 +720,7 @@ def stages_bench(quick: bool = False, device: str = "cpu", arch: str = "tiny", b
         (_, m), dt, mem = _timed(lambda: (lambda r: (r[0].backward(), r[1]))(grpo_micro_loss(pol, smp)), device)
         pol.module.zero_grad()
         row(
-            f"grpo train ({kind})",
-            "tokens",
-            sum(map(len, ro.completion_ids)),
-            dt,
-            mem,
+            f"grpo train ({kind})", "tokens", sum(map(len, ro.completion_ids)), dt, mem,
             align_abs_max=m["align_abs_max"],
         )
     n_model = n_params(model)
@@ -875,9 +834,7 @@ def ckpt_bench(quick: bool = False, size: str = "small", batch: int = 16, latent
                                latent_steps=latent_steps, threads=2))
         p = subprocess.run(
             [
-                sys.executable,
-                "-c",
-                "import sys; from latent_rl.bench import _ckpt_child; _ckpt_child(sys.argv[1])",
+                sys.executable, "-c", "import sys; from latent_rl.bench import _ckpt_child; _ckpt_child(sys.argv[1])",
                 spec,
             ],
             capture_output=True,
@@ -935,19 +892,9 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
         spans = max(len(x["latent_at"]) for x in items)
     comp = max(len(x["completion"]) for x in items) if stage == "gkd" else 0
     pc = PlanConfig(
-        model="",
-        stage=stage,
-        completion=comp,
-        latent_share=share if stage == "codi" else 0.35,
-        gpus=1,
-        seq=seq,
-        micro_batch=micro_batch,
-        latent_steps=latent_steps,
-        spans=spans,
-        latent=latent,
-        strategy="ddp",
-        precision=precision,
-        runtime_gb=0.0 if device == "cuda" else CPU_RUNTIME_GB,
+        model="", stage=stage, completion=comp, latent_share=share if stage == "codi" else 0.35, gpus=1, seq=seq,
+        micro_batch=micro_batch, latent_steps=latent_steps, spans=spans, latent=latent, strategy="ddp",
+        precision=precision, runtime_gb=0.0 if device == "cuda" else CPU_RUNTIME_GB,
         attention="flash" if device == "cuda" else "math",
     )
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")

@@ -103,24 +103,12 @@ class GenConfig:
 LEVELS = {
     "easy": GenConfig(),
     "medium": GenConfig(
-        n_statements=(2, 4),
-        loop_prob=0.15,
-        branch_prob=0.2,
-        ops=("+", "-", "*"),
-        value_range=(0, 9),
-        max_abs_value=99,
-        kinds=("int", "list", "str"),
-        max_line_frames=20,
+        n_statements=(2, 4), loop_prob=0.15, branch_prob=0.2, ops=("+", "-", "*"), value_range=(0, 9), max_abs_value=99,
+        kinds=("int", "list", "str"), max_line_frames=20,
     ),
     "hard": GenConfig(
-        n_statements=(3, 6),
-        loop_prob=0.25,
-        branch_prob=0.25,
-        value_range=(0, 20),
-        max_abs_value=10**4,
-        ops=("+", "-", "*", "//", "%"),
-        kinds=("int", "list", "str", "dict"),
-        max_line_frames=60,
+        n_statements=(3, 6), loop_prob=0.25, branch_prob=0.25, value_range=(0, 20), max_abs_value=10**4,
+        ops=("+", "-", "*", "//", "%"), kinds=("int", "list", "str", "dict"), max_line_frames=60,
     ),
 }
 
@@ -156,10 +144,7 @@ class _Gen:
                 t = self.const()
                 w = r.choice(vars_)
                 body += [
-                    f"if {v} > {t}:",
-                    f"    {w} = {self.int_expr(vars_)}",
-                    "else:",
-                    f"    {w} = {self.int_expr(vars_)}",
+                    f"if {v} > {t}:", f"    {w} = {self.int_expr(vars_)}", "else:", f"    {w} = {self.int_expr(vars_)}",
                 ]
             else:
                 v = self.fresh(vars_) if r.random() < 0.7 else r.choice(vars_)
@@ -176,16 +161,8 @@ class _Gen:
         xs = [self.const() for _ in range(n)]
         body, vars_ = [], ["nums"]
         stmts = [
-            "nums.append({k})",
-            "nums.sort()",
-            "nums = nums[::-1]",
-            "nums.pop()",
-            "nums.insert(0, {k})",
-            "{v} = len(nums)",
-            "{v} = sum(nums)",
-            "{v} = max(nums)",
-            "{v} = nums[0] + {k}",
-            "{v} = nums.count({k})",
+            "nums.append({k})", "nums.sort()", "nums = nums[::-1]", "nums.pop()", "nums.insert(0, {k})",
+            "{v} = len(nums)", "{v} = sum(nums)", "{v} = max(nums)", "{v} = nums[0] + {k}", "{v} = nums.count({k})",
         ]
         for _ in range(r.randint(*c.n_statements)):
             if r.random() < c.loop_prob:
@@ -205,15 +182,8 @@ class _Gen:
         s = "".join(r.choice("abcde") for _ in range(r.randint(2, 5)))
         body, vars_ = [], ["s"]
         stmts = [
-            "s = s.upper()",
-            "s = s[::-1]",
-            "s = s + '{ch}'",
-            "s = s.replace('{ch}', '{ch2}')",
-            "{v} = s.count('{ch}')",
-            "{v} = len(s)",
-            "s = s[1:]",
-            "{v} = s.find('{ch}')",
-            "s = s.lower()",
+            "s = s.upper()", "s = s[::-1]", "s = s + '{ch}'", "s = s.replace('{ch}', '{ch2}')", "{v} = s.count('{ch}')",
+            "{v} = len(s)", "s = s[1:]", "{v} = s.find('{ch}')", "s = s.lower()",
         ]
         for _ in range(r.randint(*c.n_statements)):
             st = r.choice(stmts)
@@ -326,13 +296,8 @@ def build_corpus(n: int, cfg: GenConfig | str = "easy", seed: int = 0, out_dir=N
 
 # %% ../nbs/01_corpus.ipynb #b30f343e
 def build_heldout(
-    n: int,
-    cfg: GenConfig | str = "easy",
-    seed: int = 0,
-    exclude: Iterable[str] = (),
-    progress: bool = True,
-    max_output_chars: int = 40,
-    max_rounds: int = 20,
+    n: int, cfg: GenConfig | str = "easy", seed: int = 0, exclude: Iterable[str] = (), progress: bool = True,
+    max_output_chars: int = 40, max_rounds: int = 20,
 ) -> list[dict]:
     "`n` traced programs from the generator stream `seed + 1000` whose code is not in `exclude` (nor repeated)."
     cfg_ = LEVELS[cfg] if isinstance(cfg, str) else cfg

@@ -39,9 +39,7 @@ def reward_curve(run_dir):
         ax.plot(st, v, marker=".", alpha=0.45, label=lab)
         k = max(1, len(v) // 8)
         ax.plot(
-            st[k - 1 :],
-            [sum(v[i - k + 1 : i + 1]) / k for i in range(k - 1, len(v))],
-            lw=2,
+            st[k - 1 :], [sum(v[i - k + 1 : i + 1]) / k for i in range(k - 1, len(v))], lw=2,
             label=f"{lab}, mean of {k}",
         )
     ax.set(title="GRPO on the latent student: reward of sampled rollouts (T = 1)", xlabel="optimizer step",
@@ -101,8 +99,7 @@ def demo_sft(d: DemoRun, from_scratch: bool):
             for stage, toml in enumerate(f for f in ("sft.toml", "sft_continue.toml") if (shipped / f).exists()):
                 cfg = config_from_dict(SFTConfig, load_config_file(shipped / toml), str(shipped / toml))
                 cfg.out, cfg.train, cfg.val = (
-                    str(d.out / f"{name}{stage or ''}"),
-                    str(d.out / "data/corpus/train.jsonl"),
+                    str(d.out / f"{name}{stage or ''}"), str(d.out / "data/corpus/train.jsonl"),
                     str(d.out / "data/corpus/val.jsonl"),
                 )
                 cfg.tokenizer, cfg.model, cfg.overwrite = str(d.data / "tokenizer"), prev, True
@@ -135,12 +132,8 @@ def evaluate_stage(d: DemoRun, key: str, stage: str, mode: str, path, max_new_to
         u = latent_usage(lm, tok, d.rows, variants=variants, max_new_tokens=max_new_tokens, progress=d.progress)
         recs = u["records"]
         r = {
-            "accuracy": u["accuracy"]["mean"],
-            "ci": [u["accuracy"]["lo"], u["accuracy"]["hi"]],
-            "format_valid": u["format_valid"],
-            "n": u["n"],
-            "seconds": u["seconds"],
-            "kind": "latent",
+            "accuracy": u["accuracy"]["mean"], "ci": [u["accuracy"]["lo"], u["accuracy"]["hi"]],
+            "format_valid": u["format_valid"], "n": u["n"], "seconds": u["seconds"], "kind": "latent",
             **{v: u["variants"][v] for v in variants},
         }
         d.usage[key] = u
@@ -160,10 +153,7 @@ def demo_codi(d: DemoRun):
     print("== 3/7 CODI: latent student from the teacher")
     d.models["codi"] = run_codi(
         d.cfg(
-            CodiConfig,
-            model=str(d.models["teacher"]),
-            out=str(d.out / "codi"),
-            train=d.train,
+            CodiConfig, model=str(d.models["teacher"]), out=str(d.out / "codi"), train=d.train,
             val=str(d.data / "corpus/val.jsonl"),
         ),
         progress=d.progress,
@@ -176,10 +166,7 @@ def demo_gkd(d: DemoRun):
     print("== 4/7 GKD: on-policy distillation of the latent student from the explicit-trace teacher")
     d.models["gkd"] = run_gkd(
         d.cfg(
-            GKDConfig,
-            model=str(d.models["codi"]),
-            teacher=str(d.models["teacher"]),
-            out=str(d.out / "gkd"),
+            GKDConfig, model=str(d.models["codi"]), teacher=str(d.models["teacher"]), out=str(d.out / "gkd"),
             train=d.train,
         ),
         progress=d.progress,
@@ -203,10 +190,8 @@ def demo_grpo(d: DemoRun):
 
 # %% ../nbs/28_demo.ipynb #3e4f3e61
 COMPARISONS = (
-    ("codi", "notrace", "latent student vs the no-trace baseline"),
-    ("gkd", "codi", "GKD's effect (after vs before)"),
-    ("grpo", "gkd", "GRPO's effect (after vs before)"),
-    ("codi", "teacher", "latent student vs its explicit teacher"),
+    ("codi", "notrace", "latent student vs the no-trace baseline"), ("gkd", "codi", "GKD's effect (after vs before)"),
+    ("grpo", "gkd", "GRPO's effect (after vs before)"), ("codi", "teacher", "latent student vs its explicit teacher"),
 )
 
 def comparisons(d: DemoRun) -> list[dict]:
@@ -236,16 +221,9 @@ def results_md(res: dict, comps: list[dict] = (), title: str = "") -> str:
 def demo_diagnose(d: DemoRun) -> dict:
     print("== 6/7 diagnostics: what the latent student does with its latents, and why it trails its teacher")
     rep = diagnose(
-        d.out / "codi",
-        teacher=str(d.models["teacher"]),
-        notrace=str(d.models["notrace"]),
-        rows=str(d.data / "corpus/test.jsonl"),
-        train_rows=d.train,
-        limit=d.limit,
-        records_dirs=[d.out / "eval"],
-        probe_train=1000,
-        usage=d.usage.get("codi", True),
-        progress=d.progress,
+        d.out / "codi", teacher=str(d.models["teacher"]), notrace=str(d.models["notrace"]),
+        rows=str(d.data / "corpus/test.jsonl"), train_rows=d.train, limit=d.limit, records_dirs=[d.out / "eval"],
+        probe_train=1000, usage=d.usage.get("codi", True), progress=d.progress,
     )
     d.lap("diagnose")
     return rep
@@ -286,12 +264,8 @@ def run_demo(out="runs/demo", data="data", from_scratch: bool = False, limit: in
     print(f"diagnosis: {rep['path']}")
     print("figures:\n" + "\n".join(f"  {p}" for p in figs))
     summary = {
-        "results": d.res,
-        "comparisons": comps,
-        "times_s": d.times,
-        "corpus_reproduced": same,
-        "figures": [str(p) for p in figs],
-        "diagnosis": rep["path"],
+        "results": d.res, "comparisons": comps, "times_s": d.times, "corpus_reproduced": same,
+        "figures": [str(p) for p in figs], "diagnosis": rep["path"],
         "usage": {k: {kk: vv for kk, vv in u.items() if kk != "records"} for k, u in d.usage.items()},
     }
     (d.out / "results.json").write_text(json.dumps(summary, indent=1))

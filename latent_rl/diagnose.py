@@ -68,8 +68,7 @@ def accuracy_by_length(records: dict[str, list[dict]]) -> dict:
         groups["all"] = list(recs)
         out[mode] = {
             b: {
-                "n": len(g),
-                "exact": sum(r["correct"] for r in g) / len(g) if g else None,
+                "n": len(g), "exact": sum(r["correct"] for r in g) / len(g) if g else None,
                 "format_valid": sum(r["well_formed"] for r in g) / len(g) if g else None,
             }
             for b, g in groups.items()
@@ -114,10 +113,7 @@ def classify(rec: dict, true_frames) -> dict:
     if rec["correct"]: out = "correct" if c["match"] else "correct, wrong path"
     else: out = "right path, wrong value" if c["match"] else "wrong path"
     return {
-        "outcome": out,
-        "path_match": c["match"],
-        "diverge_at": c["diverge_at"],
-        "malformed": not rec["well_formed"],
+        "outcome": out, "path_match": c["match"], "diverge_at": c["diverge_at"], "malformed": not rec["well_formed"],
     }
 
 def faithfulness(records: list[dict], true_traces: dict[str, str]) -> dict:
@@ -131,10 +127,8 @@ def faithfulness(records: list[dict], true_traces: dict[str, str]) -> dict:
     cnt = Counter(c["outcome"] for c in cls)
     div = sorted(c["diverge_at"] for c in cls if c["outcome"] == "wrong path" and c["diverge_at"] is not None)
     return {
-        "n": n,
-        "path_match": sum(c["path_match"] for c in cls) / max(n, 1),
-        "counts": {o: cnt.get(o, 0) for o in OUTCOMES},
-        "n_wrong": len(wrong),
+        "n": n, "path_match": sum(c["path_match"] for c in cls) / max(n, 1),
+        "counts": {o: cnt.get(o, 0) for o in OUTCOMES}, "n_wrong": len(wrong),
         "wrong_right_path": cnt.get("right path, wrong value", 0) / max(len(wrong), 1) if wrong else None,
         "wrong_wrong_path": cnt.get("wrong path", 0) / max(len(wrong), 1) if wrong else None,
         "wrong_path_malformed": sum(c["malformed"] for c in cls if c["outcome"] == "wrong path"),
@@ -287,9 +281,7 @@ def run_probes(train: dict, test: dict, progress: bool = False) -> dict:
         if t not in tinfo:
             tinfo[t] = {
                 "chance": fit_probe(
-                    np.zeros((len(ktr), 1)),
-                    [train[t][i] for i in ktr],
-                    np.zeros((len(kte), 1)),
+                    np.zeros((len(ktr), 1)), [train[t][i] for i in ktr], np.zeros((len(kte), 1)),
                     [test[t][i] for i in kte],
                 )[1]["chance"],
                 "n_train": len(ktr),
@@ -401,18 +393,12 @@ def latent_usage(lm, tok, rows: list[dict], *, variants=USAGE_VARIANTS, batch_si
                   generate_fn=partial(generate, return_latents=True))
     base, lat = [r["correct"] for r in ev["records"]], ev["latents"]
     res = {
-        "n": len(rows),
-        "accuracy": bootstrap_mean(base, seed=seed),
-        "format_valid": ev["format_valid"],
-        "variants": {},
-        "collapse": latent_collapse(lat),
-        "records": ev["records"],
-        "seconds": ev["seconds"],
+        "n": len(rows), "accuracy": bootstrap_mean(base, seed=seed), "format_valid": ev["format_valid"], "variants": {},
+        "collapse": latent_collapse(lat), "records": ev["records"], "seconds": ev["seconds"],
     }
     if not any(z.shape[0] for z in lat):
         return {
-            **res,
-            "used": None,
+            **res, "used": None,
             "verdict": "the student ran no latent block on these programs: usage cannot be measured",
         }
     bank = LatentBank(lat, seed)
@@ -552,10 +538,7 @@ def kd_floor(run) -> dict | None:
             if pts and any(v for _, v in pts):
                 st, m = plateau_step([s for s, _ in pts], [v for _, v in pts])
                 out["losses"][k] = {
-                    "steps": [s for s, _ in pts],
-                    "values": [v for _, v in pts],
-                    "plateau_step": st,
-                    **m,
+                    "steps": [s for s, _ in pts], "values": [v for _, v in pts], "plateau_step": st, **m,
                 }
     return out if (out["steps"] or out["losses"]) else None
 
@@ -616,10 +599,8 @@ def fig_probes(probes: dict):
         ch = probes["targets"].get(t, {}).get("chance")
         if ch is not None: ax.axhline(ch, ls="--", c="k", lw=1, label=f"chance {ch:.2f}")
         ax.set_xticks(
-            range(len(rows)),
-            [r["features"].replace("layer ", "L").replace("latent step ", "z") for r in rows],
-            rotation=70,
-            fontsize=7,
+            range(len(rows)), [r["features"].replace("layer ", "L").replace("latent step ", "z") for r in rows],
+            rotation=70, fontsize=7,
         )
         ax.set_ylim(0, 1.05)
         ax.set_title(title)
@@ -904,13 +885,8 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
     dirs = [] if fresh else [out] + [Path(d) for d in records_dirs] + \
         ([run_dir, run_dir / "eval", run_dir.parent / "eval"] if run_dir else [model.parent])
     rep = {
-        "run": str(run_dir) if run_dir else None,
-        "model": str(model),
-        "rows": str(rows),
-        "train_rows": str(train_rows),
-        "n": len(test),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "modes": {},
+        "run": str(run_dir) if run_dir else None, "model": str(model), "rows": str(rows), "train_rows": str(train_rows),
+        "n": len(test), "date": time.strftime("%Y-%m-%d %H:%M"), "modes": {},
     }
     recs = {}
     if usage is True:   # the intact run of the usage test is the latent student's evaluation too
@@ -935,10 +911,8 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
         rs = recs[mode]
         rep["modes"][mode] = {
             "accuracy": sum(r["correct"] for r in rs) / len(rs),
-            "format_valid": sum(r["well_formed"] for r in rs) / len(rs),
-            "n": len(rs),
-            "model": str(path) if path else None,
-            "source": src,
+            "format_valid": sum(r["well_formed"] for r in rs) / len(rs), "n": len(rs),
+            "model": str(path) if path else None, "source": src,
         }
     true = {r["id"]: r["trace"] for r in test}
     # records from older runs may lack it
@@ -972,23 +946,11 @@ def _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, m
     train = load_traced(train_rows, probe_train, progress=progress)
     try:
         st_tr = collect_states(
-            lm,
-            tok,
-            train,
-            teacher=kd_teacher,
-            batch_size=batch_size,
-            max_len=max_len,
-            progress=progress,
+            lm, tok, train, teacher=kd_teacher, batch_size=batch_size, max_len=max_len, progress=progress,
             desc="states train",
         )
         st_te = collect_states(
-            lm,
-            tok,
-            test,
-            teacher=kd_teacher,
-            batch_size=batch_size,
-            max_len=max_len,
-            progress=progress,
+            lm, tok, test, teacher=kd_teacher, batch_size=batch_size, max_len=max_len, progress=progress,
             desc="states test",
         )
     except TypeError as e:
@@ -1031,21 +993,9 @@ def main(argv: list[str] | None = None):
     a = ap.parse_args(sys.argv[1:] if argv is None else list(map(str, argv)))
     try:
         rep = diagnose(
-            a.run,
-            teacher=a.teacher,
-            notrace=a.notrace,
-            rows=a.rows,
-            train_rows=a.train_rows,
-            limit=a.limit,
-            probe_train=a.probe_train,
-            out=a.out,
-            batch_size=a.batch_size,
-            max_new_tokens=a.max_new_tokens,
-            max_len=a.max_len,
-            records_dirs=a.records,
-            fresh=a.fresh,
-            probes=not a.no_probes,
-            usage=not a.no_usage,
+            a.run, teacher=a.teacher, notrace=a.notrace, rows=a.rows, train_rows=a.train_rows, limit=a.limit,
+            probe_train=a.probe_train, out=a.out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+            max_len=a.max_len, records_dirs=a.records, fresh=a.fresh, probes=not a.no_probes, usage=not a.no_usage,
             device=a.device,
         )
     except (FileNotFoundError, ValueError) as e: raise SystemExit(str(e))

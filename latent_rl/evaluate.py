@@ -40,10 +40,7 @@ def bootstrap_mean(x, n_boot: int = 2000, seed: int = 0) -> dict:
     idx = np.random.default_rng(seed).integers(0, len(x), (n_boot, len(x)))        # [n_boot, N]
     bs = x[idx].mean(1)
     return {
-        "mean": float(x.mean()),
-        "lo": float(np.percentile(bs, 2.5)),
-        "hi": float(np.percentile(bs, 97.5)),
-        "n": len(x),
+        "mean": float(x.mean()), "lo": float(np.percentile(bs, 2.5)), "hi": float(np.percentile(bs, 97.5)), "n": len(x),
     }
 
 def paired_delta(base, other, n_boot: int = 2000, seed: int = 0) -> dict:
@@ -95,24 +92,15 @@ def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_toke
             text = tok.decode(ro.completion_ids[k])
             r, p = rows[i], parse_trace(text)
             recs[i] = {
-                "id": r.get("id"),
-                "n_line_frames": true_line_frames(r),
-                "truth": r["output"],
-                "generated": text,
-                "forward_passes": ro.forward_passes,
-                "n_tokens": len(ro.completion_ids[k]),
-                **_score_parsed(p, r["output"]),
-                "parse_error": p.error,
-                "frames": frames_json(p.frames),
+                "id": r.get("id"), "n_line_frames": true_line_frames(r), "truth": r["output"], "generated": text,
+                "forward_passes": ro.forward_passes, "n_tokens": len(ro.completion_ids[k]),
+                **_score_parsed(p, r["output"]), "parse_error": p.error, "frames": frames_json(p.frames),
             }
             if ro.latents is not None: lat[i] = ro.latents[k]
     n, ci = len(rows), bootstrap_mean([r["correct"] for r in recs])
     out = {
-        "accuracy": sum(r["correct"] for r in recs) / max(n, 1),
-        "ci": [ci["lo"], ci["hi"]],
-        "format_valid": sum(r["well_formed"] for r in recs) / max(n, 1),
-        "n": n,
-        "seconds": time.time() - t0,
+        "accuracy": sum(r["correct"] for r in recs) / max(n, 1), "ci": [ci["lo"], ci["hi"]],
+        "format_valid": sum(r["well_formed"] for r in recs) / max(n, 1), "n": n, "seconds": time.time() - t0,
         "records": recs,
     }
     if any(z is not None for z in lat): out["latents"] = lat

@@ -256,17 +256,8 @@ class GKDStep(PolicyStage):
         tout = self.score(items)
         c = self.cfg
         loss, m = gkd_loss(
-            self.policy,
-            self.teacher,
-            items,
-            beta=c.beta,
-            temperature=c.temperature,
-            sft_alpha=c.sft_alpha,
-            on_policy=on,
-            tail=c.tail,
-            teacher_out=tout,
-            return_hidden=True,
-            value_weight=c.value_weight,
+            self.policy, self.teacher, items, beta=c.beta, temperature=c.temperature, sft_alpha=c.sft_alpha,
+            on_policy=on, tail=c.tail, teacher_out=tout, return_hidden=True, value_weight=c.value_weight,
         )
         h = m.pop("hidden")
         if c.record_every and step % c.record_every == 0 and self.calls[step] == 0 and self.acc.is_main_process:
@@ -392,13 +383,8 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     stage = GKDStep(cfg, acc, policy, teacher, data, engine)
     res = train_loop(stage, progress)
     summary = {
-        "steps": cfg.steps,
-        "train_seconds": res["train_seconds"],
-        "param_checksums": res["param_checksums"],
-        "rows": len(data),
-        "teacher": cfg.teacher,
-        "time_split_s": res["totals"],
-        "generations": stage.generations,
+        "steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"],
+        "rows": len(data), "teacher": cfg.teacher, "time_split_s": res["totals"], "generations": stage.generations,
         **{f"final_{k}": v for k, v in res["last"].items()},
     }
     final = finish_run(stage, summary, engine=res["engine"])

@@ -20,14 +20,7 @@ from .records import RunRecord
 from .config import ConfigError, VLLMConfig
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
 from latent_rl.loop import (
-    PolicyStage,
-    train_loop,
-    finish_run,
-    write_config,
-    load_traced,
-    lora_student,
-    generation_cycle,
-    drain,
+    PolicyStage, train_loop, finish_run, write_config, load_traced, lora_student, generation_cycle, drain,
     batch_indices,
 )
 from fastcore.basics import patch
@@ -190,16 +183,8 @@ class GRPOStep(PolicyStage):
         adv, am = self.advantages(R, gather=rnd == 0)
         samples = [
             {
-                "prompt": self.prompts[i],
-                "completion": c,
-                "latent_at": la if latent else [],
-                "logp_inf": lp,
-                "adv": a,
-                "reward": r,
-                "idx": i,
-                "step": s,
-                "text": t,
-                "parts": {k: v[n] for k, v in parts.items()},
+                "prompt": self.prompts[i], "completion": c, "latent_at": la if latent else [], "logp_inf": lp, "adv": a,
+                "reward": r, "idx": i, "step": s, "text": t, "parts": {k: v[n] for k, v in parts.items()},
             }
             for n, ((s, i, _), c, la, lp, a, r, t) in enumerate(
                 zip(flat, ro.completion_ids, ro.latent_at or [[]] * len(flat), ro.logprobs, adv, R, texts)
@@ -237,12 +222,8 @@ def rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
         with gathered_weights(policy.module):
             ro = (
                 policy.generate(
-                    P,
-                    max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature,
-                    keys=keys,
-                    return_latents=self.truncated or self.stochastic,
-                    latent_noise=self.stochastic,
+                    P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, keys=keys,
+                    return_latents=self.truncated or self.stochastic, latent_noise=self.stochastic,
                 )
                 if P
                 else None
@@ -347,15 +328,8 @@ def record_logprobs(self: GRPOStep, step: int, smp: list[dict], lp: torch.Tensor
     for b, x in enumerate(smp[:4]):
         L = len(x["completion"])
         self.rec_lp.log(
-            step=step,
-            micro=0,
-            row=b,
-            tokens=_tok_strs(self.policy.tok, x["completion"]),
-            logp=lp[b, :L].tolist(),
-            logp_inf=list(x["logp_inf"]),
-            mask=mk[b, :L].int().tolist(),
-            adv=x["adv"],
-            reward=x["reward"],
+            step=step, micro=0, row=b, tokens=_tok_strs(self.policy.tok, x["completion"]), logp=lp[b, :L].tolist(),
+            logp_inf=list(x["logp_inf"]), mask=mk[b, :L].int().tolist(), adv=x["adv"], reward=x["reward"],
             latent_at=x["latent_at"],
         )
 
@@ -371,11 +345,8 @@ def record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
             truth=row["output"],
             samples=[
                 {
-                    "text": x["text"],
-                    "tokens": _tok_strs(self.policy.tok, x["completion"]),
-                    "reward": x["reward"],
-                    "adv": x["adv"],
-                    "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
+                    "text": x["text"], "tokens": _tok_strs(self.policy.tok, x["completion"]), "reward": x["reward"],
+                    "adv": x["adv"], "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
                     "latent_at": x["latent_at"],
                 }
                 for x in grp

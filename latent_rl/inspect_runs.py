@@ -314,16 +314,8 @@ def _text_lines(ax, lines, max_lines=40, width=110, hl=lambda s: "[latent" in s,
     for i, s in enumerate(shown):                        # fixed line height in points, from the top of the panel
         s = s if len(s) <= width else s[:width - 3] + "..."
         ax.annotate(
-            s,
-            (0.0, 1.0),
-            xycoords="axes fraction",
-            xytext=(0, -(i + 1) * size * 1.45),
-            textcoords="offset points",
-            family="monospace",
-            fontsize=size,
-            va="bottom",
-            ha="left",
-            color="tab:purple" if hl(s) else "black",
+            s, (0.0, 1.0), xycoords="axes fraction", xytext=(0, -(i + 1) * size * 1.45), textcoords="offset points",
+            family="monospace", fontsize=size, va="bottom", ha="left", color="tab:purple" if hl(s) else "black",
         )
 
 def _int_steps(*axes):
@@ -339,8 +331,7 @@ def _steps_slider(steps, desc="step"):
 # %% ../nbs/23_inspect.ipynb #e01b3e6c
 METRIC_PANELS = [
     ("loss", "loss", ["loss", "teacher_loss", "student_loss", "kd_loss", "jsd_loss", "sft_loss"]),
-    ("lr", "learning rate", ["lr"]),
-    ("grad_norm", "grad norm (before clipping)", ["grad_norm"]),
+    ("lr", "learning rate", ["lr"]), ("grad_norm", "grad norm (before clipping)", ["grad_norm"]),
     ("reward", "reward / fraction", ["reward_mean", "reward_std", "adv_abs_mean", "frac_reward_zero_std"]),
     ("ratio", "ratio exp(logp - logp_inf)", ["ratio_mean", "ratio_mean_pos", "ratio_mean_neg"]),
     ("clip", "fraction of tokens clipped", ["clip_frac_low", "clip_frac_high"]),
@@ -416,12 +407,8 @@ class AlignmentInspector(Inspector):
         ok = ~m & ~lk
         ax.scatter(x[ok], y[ok], s=22, marker="+", color="0.45", label=f"masked (n={int(ok.sum())})")
         ax.scatter(
-            np.where(np.isfinite(x[lk]), x[lk], 0.0),
-            np.nan_to_num(y[lk], nan=0.0, posinf=0.0, neginf=0.0),
-            s=30,
-            marker="x",
-            color="tab:red",
-            label=f"masked placeholder leaks (n={int(lk.sum())})",
+            np.where(np.isfinite(x[lk]), x[lk], 0.0), np.nan_to_num(y[lk], nan=0.0, posinf=0.0, neginf=0.0), s=30,
+            marker="x", color="tab:red", label=f"masked placeholder leaks (n={int(lk.sum())})",
         )
         ax.axline((0, 0), slope=1, color="k", lw=0.8, ls="--", label="y = x")
         ax.set_xlabel(f"{other} log-prob (nats)")
@@ -505,8 +492,7 @@ class ClipInspector(Inspector):
             for side, suf, lab, c, active in (
                 ("below", "_pos", "below, A > 0", "tab:green", False),
                 ("above", "_pos", "above, A > 0", "tab:green", True),
-                ("below", "_neg", "below, A < 0", "tab:red", True),
-                ("above", "_neg", "above, A < 0", "tab:red", False),
+                ("below", "_neg", "below, A < 0", "tab:red", True), ("above", "_neg", "above, A < 0", "tab:red", False),
             ):
                 ac.plot(steps, [q[f"{side}{suf}"] for q in cs], marker="v" if side == "below" else "^", color=c,
                         ls="-" if active else ":", label=lab)
@@ -545,22 +531,15 @@ class ClipInspector(Inspector):
                 stacked=True,
                 color=["tab:green", "tab:red", "0.7"],
                 label=[
-                    f"A > 0 (n={int((adv > 0).sum())})",
-                    f"A < 0 (n={int((adv < 0).sum())})",
+                    f"A > 0 (n={int((adv > 0).sum())})", f"A < 0 (n={int((adv < 0).sum())})",
                     f"A = 0 (n={int((adv == 0).sum())})",
                 ],
             )
             for v in (lo, hi): ah.axvline(v, color="k", ls="--", lw=0.8)
             q = clip_stats(rows, self.eps_low, self.eps_high)
             ah.text(
-                0.98,
-                0.97,
-                f"below {q['below']:.3f}\nabove {q['above']:.3f}\nmean {q['ratio_mean']:.4f}\nn {q['n']}",
-                transform=ah.transAxes,
-                ha="right",
-                va="top",
-                family="monospace",
-                fontsize=8,
+                0.98, 0.97, f"below {q['below']:.3f}\nabove {q['above']:.3f}\nmean {q['ratio_mean']:.4f}\nn {q['n']}",
+                transform=ah.transAxes, ha="right", va="top", family="monospace", fontsize=8,
                 bbox=dict(fc="white", alpha=0.8),
             )
             ah.legend(fontsize=7, loc="upper left")
@@ -808,8 +787,7 @@ class AnchorInspector(Inspector):
                     ax.text(j, i, f"{lt[i // st][i % st][j]!r}"[:18] + f"  {P[i, j]:.2f}", ha="center", va="center",
                             fontsize=MIN_PT + 0.5, family="monospace", color="white" if P[i, j] > 0.5 else "black")
             ax.set_yticks(
-                range(K * st),
-                [f"block {i // st + 1}" + (f".{i % st + 1}" if st > 1 else "") for i in range(K * st)],
+                range(K * st), [f"block {i // st + 1}" + (f".{i % st + 1}" if st > 1 else "") for i in range(K * st)],
                 fontsize=MIN_PT,
             )
             ax.set_xticks(range(k), [f"top {j + 1}" for j in range(k)], fontsize=MIN_PT)
@@ -862,12 +840,8 @@ class RolloutViewer(Inspector):
         gs = fig.add_gridspec(1 + G, 2, height_ratios=[2.8] + [hs] * G, width_ratios=[1, 1.2])
         ap = fig.add_subplot(gs[0, 0], gid="prompt")
         _text_lines(
-            ap,
-            _prompt_lines(rec.get("prompt", "")) + [f"truth: {rec.get('truth', '?')}"],
-            max_lines=14,
-            width=80,
-            hl=lambda l: l.startswith("truth:"),
-            title="prompt",
+            ap, _prompt_lines(rec.get("prompt", "")) + [f"truth: {rec.get('truth', '?')}"], max_lines=14, width=80,
+            hl=lambda l: l.startswith("truth:"), title="prompt",
         )
         ab = fig.add_subplot(gs[0, 1], gid="bars")
         x, w = np.arange(G), 0.38

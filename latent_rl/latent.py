@@ -314,20 +314,10 @@ def _scheduled_input(body, head, call: tuple[dict, int], cache, ids, lens, coins
 # Long on purpose: the phases of the batched latent forward share the KV cache, positions and masks of one
 # batch; splitting them would thread that state through every call (see the phase diagram above).
 def student_pass(
-    lm: LatentModel,
-    examples: list[dict],
-    *,
-    layers: list | None = None,
-    ss_coins: torch.Tensor | None = None,
-    chunk_size: int = 1024,
-    ce: bool = True,
-    return_logprobs: bool = False,
-    return_hidden: bool = False,
-    return_latents: bool = False,
-    latent_states: bool = False,
-    states_at: torch.Tensor | None = None,
-    token_weight: torch.Tensor | None = None,
-    forced_latents: torch.Tensor | None = None,
+    lm: LatentModel, examples: list[dict], *, layers: list | None = None, ss_coins: torch.Tensor | None = None,
+    chunk_size: int = 1024, ce: bool = True, return_logprobs: bool = False, return_hidden: bool = False,
+    return_latents: bool = False, latent_states: bool = False, states_at: torch.Tensor | None = None,
+    token_weight: torch.Tensor | None = None, forced_latents: torch.Tensor | None = None,
 ) -> StudentPass:
     """The batched student: prompt, then per span text up to `<|line_sep|>` + `<|latent_start|>`, a latent block, and
     `<|latent_end|>` + the text from `<|action_sep|>`; all examples in lockstep in one KV cache. `layers` (hidden_states
@@ -657,17 +647,12 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
         )
     run = student_pass if call_cost is None else partial(grouped_student_pass, call_cost=call_cost)
     sp = run(
-        lm,
-        examples,
-        layers=layers if opts.kd_target == "hidden" else None,
-        ss_coins=ss_coins,
-        chunk_size=chunk_size,
+        lm, examples, layers=layers if opts.kd_target == "hidden" else None, ss_coins=ss_coins, chunk_size=chunk_size,
         return_logprobs=return_logprobs,
         return_latents=return_states or bool(opts.recon) or (bool(opts.value_kd) and opts.value_kd_at == "embed"),
         latent_states=bool(opts.value_kd) and opts.value_kd_at != "embed",
         states_at=plan.get("answer_mask") if opts.answer_kd else None,
-        token_weight=plan["weight"] if opts.answer_weight != 1.0 else None,
-        forced_latents=plan.get("forced"),
+        token_weight=plan["weight"] if opts.answer_weight != 1.0 else None, forced_latents=plan.get("forced"),
     )
     # ---- losses, each a per-example mean averaged over the batch
     S = torch.stack(sp.anchors, 1)                                                    # [B, K, L_sel, H]
@@ -678,12 +663,8 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     L_s, L_kd = (sp.ce_sum / sp.ce_cnt.clamp_min(1)).mean(), kd_ex.mean()
     loss = opts.b * L_s + opts.g * L_kd + (opts.a * L_t if L_t is not None else 0.0)
     metrics = {
-        "teacher_loss": L_t.item() if L_t is not None else 0.0,
-        "student_loss": L_s.item(),
-        "kd_loss": L_kd.item(),
-        "model_calls": sp.calls,
-        "n_spans": int(n_sp.sum()),
-        "n_tokens": sp.n_scored,
+        "teacher_loss": L_t.item() if L_t is not None else 0.0, "student_loss": L_s.item(), "kd_loss": L_kd.item(),
+        "model_calls": sp.calls, "n_spans": int(n_sp.sum()), "n_tokens": sp.n_scored,
         "pad_ratio": sp.n_run / max(1, sp.n_real),
     }
     for w, name, fn in ((opts.value_kd, "value_kd", lambda: _value_kd(opts, plan, sp, tp, lm)),

@@ -153,14 +153,7 @@ def release_run_dir(out) -> None:
 
 # %% ../nbs/16_loop.ipynb #978d3f72
 RESUME_MAY_CHANGE = {
-    "out",
-    "resume",
-    "overwrite",
-    "allow_config_change",
-    "log_every",
-    "save_every",
-    "anchor_every",
-    "record_every",
+    "out", "resume", "overwrite", "allow_config_change", "log_every", "save_every", "anchor_every", "record_every",
     "wandb",
 }
 

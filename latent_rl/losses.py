@@ -409,8 +409,7 @@ class _GatheredLogits(torch.autograd.Function):
                 )
             if need_W:
                 gW.index_add_(
-                    0,
-                    ids[sl].reshape(-1),
+                    0, ids[sl].reshape(-1),
                     (g[sl].unsqueeze(2) * h[sl].unsqueeze(1)).reshape(-1, h.shape[1]).to(gW.dtype),
                 )
         gb = (

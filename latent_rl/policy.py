@@ -198,9 +198,7 @@ def _recorded_forward(lm: LatentModel, emb, am, pos, bi, li, Z, hop: bool) -> tu
     mu = lm.prj(h[bi, li - 1])  # [M, H]
     if hop:
         h = lm.body(
-            inputs_embeds=emb.index_put((bi, li), Z + mu - mu.detach()),
-            attention_mask=am,
-            position_ids=pos,
+            inputs_embeds=emb.index_put((bi, li), Z + mu - mu.detach()), attention_mask=am, position_ids=pos,
             use_cache=False,
         ).last_hidden_state                                     # [B, L, H]
     return h, mu
@@ -268,15 +266,8 @@ def tied_head(model_path) -> bool:
     return bool(cfg.get("tie_word_embeddings", False))
 
 def colocate_llm_kwargs(
-    model_path,
-    *,
-    dtype: str = "bfloat16",
-    gpu_memory_utilization: float = 0.3,
-    tensor_parallel_size: int = 1,
-    seed: int = 0,
-    max_model_len: int | None = None,
-    sleep: bool = True,
-    world_size: int = 1,
+    model_path, *, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
+    seed: int = 0, max_model_len: int | None = None, sleep: bool = True, world_size: int = 1,
 ) -> dict:
     "Arguments of `vllm.LLM` for one engine per training rank (vLLM 0.33 `entrypoints/llm.py`, as TRL's colocate mode)."
     if not 0 < gpu_memory_utilization <= 1:
@@ -352,13 +343,8 @@ class VLLMEngine:
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
                 [list(range(i, i + tensor_parallel_size)) for i in range(0, world, tensor_parallel_size)])
         kw = colocate_llm_kwargs(
-            model_path,
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            max_model_len=max_model_len,
-            sleep=sleep,
+            model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size, seed=seed, max_model_len=max_model_len, sleep=sleep,
             world_size=world,
         )
         self.llm = LLM(**kw)
@@ -419,10 +405,7 @@ def generate(
     if self.sleep: self.llm.wake_up(tags=["kv_cache"])
     sps = [
         SamplingParams(
-            temperature=max(temperature, 0.0),
-            max_tokens=max_new_tokens,
-            logprobs=0,
-            stop_token_ids=[eos_id],
+            temperature=max(temperature, 0.0), max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[eos_id],
             seed=None if s is None else int(s) % 2**31,
         )
         for s in seeds
@@ -451,16 +434,9 @@ def completion_request(
     `generation_config.json` defaults (top_k, top_p, repetition penalty) to what a request leaves out, and the trainer
     scores `softmax(logits / T)`."""
     return {
-        "model": model,
-        "prompt": list(prompt),
-        "max_tokens": max_new_tokens,
-        "temperature": max(temperature, 0.0),
-        "logprobs": 0,
-        "stop_token_ids": [eos_id],
-        "return_token_ids": True,
-        "skip_special_tokens": False,
-        **NEUTRAL_SAMPLING,
-        **({} if seed is None else {"seed": int(seed) % 2**31}),
+        "model": model, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": max(temperature, 0.0),
+        "logprobs": 0, "stop_token_ids": [eos_id], "return_token_ids": True, "skip_special_tokens": False,
+        **NEUTRAL_SAMPLING, **({} if seed is None else {"seed": int(seed) % 2**31}),
     }
 
 def parse_completion_choice(res: dict) -> tuple[list[int], list[float]]:
@@ -539,18 +515,9 @@ class VLLMServerEngine:
 
 # %% ../nbs/10_policy.ipynb #57428847
 def vllm_serve_command(
-    model,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    name: str | None = None,
-    dtype: str = "bfloat16",
-    gpu_memory_utilization: float = 0.9,
-    tensor_parallel_size: int = 1,
-    max_logprobs: int = 20,
-    max_model_len: int | None = None,
-    api_key: str | None = None,
-    extra: list[str] = (),
+    model, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None, dtype: str = "bfloat16",
+    gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, max_logprobs: int = 20,
+    max_model_len: int | None = None, api_key: str | None = None, extra: list[str] = (),
 ) -> tuple[list[str], dict]:
     """(argv, extra environment) of vLLM's OpenAI server for rollouts with weight sync, or a teacher with `--max-logprobs`:
     started from this interpreter (`python -m vllm.entrypoints.openai.api_server`: no `vllm` script needed on PATH),
@@ -559,32 +526,11 @@ def vllm_serve_command(
     if max_model_len and ctx and max_model_len > ctx:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context ({ctx})")
     argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--served-model-name",
-        name or Path(str(model).rstrip("/")).name,
-        "--dtype",
-        dtype,
-        "--gpu-memory-utilization",
-        str(gpu_memory_utilization),
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-        "--max-logprobs",
-        str(max_logprobs),
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--weight-transfer-config",
-        json.dumps({"backend": "nccl"}),
-        "--enable-prefix-caching",
-        "--generation-config",
-        "vllm",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host, "--port",
+        str(port), "--served-model-name", name or Path(str(model).rstrip("/")).name, "--dtype", dtype,
+        "--gpu-memory-utilization", str(gpu_memory_utilization), "--tensor-parallel-size", str(tensor_parallel_size),
+        "--max-logprobs", str(max_logprobs), "--logprobs-mode", "processed_logprobs", "--weight-transfer-config",
+        json.dumps({"backend": "nccl"}), "--enable-prefix-caching", "--generation-config", "vllm",
     ]
     if max_model_len or ctx: argv += ["--max-model-len", str(max_model_len or ctx)]
     if api_key: argv += ["--api-key", api_key]
@@ -610,17 +556,9 @@ def serve_rollouts(argv=None):
     try: warn = check_exposure(a.host, a.api_key, a.no_auth)
     except ValueError as e: raise SystemExit(str(e).replace("serve-teacher", "serve-rollouts")) from None
     cmd, env = vllm_serve_command(
-        a.model,
-        host=a.host,
-        port=a.port,
-        name=a.name,
-        dtype=a.dtype,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        tensor_parallel_size=a.tensor_parallel_size,
-        max_logprobs=a.max_logprobs,
-        max_model_len=a.max_model_len or None,
-        api_key=a.api_key,
-        extra=extra,
+        a.model, host=a.host, port=a.port, name=a.name, dtype=a.dtype, gpu_memory_utilization=a.gpu_memory_utilization,
+        tensor_parallel_size=a.tensor_parallel_size, max_logprobs=a.max_logprobs, max_model_len=a.max_model_len or None,
+        api_key=a.api_key, extra=extra,
     )
     shown = " ".join(c if c != a.api_key else "$LATENT_RL_API_KEY" for c in cmd).replace(sys.executable, "python")
     if a.print:
@@ -650,11 +588,8 @@ def make_rollout_engine(cfg, policy: Policy):
     if cfg.vllm_mode == "server":
         return VLLMServerEngine(cfg.vllm_server, group_port=cfg.vllm_group_port, sync_host=cfg.vllm_sync_host or None)
     return VLLMEngine(
-        cfg.model,
-        dtype="bfloat16" if "bf16" in (cfg.dtype, getattr(cfg, "precision", "fp32")) else "float32",
-        seed=cfg.seed,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-        max_model_len=cfg.vllm_max_model_len or None,
+        cfg.model, dtype="bfloat16" if "bf16" in (cfg.dtype, getattr(cfg, "precision", "fp32")) else "float32",
+        seed=cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        tensor_parallel_size=cfg.vllm_tensor_parallel_size, max_model_len=cfg.vllm_max_model_len or None,
         sleep=cfg.vllm_sleep,
     )

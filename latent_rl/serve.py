@@ -53,8 +53,7 @@ def _token_list(x, where: str, vocab: int) -> list[int]:
     for j, t in enumerate(x):
         if type(t) is not int:
             raise HTTPError(
-                400,
-                f"{where}[{j}] must be an integer token id, got {type(t).__name__} {json.dumps(t)[:40]}",
+                400, f"{where}[{j}] must be an integer token id, got {type(t).__name__} {json.dumps(t)[:40]}",
                 f"{where}[{j}]",
             )
         if not 0 <= t < vocab:
@@ -102,8 +101,7 @@ def parse_completion(body: bytes, lim: ServerLimits, name: str, vocab: int, enco
         if k < 0: raise HTTPError(400, f"prompt_logprobs must be >= 0, got {k}", "prompt_logprobs")
         if k > lim.max_logprobs:  # vLLM's wording, which HTTPTeacher explains
             raise HTTPError(
-                400,
-                f"Requested prompt logprobs of {k}, which is greater than max allowed: {lim.max_logprobs}",
+                400, f"Requested prompt logprobs of {k}, which is greater than max allowed: {lim.max_logprobs}",
                 "prompt_logprobs",
             )
     mt = req.get("max_tokens", 1)
@@ -158,11 +156,8 @@ def score_sequences(
             nxt = int(head.logits(h[r, n - 1]).argmax())
             cat = lambda xs, shape: torch.cat(xs) if xs else torch.zeros(shape)
             out[i] = {
-                "top_v": cat(tv, (0, max(k, 1))),
-                "top_i": cat(ti, (0, max(k, 1))).long(),
-                "actual": cat(act, (0,)),
-                "rank": cat(rk, (0,)).long(),
-                "next": nxt,
+                "top_v": cat(tv, (0, max(k, 1))), "top_i": cat(ti, (0, max(k, 1))).long(), "actual": cat(act, (0,)),
+                "rank": cat(rk, (0,)).long(), "next": nxt,
             }
     return out
 
@@ -170,11 +165,7 @@ def score_sequences(
 def prompt_logprobs_json(seq: list[int], sc: dict, k: int) -> list:
     "vLLM's `prompt_logprobs`: `[None]` then, per position, the top-k `{id: {logprob, rank, decoded_token}}` plus the actual token."
     rows, tv, ti, act, rk = (
-        [None],
-        sc["top_v"][:, :k].tolist(),
-        sc["top_i"][:, :k].tolist(),
-        sc["actual"].tolist(),
-        sc["rank"].tolist(),
+        [None], sc["top_v"][:, :k].tolist(), sc["top_i"][:, :k].tolist(), sc["actual"].tolist(), sc["rank"].tolist(),
     )
     for t in range(len(act)):
         d = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": None} for r, (v, i) in enumerate(zip(tv[t], ti[t]))}
@@ -244,19 +235,13 @@ class Batcher:
         for i, (s, sc) in enumerate(zip(job["seqs"], scores)):
             choices.append(
                 {
-                    "index": i,
-                    "text": self.tok.decode([sc["next"]]),
-                    "logprobs": None,
-                    "finish_reason": "length",
+                    "index": i, "text": self.tok.decode([sc["next"]]), "logprobs": None, "finish_reason": "length",
                     "prompt_logprobs": prompt_logprobs_json(s, sc, k) if k is not None else None,
                 }
             )
         return {
-            "id": f"cmpl-{time.time_ns()}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.name,
-            "choices": choices,
+            "id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()),
+            "model": self.name, "choices": choices,
             "usage": {"prompt_tokens": sum(map(len, job["seqs"])), "completion_tokens": len(job["seqs"])},
         }
 
@@ -270,18 +255,9 @@ class Batcher:
 
 # %% ../nbs/09_serve.ipynb #24aa54f7
 _REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    411: "Length Required",
-    413: "Payload Too Large",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    501: "Not Implemented",
-    503: "Service Unavailable",
+    200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+    408: "Request Timeout", 411: "Length Required", 413: "Payload Too Large", 431: "Request Header Fields Too Large",
+    500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
 }
 
 def _http_bytes(status: int, obj, headers: dict | None = None) -> bytes:
@@ -319,8 +295,7 @@ def body_length(headers: dict, lim: ServerLimits) -> int:
     n = int(cl)
     if n > lim.max_body_bytes:
         raise HTTPError(
-            413,
-            f"body of {n} bytes exceeds the server's limit of {lim.max_body_bytes} bytes (--max-body-mb)",
+            413, f"body of {n} bytes exceeds the server's limit of {lim.max_body_bytes} bytes (--max-body-mb)",
             "Content-Length",
         )
     return n
@@ -330,13 +305,7 @@ class TeacherServer:
     "The teacher in vLLM's completions protocol on an asyncio loop (its own thread): reading, limits and routing never wait on the model."
 
     def __init__(
-        self,
-        model,
-        tok,
-        name: str,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        limits: ServerLimits | None = None,
+        self, model, tok, name: str, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits | None = None,
         log=None,
     ):
         model.eval().requires_grad_(False)
@@ -384,12 +353,8 @@ class TeacherServer:
             "object": "list",
             "data": [
                 {
-                    "id": self.name,
-                    "object": "model",
-                    "owned_by": "latent_rl",
-                    "vocab_size": self.vocab,
-                    "max_model_len": self.lim.max_model_len,
-                    "max_logprobs": self.lim.max_logprobs,
+                    "id": self.name, "object": "model", "owned_by": "latent_rl", "vocab_size": self.vocab,
+                    "max_model_len": self.lim.max_model_len, "max_logprobs": self.lim.max_logprobs,
                 }
             ],
         }
@@ -453,8 +418,7 @@ async def _handle(self: TeacherServer, reader, writer):
     try:
         if self.connections > self.lim.max_connections:
             status, obj, hdr = (
-                503,
-                HTTPError(503, f"too many connections (limit {self.lim.max_connections})").body(),
+                503, HTTPError(503, f"too many connections (limit {self.lim.max_connections})").body(),
                 {"Retry-After": "1"},
             )
         else:
@@ -537,15 +501,9 @@ def serve_teacher(argv=None):
     if a.max_model_len > ctx:
         raise SystemExit(f"serve-teacher: --max-model-len {a.max_model_len} exceeds the model's context ({ctx})")
     lim = ServerLimits(
-        max_body_bytes=int(a.max_body_mb * 2**20),
-        max_model_len=a.max_model_len or ctx,
-        max_logprobs=a.max_logprobs,
-        max_connections=a.max_connections,
-        max_queue=a.max_queue,
-        max_batch_tokens=a.max_batch_tokens,
-        batch_wait_ms=a.batch_wait_ms,
-        idle_timeout=a.idle_timeout,
-        request_timeout=a.request_timeout,
+        max_body_bytes=int(a.max_body_mb * 2**20), max_model_len=a.max_model_len or ctx, max_logprobs=a.max_logprobs,
+        max_connections=a.max_connections, max_queue=a.max_queue, max_batch_tokens=a.max_batch_tokens,
+        batch_wait_ms=a.batch_wait_ms, idle_timeout=a.idle_timeout, request_timeout=a.request_timeout,
         api_key=a.api_key,
     )
     name = a.name or Path(str(a.model).rstrip("/")).name

@@ -102,12 +102,8 @@ def run_one(g: Grid, run: dict, seed: int, rows: list[dict], progress: bool = Tr
             lm, tok, rows, variants=tuple(g.usage), max_new_tokens=g.max_new_tokens, seed=seed, progress=progress
         )
         row.update(
-            accuracy=u["accuracy"]["mean"],
-            ci=[u["accuracy"]["lo"], u["accuracy"]["hi"]],
-            usage=u["variants"],
-            collapse=u["collapse"],
-            used=u["used"],
-            verdict=u["verdict"],
+            accuracy=u["accuracy"]["mean"], ci=[u["accuracy"]["lo"], u["accuracy"]["hi"]], usage=u["variants"],
+            collapse=u["collapse"], used=u["used"], verdict=u["verdict"],
             correct="".join("01"[r["correct"]] for r in u["records"]),
         )
     else:

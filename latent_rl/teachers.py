@@ -149,8 +149,7 @@ def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, p
     pred = torch.zeros(B, N, W.shape[1], device=dev, dtype=h.dtype)                                    # [B, N, H]
     n = torch.zeros(B, dtype=torch.long, device=dev)
     free, nfree, bi = (
-        torch.zeros(B, dtype=torch.bool, device=dev),
-        torch.zeros(B, dtype=torch.long, device=dev),
+        torch.zeros(B, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
         torch.arange(B, device=dev),
     )
     fed = []
@@ -211,12 +210,7 @@ class HTTPTeacher(Teacher):
     def __init__(self, url: str, topk: int = 20, model: str | None = None, timeout: float = 60.0, retries: int = 3,
                  backoff: float = 1.0, log=print, api_key: str | None = None):
         self.url, self.topk, self.timeout, self.retries, self.backoff, self.log = (
-            url.rstrip("/"),
-            topk,
-            timeout,
-            retries,
-            backoff,
-            log,
+            url.rstrip("/"), topk, timeout, retries, backoff, log,
         )
         self.model, self.info = model, None
         # never stored in a config
@@ -273,10 +267,7 @@ class HTTPTeacher(Teacher):
             self._request(
                 "/v1/completions",
                 {
-                    "model": self.model,
-                    "prompt": [[0, 0]],
-                    "max_tokens": 1,
-                    "temperature": 0.0,
+                    "model": self.model, "prompt": [[0, 0]], "max_tokens": 1, "temperature": 0.0,
                     "prompt_logprobs": self.topk,
                 },
             )          # a 400 here explains the cap

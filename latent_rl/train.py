@@ -64,16 +64,13 @@ def cmd_data(argv):
     ap.add_argument("--out", default="data")
     ap.add_argument("--n", type=int, default=DATA_DEFAULTS["n"], help="candidate programs")
     ap.add_argument(
-        "--level",
-        default=DATA_DEFAULTS["level"],
+        "--level", default=DATA_DEFAULTS["level"],
         help="corpus difficulty: easy, medium or hard (latent_rl.corpus.LEVELS)",
     )
     ap.add_argument("--seed", type=int, default=DATA_DEFAULTS["seed"])
     ap.add_argument("--vocab", type=int, default=DATA_DEFAULTS["vocab"], help="tokenizer vocabulary size")
     ap.add_argument(
-        "--heldout",
-        type=int,
-        default=None,
+        "--heldout", type=int, default=None,
         help="extra held-out programs (heldout.jsonl), disjoint by text from train/val/test (default n/5; 0: none)",
     )
     a = ap.parse_args(argv)
@@ -171,8 +168,7 @@ def cmd_bench(argv):
 def cmd_demo(argv):
     ap = argparse.ArgumentParser(prog="latent-rl demo", description="The whole pipeline on a tiny model on the CPU.")
     ap.add_argument(
-        "--from-scratch",
-        action="store_true",
+        "--from-scratch", action="store_true",
         help="retrain the teacher and the no-trace baseline instead of using data/",
     )
     ap.add_argument("--out", default="runs/demo")
@@ -231,24 +227,10 @@ def cmd_serve_rollouts(argv):
     return serve_rollouts(argv)
 
 COMMANDS = {
-    "data": cmd_data,
-    "trace": cmd_trace,
-    "sft": cmd_sft,
-    "codi": cmd_codi,
-    "gkd": cmd_gkd,
-    "grpo": cmd_grpo,
-    "eval": cmd_eval,
-    "demo": cmd_demo,
-    "bench": cmd_bench,
-    "serve-teacher": cmd_serve_teacher,
-    "serve-rollouts": cmd_serve_rollouts,
-    "plot": cmd_plot,
-    "diagnose": cmd_diagnose,
-    "recipes": cmd_recipes,
-    "mult": cmd_mult,
-    "doctor": cmd_doctor,
-    "sweep": cmd_sweep,
-    "plan": cmd_plan,
+    "data": cmd_data, "trace": cmd_trace, "sft": cmd_sft, "codi": cmd_codi, "gkd": cmd_gkd, "grpo": cmd_grpo,
+    "eval": cmd_eval, "demo": cmd_demo, "bench": cmd_bench, "serve-teacher": cmd_serve_teacher,
+    "serve-rollouts": cmd_serve_rollouts, "plot": cmd_plot, "diagnose": cmd_diagnose, "recipes": cmd_recipes,
+    "mult": cmd_mult, "doctor": cmd_doctor, "sweep": cmd_sweep, "plan": cmd_plan,
 }
 
 # %% ../nbs/29_train.ipynb #e59d31d3

@@ -25,10 +25,7 @@ if not sandbox_status()["available"]:
 def run_cli(*args, cwd=None, timeout=600, check=True, module="latent_rl.train", env=None):
     "Run `python -m latent_rl.train ARGS` (or another module) in a subprocess; return the CompletedProcess."
     env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "WANDB_MODE": "disabled",
-        "TOKENIZERS_PARALLELISM": "false",
+        **os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
         **(env or {}),
     }
     p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd or ROOT, env=env, capture_output=True,

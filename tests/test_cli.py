@@ -60,27 +60,9 @@ def test_unknown_config_field_is_refused(tmp_path, tiny_data):
 
 def test_sft_then_eval(tiny_data, tmp_path):
     run_cli(
-        "sft",
-        "--recipe",
-        "none",
-        "--tokenizer",
-        tiny_data / "tokenizer",
-        "--train",
-        tiny_data / "corpus/train.jsonl",
-        "--val",
-        tiny_data / "corpus/val.jsonl",
-        "--size",
-        "nano",
-        "--steps",
-        6,
-        "--batch_size",
-        8,
-        "--save_every",
-        3,
-        "--log_every",
-        2,
-        "--out",
-        tmp_path / "run",
+        "sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+        "--val", tiny_data / "corpus/val.jsonl", "--size", "nano", "--steps", 6, "--batch_size", 8, "--save_every", 3,
+        "--log_every", 2, "--out", tmp_path / "run",
     )
     run = tmp_path / "run"
     cfg = json.loads((run / "config.json").read_text())
@@ -101,23 +83,8 @@ def test_sft_resume_continues_exactly(tiny_data, tmp_path):
     # run to run, and Adam amplifies last-bit differences; exactness of *resume* is what this test is about
     one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     common = [
-        "sft",
-        "--recipe",
-        "none",
-        "--tokenizer",
-        tiny_data / "tokenizer",
-        "--train",
-        tiny_data / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--size",
-        "nano",
-        "--batch_size",
-        8,
-        "--save_every",
-        3,
-        "--log_every",
-        1,
+        "sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+        "--val", "", "--size", "nano", "--batch_size", 8, "--save_every", 3, "--log_every", 1,
     ]
     run_cli(*common, "--steps", 6, "--out", tmp_path / "full", env=one)
     run_cli(*common, "--steps", 6, "--out", tmp_path / "part", "--save_every", 3, env=one)
@@ -151,17 +118,8 @@ def test_every_announced_command_exists():
 def test_demo_pipeline_smoke(tmp_path):
     "`latent-rl demo` end to end with the cpu-smoke recipe: every stage, the table, the diagnosis and the figures."
     p = run_cli(
-        "demo",
-        "--recipe",
-        "cpu-smoke",
-        "--limit",
-        8,
-        "--out",
-        tmp_path / "demo",
-        "--figures",
-        tmp_path / "figs",
-        env={"OMP_NUM_THREADS": "1"},
-        timeout=900,
+        "demo", "--recipe", "cpu-smoke", "--limit", 8, "--out", tmp_path / "demo", "--figures", tmp_path / "figs",
+        env={"OMP_NUM_THREADS": "1"}, timeout=900,
     )
     for stage in ("SFT", "CODI", "CODI → GKD", "CODI → GKD → GRPO"):
         assert f"| {stage} |" in p.stdout, p.stdout[-3000:]
@@ -174,24 +132,8 @@ def test_demo_pipeline_smoke(tmp_path):
 
 def _sft_args(tiny_data, out, *more):
     return [
-        "sft",
-        "--recipe",
-        "none",
-        "--tokenizer",
-        tiny_data / "tokenizer",
-        "--train",
-        tiny_data / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--size",
-        "nano",
-        "--batch_size",
-        8,
-        "--log_every",
-        1,
-        "--out",
-        out,
-        *more,
+        "sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+        "--val", "", "--size", "nano", "--batch_size", 8, "--log_every", 1, "--out", out, *more,
     ]
 
 @pytest.mark.parametrize("text,msg", [('lr = "fast"\n', "field 'lr' expects a finite number, got 'fast'"),
@@ -241,9 +183,7 @@ def test_second_run_on_one_out_is_refused(tiny_data, tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "latent_rl.train",
+            sys.executable, "-m", "latent_rl.train",
             *map(str, _sft_args(tiny_data, out, "--steps", 400, "--save_every", 0)),
         ],
         env=env,
@@ -326,37 +266,15 @@ def test_bf16_compute_keeps_fp32_master_weights_and_learns(tmp_path):
     from safetensors.torch import load_file
 
     base = [
-        "sft",
-        "--recipe",
-        "none",
-        "--model",
-        TEACHER,
-        "--train",
-        TEACHER.parent / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--max_train",
-        64,
-        "--steps",
-        3,
-        "--batch_size",
-        8,
-        "--lr",
-        1e-6,
-        "--warmup",
-        0,
-        "--min_lr_frac",
-        1.0,
-        "--save_every",
-        0,
+        "sft", "--recipe", "none", "--model", TEACHER, "--train", TEACHER.parent / "corpus/train.jsonl", "--val", "",
+        "--max_train", 64, "--steps", 3, "--batch_size", 8, "--lr", 1e-6, "--warmup", 0, "--min_lr_frac", 1.0,
+        "--save_every", 0,
     ]
     one = {"OMP_NUM_THREADS": "1"}
     p = run_cli(*base, "--dtype", "bf16", "--out", tmp_path / "x", check=False)
     assert p.returncode == 2 and "--precision bf16" in p.stderr  # refused without the explicit flag
     for name, extra in (
-        ("fp32", []),
-        ("mixed", ["--precision", "bf16"]),
-        ("pure", ["--dtype", "bf16", "--pure_low_precision"]),
+        ("fp32", []), ("mixed", ["--precision", "bf16"]), ("pure", ["--dtype", "bf16", "--pure_low_precision"]),
     ):
         run_cli(*base, *extra, "--out", tmp_path / name, env=one)
     w0 = load_file(TEACHER / "model.safetensors")
@@ -374,21 +292,8 @@ def test_bf16_compute_keeps_fp32_master_weights_and_learns(tmp_path):
 
 def test_plan_prints_parts_and_a_fix():
     p = run_cli(
-        "plan",
-        "--model",
-        "qwen2.5-coder-7b",
-        "--stage",
-        "sft",
-        "--gpus",
-        "8",
-        "--gpu-mem",
-        "80",
-        "--strategy",
-        "ddp",
-        "--micro-batch",
-        "4",
-        "--seq",
-        "2048",
+        "plan", "--model", "qwen2.5-coder-7b", "--stage", "sft", "--gpus", "8", "--gpu-mem", "80", "--strategy", "ddp",
+        "--micro-batch", "4", "--seq", "2048",
     )
     assert "| optimizer | 60.9 |" in p.stdout and "does not fit" in p.stdout and "cheapest change" in p.stdout
     p = run_cli("plan", "--model", "qwen2.5-coder-0.5b", "--stage", "codi", "--gpus", "1", "--gpu_mem", "141", "--json")

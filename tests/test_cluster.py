@@ -8,10 +8,7 @@ from conftest import ROOT
 TEACHER = ROOT / "data" / "teacher"
 ROWS = ROOT / "data" / "corpus" / "train.jsonl"
 ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONUNBUFFERED": "1",
-    "WANDB_MODE": "disabled",
+    **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",
     "TOKENIZERS_PARALLELISM": "false",
 }
 
@@ -25,16 +22,8 @@ def free_port():
 def launch(nproc, *args, timeout=600):
     cmd = (
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-            "-m",
-            "latent_rl.train",
-            *map(str, args),
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+            str(free_port()), "-m", "latent_rl.train", *map(str, args),
         ]
         if nproc > 1
         else [sys.executable, "-m", "latent_rl.train", *map(str, args)]
@@ -60,50 +49,12 @@ def summary(d): return json.loads((Path(d) / "final" / "training_summary.json").
 
 STAGES = {
     "sft": lambda data: [
-        "sft",
-        "--recipe",
-        "none",
-        "--tokenizer",
-        data / "tokenizer",
-        "--train",
-        data / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--size",
-        "nano",
-        "--steps",
-        3,
-        "--batch_size",
-        8,
-        "--lr",
-        1e-3,
-        "--save_every",
-        0,
-        "--log_every",
-        1,
+        "sft", "--recipe", "none", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val",
+        "", "--size", "nano", "--steps", 3, "--batch_size", 8, "--lr", 1e-3, "--save_every", 0, "--log_every", 1,
     ],
     "codi": lambda data: [
-        "codi",
-        "--recipe",
-        "none",
-        "--model",
-        TEACHER,
-        "--train",
-        ROWS,
-        "--val",
-        "",
-        "--max_train",
-        32,
-        "--steps",
-        2,
-        "--batch_size",
-        4,
-        "--lr",
-        1e-4,
-        "--save_every",
-        0,
-        "--log_every",
-        1,
+        "codi", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2,
+        "--batch_size", 4, "--lr", 1e-4, "--save_every", 0, "--log_every", 1,
     ],
     "grpo": lambda data: [
         "grpo",
@@ -142,31 +93,9 @@ def latent_dir(tmp_path_factory):
     return lm.save(tmp_path_factory.mktemp("latent") / "student", tok)
 
 STAGES["gkd"] = lambda data, latent: [
-    "gkd",
-    "--recipe",
-    "none",
-    "--model",
-    latent,
-    "--teacher",
-    TEACHER,
-    "--train",
-    ROWS,
-    "--max_train",
-    32,
-    "--batch_size",
-    4,
-    "--max_new_tokens",
-    48,
-    "--lmbda",
-    1,
-    "--steps",
-    2,
-    "--lr",
-    1e-4,
-    "--save_every",
-    0,
-    "--record_every",
-    0,
+    "gkd", "--recipe", "none", "--model", latent, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32,
+    "--batch_size", 4, "--max_new_tokens", 48, "--lmbda", 1, "--steps", 2, "--lr", 1e-4, "--save_every", 0,
+    "--record_every", 0,
 ]    # on-policy: latent generation + replay
 
 @pytest.mark.parametrize("stage,strategies", [("sft", ["ddp", "fsdp"]), ("codi", ["ddp", "fsdp"]), ("gkd", ["fsdp"]),
@@ -193,13 +122,8 @@ def kill_after_checkpoint(cmd_args, out, step, nproc=1):
         else []
     )
     p = subprocess.Popen(
-        [sys.executable, *run, "-m", "latent_rl.train", *map(str, cmd_args), "--out", str(out)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        [sys.executable, *run, "-m", "latent_rl.train", *map(str, cmd_args), "--out", str(out)], cwd=ROOT, env=ENV,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     target = Path(out) / "checkpoints" / f"step-{step}"
     for _ in range(3000):
@@ -212,25 +136,8 @@ def kill_after_checkpoint(cmd_args, out, step, nproc=1):
 
 def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
     args = [
-        "sft",
-        "--recipe",
-        "none",
-        "--tokenizer",
-        tiny_data / "tokenizer",
-        "--train",
-        tiny_data / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--size",
-        "nano",
-        "--steps",
-        60,
-        "--batch_size",
-        16,
-        "--save_every",
-        4,
-        "--log_every",
-        1,
+        "sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+        "--val", "", "--size", "nano", "--steps", 60, "--batch_size", 16, "--save_every", 4, "--log_every", 1,
     ]
     launch(1, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 8)
@@ -247,27 +154,9 @@ def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
 def test_fsdp_sigkill_resume_and_reshard(tiny_data, tmp_path):
     "FSDP2 on 2 processes: each rank writes its shard; SIGKILL + resume is exact; a 2-process checkpoint resumes on 1."
     args = [
-        "sft",
-        "--recipe",
-        "none",
-        "--tokenizer",
-        tiny_data / "tokenizer",
-        "--train",
-        tiny_data / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--size",
-        "nano",
-        "--steps",
-        12,
-        "--batch_size",
-        16,
-        "--save_every",
-        4,
-        "--log_every",
-        1,
-        "--strategy",
-        "fsdp",
+        "sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+        "--val", "", "--size", "nano", "--steps", 12, "--batch_size", 16, "--save_every", 4, "--log_every", 1,
+        "--strategy", "fsdp",
     ]
     launch(2, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 8, nproc=2)
@@ -290,11 +179,8 @@ def test_fresh_run_refuses_a_used_directory(tiny_data, tmp_path):
     args = STAGES["sft"](tiny_data)
     launch(1, *args, "--out", tmp_path)
     p = subprocess.run(
-        [sys.executable, "-m", "latent_rl.train", *map(str, args), "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-m", "latent_rl.train", *map(str, args), "--out", str(tmp_path)], cwd=ROOT, env=ENV,
+        capture_output=True, text=True,
     )
     assert p.returncode != 0 and "holds a previous run" in p.stderr and "--overwrite" in p.stderr
     launch(1, *args, "--out", tmp_path, "--overwrite")
@@ -305,33 +191,9 @@ def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
     # steps_per_generation 2 and a checkpoint every step: the resume starts inside a cycle and must reuse the saved
     # rollout buffer (regenerating with moved weights would change the run)
     args = [
-        "grpo",
-        "--recipe",
-        "none",
-        "--model",
-        TEACHER,
-        "--train",
-        ROWS,
-        "--max_train",
-        16,
-        "--steps",
-        12,
-        "--batch_size",
-        2,
-        "--group_size",
-        4,
-        "--max_new_tokens",
-        200,
-        "--lr",
-        3e-4,
-        "--warmup",
-        0,
-        "--steps_per_generation",
-        2,
-        "--save_every",
-        1,
-        "--record_every",
-        0,
+        "grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 12,
+        "--batch_size", 2, "--group_size", 4, "--max_new_tokens", 200, "--lr", 3e-4, "--warmup", 0,
+        "--steps_per_generation", 2, "--save_every", 1, "--record_every", 0,
     ]
     launch(1, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 3)
@@ -345,25 +207,8 @@ def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
 
 def test_corrupt_checkpoint_is_named_and_skipped(tiny_data, tmp_path):
     args = [
-        "sft",
-        "--recipe",
-        "none",
-        "--tokenizer",
-        tiny_data / "tokenizer",
-        "--train",
-        tiny_data / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--size",
-        "nano",
-        "--steps",
-        60,
-        "--batch_size",
-        8,
-        "--save_every",
-        2,
-        "--log_every",
-        1,
+        "sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+        "--val", "", "--size", "nano", "--steps", 60, "--batch_size", 8, "--save_every", 2, "--log_every", 1,
     ]
     kill_after_checkpoint(args, tmp_path, 6)
     from latent_rl.loop import list_checkpoints, load_checkpoint_state, CheckpointError
@@ -383,25 +228,9 @@ def test_accelerate_launch_two_processes(tiny_data, tmp_path):
     launch(1, *args, "--out", tmp_path / "one")
     p = subprocess.run(
         [
-            str(Path(sys.executable).parent / "accelerate"),
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(free_port()),
-            "-m",
-            "latent_rl.train",
-            *map(str, args),
-            "--strategy",
-            "fsdp",
-            "--out",
+            str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+            str(free_port()), "-m", "latent_rl.train", *map(str, args), "--strategy", "fsdp", "--out",
             str(tmp_path / "acc"),
         ],
         cwd=ROOT,
@@ -422,26 +251,9 @@ def test_two_nodes_by_rendezvous(tiny_data, tmp_path):
     port = free_port()
     node = lambda r: subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc_per_node",
-            "1",
-            "--node_rank",
-            str(r),
-            "--rdzv_backend",
-            "c10d",
-            "--rdzv_endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv_id",
-            "latent-rl-test",
-            "-m",
-            "latent_rl.train",
-            *args,
-            "--out",
-            str(tmp_path / "nodes"),
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
+            str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "latent-rl-test",
+            "-m", "latent_rl.train", *args, "--out", str(tmp_path / "nodes"),
         ],
         cwd=ROOT,
         env=ENV,
@@ -458,31 +270,9 @@ def test_two_nodes_by_rendezvous(tiny_data, tmp_path):
     assert math.isfinite(st["save_peak_mb"])               # rank 0's added peak while writing its shard is recorded
 
 GKD_TEXT = [
-    "gkd",
-    "--recipe",
-    "none",
-    "--model",
-    TEACHER,
-    "--teacher",
-    TEACHER,
-    "--train",
-    ROWS,
-    "--max_train",
-    32,
-    "--batch_size",
-    4,
-    "--max_new_tokens",
-    48,
-    "--lmbda",
-    1,
-    "--steps",
-    2,
-    "--lr",
-    1e-4,
-    "--save_every",
-    0,
-    "--record_every",
-    0,
+    "gkd", "--recipe", "none", "--model", TEACHER, "--teacher", TEACHER, "--train", ROWS, "--max_train", 32,
+    "--batch_size", 4, "--max_new_tokens", 48, "--lmbda", 1, "--steps", 2, "--lr", 1e-4, "--save_every", 0,
+    "--record_every", 0,
 ]
 
 @pytest.mark.parametrize("stage", ["codi", "gkd"])
@@ -509,15 +299,8 @@ def test_frozen_teacher_stays_sharded_after_its_forward(tmp_path):
     out = tmp_path / "probe.json"
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            str(ROOT / "tests" / "frozen_shard_probe.py"),
-            str(out),
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+            str(ROOT / "tests" / "frozen_shard_probe.py"), str(out),
         ],
         cwd=ROOT,
         env=ENV,
@@ -535,37 +318,9 @@ def test_frozen_teacher_stays_sharded_after_its_forward(tmp_path):
 def test_two_process_fsdp_latent_grpo_with_a_kl_reference(latent_dir, tmp_path):
     "kl_beta under 2-process FSDP2: the sharded frozen reference replays latent rollouts whose call counts differ by rank."
     launch(
-        2,
-        "grpo",
-        "--model",
-        latent_dir,
-        "--train",
-        ROWS,
-        "--max_train",
-        16,
-        "--steps",
-        2,
-        "--batch_size",
-        2,
-        "--group_size",
-        4,
-        "--max_new_tokens",
-        64,
-        "--lr",
-        1e-4,
-        "--warmup",
-        0,
-        "--save_every",
-        0,
-        "--record_every",
-        0,
-        "--strategy",
-        "fsdp",
-        "--kl_beta",
-        0.1,
-        "--out",
-        tmp_path,
-        timeout=300,
+        2, "grpo", "--model", latent_dir, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
+        "--group_size", 4, "--max_new_tokens", 64, "--lr", 1e-4, "--warmup", 0, "--save_every", 0, "--record_every", 0,
+        "--strategy", "fsdp", "--kl_beta", 0.1, "--out", tmp_path, timeout=300,
     )
     s = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
     assert len(s) == 2 and all("kl_ref" in r and r["align_abs_max"] <= 1e-4 for r in s)

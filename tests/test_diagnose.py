@@ -13,54 +13,14 @@ def tiny_codi(tiny_data, tmp_path_factory):
     "A nano SFT model and a 4-step CODI run from it (kd_anchors.jsonl every step)."
     d = tmp_path_factory.mktemp("diag")
     run_cli(
-        "sft",
-        "--recipe",
-        "none",
-        "--tokenizer",
-        tiny_data / "tokenizer",
-        "--train",
-        tiny_data / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--size",
-        "nano",
-        "--steps",
-        4,
-        "--batch_size",
-        8,
-        "--save_every",
-        0,
-        "--log_every",
-        2,
-        "--out",
-        d / "sft",
-        env=ONE,
+        "sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+        "--val", "", "--size", "nano", "--steps", 4, "--batch_size", 8, "--save_every", 0, "--log_every", 2, "--out",
+        d / "sft", env=ONE,
     )
     run_cli(
-        "codi",
-        "--recipe",
-        "none",
-        "--model",
-        d / "sft" / "final",
-        "--train",
-        tiny_data / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--steps",
-        4,
-        "--batch_size",
-        8,
-        "--warmup",
-        1,
-        "--save_every",
-        0,
-        "--log_every",
-        1,
-        "--anchor_every",
-        1,
-        "--out",
-        d / "codi",
-        env=ONE,
+        "codi", "--recipe", "none", "--model", d / "sft" / "final", "--train", tiny_data / "corpus/train.jsonl",
+        "--val", "", "--steps", 4, "--batch_size", 8, "--warmup", 1, "--save_every", 0, "--log_every", 1,
+        "--anchor_every", 1, "--out", d / "codi", env=ONE,
     )
     return d
 
@@ -86,14 +46,7 @@ def test_diagnose_writes_report(tiny_data, tiny_codi):
         recs = [json.loads(l) for l in (out / f"{stem}.records.jsonl").read_text().splitlines()]
         assert len(recs) == 8 and all(
             {
-                "id",
-                "n_line_frames",
-                "generated",
-                "frames",
-                "well_formed",
-                "predicted",
-                "truth",
-                "correct",
+                "id", "n_line_frames", "generated", "frames", "well_formed", "predicted", "truth", "correct",
                 "forward_passes",
             }
             <= set(r)
@@ -153,11 +106,7 @@ def test_latent_usage_tells_users_from_ignorers(tiny_data):
     rows = [json.loads(l) for l in (tiny_data / "corpus/train.jsonl").read_text().splitlines()][:120]
     res = {
         u: latent_usage(
-            None,
-            tok,
-            rows,
-            variants=("shuffle", "zero", "mean", "noise"),
-            generate=Oracle(tok, rows, u),
+            None, tok, rows, variants=("shuffle", "zero", "mean", "noise"), generate=Oracle(tok, rows, u),
             progress=False,
         )
         for u in (True, False)

@@ -116,20 +116,8 @@ def test_vllm_server_round_trip(tmp_path):
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "latent_rl.train",
-            "serve-rollouts",
-            "--model",
-            str(ROOT / "data" / "teacher"),
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--gpu-memory-utilization",
-            "0.2",
-            "--max-logprobs",
-            "16",
+            sys.executable, "-m", "latent_rl.train", "serve-rollouts", "--model", str(ROOT / "data" / "teacher"),
+            "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.2", "--max-logprobs", "16",
         ],
         cwd=ROOT,
         env=env,

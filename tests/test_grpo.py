@@ -24,27 +24,8 @@ def test_alignment_at_step_start(kind, T, latent_student):
 
 def grpo(out, *args, check=True, **kw):
     base = [
-        "grpo",
-        "--recipe",
-        "none",
-        "--model",
-        TEACHER,
-        "--train",
-        ROWS,
-        "--max_train",
-        64,
-        "--batch_size",
-        2,
-        "--group_size",
-        4,
-        "--max_new_tokens",
-        96,
-        "--log_every",
-        1,
-        "--save_every",
-        0,
-        "--out",
-        out,
+        "grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 64, "--batch_size", 2,
+        "--group_size", 4, "--max_new_tokens", 96, "--log_every", 1, "--save_every", 0, "--out", out,
     ]
     return run_cli(*base, *map(str, args), check=check, env=ONE, **kw)
 
@@ -65,21 +46,8 @@ def test_grpo_stage_records(tmp_path, kind, latent_student):
     s = steps_of(tmp_path)
     assert len(s) == 2 and s[0]["align_abs_max"] <= 1e-4
     for k in (
-        "loss",
-        "grad_norm",
-        "lr",
-        "ratio_mean",
-        "clip_frac_low",
-        "clip_frac_high",
-        "pos_adv_logp",
-        "neg_adv_logp",
-        "align_mean",
-        "align_abs_mean",
-        "reward_mean",
-        "frac_reward_zero_std",
-        "gen_s",
-        "train_s",
-        "sync_s",
+        "loss", "grad_norm", "lr", "ratio_mean", "clip_frac_low", "clip_frac_high", "pos_adv_logp", "neg_adv_logp",
+        "align_mean", "align_abs_mean", "reward_mean", "frac_reward_zero_std", "gen_s", "train_s", "sync_s",
         "peak_mem_mb",
     ):
         assert k in s[0], k
@@ -138,9 +106,7 @@ def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, c
         torch.manual_seed(0)
         lm, tok = LatentModel.load(TEACHER)
         path, prompt, N = (
-            lm.save(tmp_path / "student", tok),
-            (lambda r: prompt_text(r["code"], r["input"]) + _to_last_line(r)),
-            24,
+            lm.save(tmp_path / "student", tok), (lambda r: prompt_text(r["code"], r["input"]) + _to_last_line(r)), 24,
         )
     # the counterfactuals: the advantage's sign flipped, or its groups misaligned
     if flip:
@@ -150,19 +116,8 @@ def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, c
             GRPOStep, "advantages", lambda self, R, gather=True: (lambda a, m: (wrong(a), m))(*orig(self, R, gather))
         )
     cfg = GRPOConfig(
-        model=str(path),
-        steps=steps,
-        batch_size=8,
-        group_size=8,
-        max_new_tokens=N,
-        lr=1e-3,
-        warmup=0,
-        temperature=1.0,
-        save_every=0,
-        record_every=0,
-        log_every=1,
-        out=str(tmp_path / "run"),
-        **(cfg_kw or {}),
+        model=str(path), steps=steps, batch_size=8, group_size=8, max_new_tokens=N, lr=1e-3, warmup=0, temperature=1.0,
+        save_every=0, record_every=0, log_every=1, out=str(tmp_path / "run"), **(cfg_kw or {}),
     )
     torch.set_num_threads(1)
     acc, pol = setup(cfg.seed), Policy.load(cfg.model)

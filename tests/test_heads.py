@@ -18,8 +18,7 @@ V = 48
 KW = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=64, bos_token_id=0, eos_token_id=1, pad_token_id=0)
 HEADS = {
-    "phi-bias": (PhiConfig, {}),
-    "cohere-scale": (CohereConfig, dict(logit_scale=0.25)),
+    "phi-bias": (PhiConfig, {}), "cohere-scale": (CohereConfig, dict(logit_scale=0.25)),
     "granite-scale": (GraniteConfig, dict(logits_scaling=4.0)),
     "gemma2-softcap": (Gemma2Config, dict(final_logit_softcapping=2.0)),
 }

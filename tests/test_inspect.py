@@ -7,46 +7,15 @@ import pytest
 
 from conftest import run_cli, ROOT
 from latent_rl.inspect_runs import (
-    read_metrics,
-    read_logprobs,
-    read_rollouts,
-    read_anchors,
-    run_kind,
-    steps_of,
-    token_arrays,
-    alignment_stats,
-    clip_stats,
-    ratios,
-    leaks,
-    completion_lines,
-    trace_lines,
-    panel,
-    plot_metrics,
-    AlignmentInspector,
-    ClipInspector,
-    AnchorInspector,
-    RolloutViewer,
-    plot_run,
-    main,
-    to_png,
+    read_metrics, read_logprobs, read_rollouts, read_anchors, run_kind, steps_of, token_arrays, alignment_stats,
+    clip_stats, ratios, leaks, completion_lines, trace_lines, panel, plot_metrics, AlignmentInspector, ClipInspector,
+    AnchorInspector, RolloutViewer, plot_run, main, to_png,
 )
 
 TRACE_TOKENS = [
-    "<|line_sep|>",
-    "<|action_sep|>",
-    "    y = x + 1\n",
-    "<|frame_sep|>",
-    "<|line_sep|>",
-    "<|action_sep|>",
-    "    return y\n",
-    "<|frame_sep|>",
-    "<|return_sep|>",
-    "<|action_sep|>",
-    "    return y\n",
-    "<|arg_sep|>",
-    '"3"',
-    "<|frame_sep|>",
-    "<|end_of_text|>",
+    "<|line_sep|>", "<|action_sep|>", "    y = x + 1\n", "<|frame_sep|>", "<|line_sep|>", "<|action_sep|>",
+    "    return y\n", "<|frame_sep|>", "<|return_sep|>", "<|action_sep|>", "    return y\n", "<|arg_sep|>", '"3"',
+    "<|frame_sep|>", "<|end_of_text|>",
 ]
 
 def _jsonl(path, rows, tail=""):
@@ -77,21 +46,15 @@ def write_run(run: Path, kind="grpo", steps=(0, 1, 2), groups=2, G=4, seed=0, ep
                             "latent_at": [0]})
                 samples.append(
                     {
-                        "text": "".join(TRACE_TOKENS),
-                        "tokens": TRACE_TOKENS,
-                        "reward": float(R[k]),
-                        "adv": float(A[k]),
-                        "correct": bool(R[k]),
-                        "latent_at": [0],
+                        "text": "".join(TRACE_TOKENS), "tokens": TRACE_TOKENS, "reward": float(R[k]),
+                        "adv": float(A[k]), "correct": bool(R[k]), "latent_at": [0],
                     }
                 )
             ros.append(
                 {
-                    "step": s,
-                    "group": g,
+                    "step": s, "group": g,
                     "prompt": "<|trace_context_start|>\ndef f(x):\n    y = x + 1\n    return y\n<|frame_sep|>",
-                    "truth": "3",
-                    "samples": samples,
+                    "truth": "3", "samples": samples,
                 }
             )
         m = {"step": s + 1, "loss": 1.0 / (s + 1), "lr": 1e-5, "grad_norm": 0.5, "step_s": 1.0}
@@ -114,16 +77,8 @@ def codi_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("codi")
     run_codi(
         CodiConfig(
-            model=str(ROOT / "data/teacher"),
-            train=str(ROOT / "data/corpus/train.jsonl"),
-            val="",
-            steps=3,
-            batch_size=4,
-            max_train=16,
-            anchor_every=1,
-            log_every=1,
-            save_every=0,
-            out=str(out),
+            model=str(ROOT / "data/teacher"), train=str(ROOT / "data/corpus/train.jsonl"), val="", steps=3,
+            batch_size=4, max_train=16, anchor_every=1, log_every=1, save_every=0, out=str(out),
         ),
         progress=False,
     )
@@ -136,18 +91,9 @@ def gkd_run(codi_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("gkd")
     run_gkd(
         GKDConfig(
-            model=str(codi_run / "final"),
-            teacher=str(ROOT / "data/teacher"),
-            train=str(ROOT / "data/corpus/train.jsonl"),
-            out=str(out),
-            steps=2,
-            batch_size=4,
-            max_train=16,
-            max_new_tokens=48,
-            lmbda=1.0,
-            record_every=1,
-            log_every=1,
-            save_every=0,
+            model=str(codi_run / "final"), teacher=str(ROOT / "data/teacher"),
+            train=str(ROOT / "data/corpus/train.jsonl"), out=str(out), steps=2, batch_size=4, max_train=16,
+            max_new_tokens=48, lmbda=1.0, record_every=1, log_every=1, save_every=0,
         ),
         progress=False,
     )
@@ -160,17 +106,8 @@ def real_grpo_run(codi_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
     run_grpo(
         GRPOConfig(
-            model=str(codi_run / "final"),
-            train=str(ROOT / "data/corpus/train.jsonl"),
-            out=str(out),
-            steps=2,
-            batch_size=2,
-            group_size=4,
-            max_train=16,
-            max_new_tokens=96,
-            lr=1e-3,
-            warmup=1,
-            record_every=1,
+            model=str(codi_run / "final"), train=str(ROOT / "data/corpus/train.jsonl"), out=str(out), steps=2,
+            batch_size=2, group_size=4, max_train=16, max_new_tokens=96, lr=1e-3, warmup=1, record_every=1,
             save_every=0,
         ),
         progress=False,
@@ -204,11 +141,7 @@ def test_stats_by_hand():
     )
     assert math.isclose(c["ratio_mean_pos"], np.mean(np.exp([0.1, -0.3, 0.4])))
     assert leaks(np.array([-1.0, 0.0, np.nan, np.inf, 0.5]), np.zeros(5, bool)).tolist() == [
-        False,
-        True,
-        True,
-        True,
-        True,
+        False, True, True, True, True,
     ]
 
 def test_trace_rendering():
@@ -295,10 +228,7 @@ def test_plot_run_and_cli(grpo_run, tmp_path):
     assert all(p.parent == grpo_run / "figures" and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
     p = run_cli(grpo_run, "--out", tmp_path / "figs", module="latent_rl.inspect_runs")
     assert sorted(x.name for x in (tmp_path / "figs").iterdir()) == [
-        "alignment.png",
-        "clip.png",
-        "metrics.png",
-        "rollouts.png",
+        "alignment.png", "clip.png", "metrics.png", "rollouts.png",
     ]
     assert str(tmp_path / "figs" / "clip.png") in p.stdout
     empty = tmp_path / "empty"

@@ -21,9 +21,7 @@ USER = 1_900_000_001            # the ordinary user: an uid no account has
 
 def _plain(k):
     return {
-        "id": f"plain{k}",
-        "code": "def f(x):\n    return [x * 2, 'plain']",
-        "input": str(k),
+        "id": f"plain{k}", "code": "def f(x):\n    return [x * 2, 'plain']", "input": str(k),
         "output": repr([2 * k, "plain"]),
     }
 
@@ -69,16 +67,7 @@ def as_user(cmd, uid, home):
     for k, (d, c) in enumerate(pairs): lines += [f"mkdir -p '{d}/{c}'", f"mount --bind '{stage}/{k}' '{d}/{c}'"]
     lines.append(f'exec setpriv --reuid={uid} --regid={uid} --clear-groups -- env HOME={home} "$@"')
     return [
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        "/bin/sh",
-        "-c",
-        "\n".join(lines),
-        "sh",
-        *cmd,
+        "unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", "\n".join(lines), "sh", *cmd,
     ], stage
 
 

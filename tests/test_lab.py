@@ -126,8 +126,7 @@ def test_run_all_of_23_inspect_has_no_error_and_a_slider_redraws(lab):
         sliders.first.focus()
         page.keyboard.press("ArrowLeft")
         page.wait_for_function(
-            "s => { const i = document.querySelector('.widget-output img'); return i && i.src !== s }",
-            arg=before,
+            "s => { const i = document.querySelector('.widget-output img'); return i && i.src !== s }", arg=before,
             timeout=60_000,
         )                 # the figure redrew
         assert "Traceback" not in outputs_text(page)

@@ -15,13 +15,8 @@ V, LS, LE, LSEP, ASEP, EOT = 48, 40, 41, 42, 43, 44
 def tiny(seed=0, layers=2):
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        tie_word_embeddings=True,
+        vocab_size=V, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, tie_word_embeddings=True,
     )
     return AutoModelForCausalLM.from_config(cfg).float()
 
@@ -248,8 +243,7 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
         for kind, a, b in segs:
             if kind == "latent":
                 o = body(
-                    inputs_embeds=emb(torch.tensor([[lm.spec.latent_start_id]])),
-                    use_cache=True,
+                    inputs_embeds=emb(torch.tensor([[lm.spec.latent_start_id]])), use_cache=True,
                     **cache_kw(body, cache),
                 )
                 cache, h = out_cache(o), o.last_hidden_state[:, -1:]
@@ -281,8 +275,7 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
                         tv.append(E[trace[vt[q] if q < len(vt) else min(vt[-1] + 1, len(trace) - 1)]])
                 dec = torch.cat(
                     [
-                        emb(torch.tensor([lm.spec.latent_start_id])),
-                        torch.stack(zs),
+                        emb(torch.tensor([lm.spec.latent_start_id])), torch.stack(zs),
                         emb(torch.tensor([lm.spec.latent_end_id])),
                         emb(torch.tensor(ex["recon_ids"][a] + [lm.spec.action_sep_id])),
                     ]
@@ -334,9 +327,7 @@ def ref_objectives(lm, examples, opts, teacher=None, coins=None):
     return out
 
 OBJ = [dict(value_kd=1.0, value_kd_at=m) for m in ("sequence", "predict", "tokens", "embed")] + [
-    dict(answer_kd=1.0),
-    dict(answer_weight=4.0),
-    dict(recon=1.0),
+    dict(answer_kd=1.0), dict(answer_weight=4.0), dict(recon=1.0),
 ]
 
 @pytest.mark.parametrize("call_cost", [None, 0.0], ids=["lockstep", "groups"])

@@ -11,26 +11,8 @@ ONE = {k: ENV[k] for k in ("OMP_NUM_THREADS", "WANDB_MODE")}
 
 def sft_args(data):
     return [
-        "sft",
-        "--recipe",
-        "none",
-        "--tokenizer",
-        data / "tokenizer",
-        "--train",
-        data / "corpus/train.jsonl",
-        "--val",
-        "",
-        "--size",
-        "nano",
-        "--steps",
-        4,
-        "--batch_size",
-        8,
-        "--lr",
-        1e-2,
-        "--log_every",
-        1,
-        *LORA,
+        "sft", "--recipe", "none", "--tokenizer", data / "tokenizer", "--train", data / "corpus/train.jsonl", "--val",
+        "", "--size", "nano", "--steps", 4, "--batch_size", 8, "--lr", 1e-2, "--log_every", 1, *LORA,
     ]
 
 def test_sft_lora_exports_a_plain_merged_model_and_resumes_exactly(tiny_data, tmp_path):
@@ -58,28 +40,8 @@ def test_sft_lora_exports_a_plain_merged_model_and_resumes_exactly(tiny_data, tm
 
 def test_codi_lora_two_processes_fsdp_equal_one(tmp_path):
     args = [
-        "codi",
-        "--recipe",
-        "none",
-        "--model",
-        TEACHER,
-        "--train",
-        ROWS,
-        "--val",
-        "",
-        "--max_train",
-        32,
-        "--steps",
-        2,
-        "--batch_size",
-        4,
-        "--lr",
-        1e-3,
-        "--save_every",
-        0,
-        "--log_every",
-        1,
-        *LORA,
+        "codi", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32, "--steps", 2,
+        "--batch_size", 4, "--lr", 1e-3, "--save_every", 0, "--log_every", 1, *LORA,
     ]
     launch(1, *args, "--out", tmp_path / "one")
     launch(2, *args, "--strategy", "fsdp", "--out", tmp_path / "fsdp")
@@ -91,33 +53,9 @@ def test_codi_lora_two_processes_fsdp_equal_one(tmp_path):
     assert (a[q] - base[q]).abs().max() > 1e-6                               # the merged adapters moved it
 
 GKD = [
-    "gkd",
-    "--recipe",
-    "none",
-    "--model",
-    TEACHER,
-    "--teacher",
-    "base",
-    "--train",
-    ROWS,
-    "--max_train",
-    16,
-    "--batch_size",
-    2,
-    "--max_new_tokens",
-    24,
-    "--lmbda",
-    1,
-    "--steps",
-    2,
-    "--lr",
-    1e-3,
-    "--save_every",
-    0,
-    "--record_every",
-    0,
-    "--log_every",
-    1,
+    "gkd", "--recipe", "none", "--model", TEACHER, "--teacher", "base", "--train", ROWS, "--max_train", 16,
+    "--batch_size", 2, "--max_new_tokens", 24, "--lmbda", 1, "--steps", 2, "--lr", 1e-3, "--save_every", 0,
+    "--record_every", 0, "--log_every", 1,
 ]
 
 def test_gkd_adapter_off_teacher_is_the_base(tmp_path):
@@ -131,35 +69,9 @@ def test_gkd_adapter_off_teacher_is_the_base(tmp_path):
 
 def test_grpo_lora_trains_only_the_adapters(tmp_path):
     run_cli(
-        "grpo",
-        "--recipe",
-        "none",
-        "--model",
-        TEACHER,
-        "--train",
-        ROWS,
-        "--max_train",
-        16,
-        "--steps",
-        2,
-        "--batch_size",
-        2,
-        "--group_size",
-        4,
-        "--max_new_tokens",
-        200,
-        "--lr",
-        1e-2,
-        "--warmup",
-        0,
-        "--save_every",
-        0,
-        "--record_every",
-        0,
-        *LORA,
-        "--out",
-        tmp_path / "g",
-        env=ONE,
+        "grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2,
+        "--batch_size", 2, "--group_size", 4, "--max_new_tokens", 200, "--lr", 1e-2, "--warmup", 0, "--save_every", 0,
+        "--record_every", 0, *LORA, "--out", tmp_path / "g", env=ONE,
     )
     a, base = weights(tmp_path / "g" / "final"), weights(TEACHER)
     assert a.keys() == base.keys()                                           # a plain model, the teacher's names

@@ -416,13 +416,7 @@ def test_jsd_full_equals_naive_plain_chunked_and_topk_k_eq_V(beta, T):
             hidden @ W.T + bias, TeacherOutput.topk_from_logits(zt, V), mask, beta=beta, temperature=T
         ),
         "topk=V hidden": lambda: generalized_jsd_from_hidden(
-            hidden,
-            W,
-            TeacherOutput.topk_from_logits(zt, V),
-            mask,
-            beta=beta,
-            temperature=T,
-            chunk_size=5,
+            hidden, W, TeacherOutput.topk_from_logits(zt, V), mask, beta=beta, temperature=T, chunk_size=5,
             head_bias=bias,
         ),
         "mask from labels": lambda: generalized_jsd_from_hidden(

@@ -43,13 +43,7 @@ def test_named_weights_gathers_fsdp2_shards_one_at_a_time(tmp_path):
     s.close()
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(port),
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
             str(tmp_path / "s.py"),
         ],
         env={**os.environ, **ONE, "ROOT": str(ROOT)},

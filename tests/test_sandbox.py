@@ -422,16 +422,9 @@ def host(tmp_path, monkeypatch):
     absk.listen()
     absk.setblocking(False)
     info = {
-        "host": str(h),
-        "secret_file": str(h / "secret.txt"),
-        "canary": str(h / "canary.txt"),
-        "parent": os.getpid(),
-        "decoy": decoy.pid,
-        "port": tcp.getsockname()[1],
-        "unix": str(h / "sock"),
-        "abstract": abstract,
-        "project": str(ROOT),
-        "pwned": PWNED,
+        "host": str(h), "secret_file": str(h / "secret.txt"), "canary": str(h / "canary.txt"), "parent": os.getpid(),
+        "decoy": decoy.pid, "port": tcp.getsockname()[1], "unix": str(h / "sock"), "abstract": abstract,
+        "project": str(ROOT), "pwned": PWNED,
     }
     before = sorted(p.name for p in h.iterdir())
     yield info
@@ -478,9 +471,7 @@ def check(rows, results):
         if row["id"].startswith("plain"):
             want = trace_inprocess(row["code"], row["input"])
             assert r["ok"] and r["value"] == want.value and r["trace"] == want.trace, (
-                row["id"],
-                r.get("reason"),
-                r["value"],
+                row["id"], r.get("reason"), r["value"],
             )
         print(f"{r['id']:26} ok={r['ok']!s:5} {str(r.get('reason') or r['value'])[:110]}")
 
@@ -543,16 +534,8 @@ def test_hostile_programs_os_layers_only(host):
         "raised PermissionError"
     )
     assert set(eval(got["read_environs"].value)["env"]) <= {
-        "PYTHONHASHSEED",
-        "LC_ALL",
-        "LANG",
-        "PYTHONIOENCODING",
-        "PYTHONDONTWRITEBYTECODE",
-        "PATH",
-        "HOME",
-        "TMPDIR",
-        "LC_CTYPE",
-        "PWD",
+        "PYTHONHASHSEED", "LC_ALL", "LANG", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE", "PATH", "HOME", "TMPDIR",
+        "LC_CTYPE", "PWD",
     }
     assert got["prlimit_server"].value == got["renice_server"].value == "'PermissionError'"
     # the server's memory, environment and descriptors are closed to its children (it is undumpable); only the list of
@@ -821,9 +804,7 @@ def test_a_row_cannot_find_an_earlier_row_in_its_memory():
     "Children fork from a zygote that never saw a row: nothing of row 1 (code, input, result) is in row 2's memory."
     secret = "LRZ" + uuid.uuid4().hex
     victim = {
-        "id": "victim",
-        "code": f"def f(x):\n    note = '{secret}'\n    return note + x",
-        "input": f"'{secret[::-1]}'",
+        "id": "victim", "code": f"def f(x):\n    note = '{secret}'\n    return note + x", "input": f"'{secret[::-1]}'",
     }
     scan = """import ctypes, re
 found = set()

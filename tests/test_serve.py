@@ -15,14 +15,7 @@ def start(*args, env=None):
     port = free_port()
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "latent_rl.train",
-            "serve-teacher",
-            "--model",
-            str(TEACHER),
-            "--port",
-            str(port),
+            sys.executable, "-m", "latent_rl.train", "serve-teacher", "--model", str(TEACHER), "--port", str(port),
             *map(str, args),
         ],
         cwd=ROOT,
@@ -58,10 +51,8 @@ def raw(url, data: bytes, timeout=15.0) -> tuple[int, dict]:
 
 def post(url, obj, path="/v1/completions", headers=None, timeout=30) -> tuple[int, dict]:
     req = urllib.request.Request(
-        url + path,
-        json.dumps(obj).encode() if obj is not None else None,
-        {"Content-Type": "application/json", **(headers or {})},
-        method="POST" if obj is not None else "GET",
+        url + path, json.dumps(obj).encode() if obj is not None else None,
+        {"Content-Type": "application/json", **(headers or {})}, method="POST" if obj is not None else "GET",
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r: return r.status, json.loads(r.read())
@@ -192,16 +183,8 @@ def test_full_queue_answers_503_not_a_dropped_connection():
 def test_api_key_and_exposure():
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "latent_rl.train",
-            "serve-teacher",
-            "--model",
-            str(TEACHER),
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(free_port()),
+            sys.executable, "-m", "latent_rl.train", "serve-teacher", "--model", str(TEACHER), "--host", "0.0.0.0",
+            "--port", str(free_port()),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -244,14 +227,9 @@ def test_serve_rollouts_command_and_engine_choice():
     from conftest import run_cli
     out = run_cli("serve-rollouts", "--model", TEACHER, "--max-logprobs", 64, "--print").stdout
     for part in (
-        "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model",
-        "--generation-config vllm",
-        "--max-logprobs 64",
-        "--logprobs-mode processed_logprobs",
-        "--weight-transfer-config",
-        "--max-model-len 2048",
-        "--served-model-name teacher",
-        "--host 127.0.0.1",
+        "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model", "--generation-config vllm",
+        "--max-logprobs 64", "--logprobs-mode processed_logprobs", "--weight-transfer-config", "--max-model-len 2048",
+        "--served-model-name teacher", "--host 127.0.0.1",
     ):
         assert part in out, (part, out)
     p = run_cli(

@@ -13,11 +13,7 @@ def _toy(sigma=0.3, learn=False, steps=1):
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(
         Qwen2Config(
-            vocab_size=96,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64,
         )
     )

@@ -66,8 +66,7 @@ def test_sandbox_batch():
         ("loop_untraced", "while True:\n    pass\ndef f():\n    return 1", ("timeout (1 s)",)),
         ("memory", "def f():\n    x = bytearray(10**10)\n    return len(x)", ("memory limit",)),
         (
-            "write",
-            f"def f():\n    with open({escape!r}, 'w') as fh:\n        fh.write('x')\n    return 1",
+            "write", f"def f():\n    with open({escape!r}, 'w') as fh:\n        fh.write('x')\n    return 1",
             ("sandbox: opening",),
         ),
         (
@@ -78,8 +77,7 @@ def test_sandbox_batch():
         ("remove", "import os\ndef f():\n    os.remove('/tmp/definitely_not_here_latent_rl')", ("sandbox: os.remove",)),
         ("socket", "import socket\ndef f():\n    socket.socket().connect(('127.0.0.1', 9))", ("sandbox: network",)),
         (
-            "create_connection",
-            "import socket\ndef f():\n    return socket.create_connection(('127.0.0.1', 9))",
+            "create_connection", "import socket\ndef f():\n    return socket.create_connection(('127.0.0.1', 9))",
             ("sandbox: network",),
         ),
         ("subprocess", "import subprocess\ndef f():\n    return subprocess.run(['true'])", ("sandbox:",)),
@@ -233,9 +231,7 @@ def test_caught_and_uncaught_exceptions():
     r = trace_inprocess("def g():\n    raise ValueError('x')\ndef f():\n    try:\n        g()\n    except ValueError as e:\n        return str(e)", "")
     assert r.ok and r.value == "'x'"
     assert [(f.kind, f.line.strip()) for f in r.frames if f.kind in ("exception", "return")] == [
-        ("exception", "raise ValueError('x')"),
-        ("exception", "g()"),
-        ("return", "return str(e)"),
+        ("exception", "raise ValueError('x')"), ("exception", "g()"), ("return", "return str(e)"),
         ("return", "return f()"),
     ]
     r = trace_inprocess("def f():\n    return [][0]", "")

@@ -113,28 +113,8 @@ VLLM_ARGS = ["--use_vllm", "true", "--vllm_gpu_memory_utilization", CPU_MEM, "--
 def test_grpo_with_colocated_vllm(tmp_path, untied):
     "GRPO with vLLM rollouts: every step's first micro-batch replays the engine's own logprobs (the weights were synced)."
     p = run_cli(
-        "grpo",
-        "--recipe",
-        "none",
-        "--model",
-        untied,
-        *VLLM_ARGS,
-        "--steps",
-        3,
-        "--batch_size",
-        4,
-        "--group_size",
-        8,
-        "--max_new_tokens",
-        24,
-        "--temperature",
-        0.7,
-        "--lr",
-        3e-3,
-        "--rewards",
-        "correct:1",
-        "--out",
-        tmp_path,
+        "grpo", "--recipe", "none", "--model", untied, *VLLM_ARGS, "--steps", 3, "--batch_size", 4, "--group_size", 8,
+        "--max_new_tokens", 24, "--temperature", 0.7, "--lr", 3e-3, "--rewards", "correct:1", "--out", tmp_path,
         timeout=900,
     )
     assert "no sleep mode" in p.stdout + p.stderr
@@ -145,27 +125,8 @@ def test_grpo_with_colocated_vllm(tmp_path, untied):
 def test_gkd_with_colocated_vllm(tmp_path, untied):
     "On-policy GKD with vLLM samples of a text student, scored by the explicit-trace teacher's vocabulary-equal model."
     run_cli(
-        "gkd",
-        "--recipe",
-        "none",
-        "--model",
-        untied,
-        "--teacher",
-        ROOT / "data" / "teacher",
-        *VLLM_ARGS,
-        "--steps",
-        2,
-        "--batch_size",
-        4,
-        "--lmbda",
-        1,
-        "--max_new_tokens",
-        24,
-        "--lr",
-        1e-4,
-        "--out",
-        tmp_path,
-        timeout=900,
+        "gkd", "--recipe", "none", "--model", untied, "--teacher", ROOT / "data" / "teacher", *VLLM_ARGS, "--steps", 2,
+        "--batch_size", 4, "--lmbda", 1, "--max_new_tokens", 24, "--lr", 1e-4, "--out", tmp_path, timeout=900,
     )
     s = steps_of(tmp_path)
     assert len(s) == 2 and all(r["on_policy"] == 1 and r["jsd_loss"] > 0 and r["n_tokens"] > 0 for r in s)
@@ -191,20 +152,8 @@ def test_serve_rollouts_over_http(tmp_path, untied):
     env["PATH"] = "/usr/bin:/bin"  # no venv on PATH: the server must not need it
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "latent_rl.train",
-            "serve-rollouts",
-            "--model",
-            str(untied),
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--gpu-memory-utilization",
-            CPU_MEM,
-            "--max-logprobs",
-            "8",
+            sys.executable, "-m", "latent_rl.train", "serve-rollouts", "--model", str(untied), "--port", str(port),
+            "--dtype", "float32", "--gpu-memory-utilization", CPU_MEM, "--max-logprobs", "8",
         ],
         cwd=ROOT,
         env={**env, "PYTHONUNBUFFERED": "1"},
