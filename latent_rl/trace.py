@@ -15,8 +15,9 @@ __all__ = ['TRACE_CONTEXT_START', 'CALL_SEP', 'LINE_SEP', 'RETURN_SEP', 'EXCEPTI
            'UNSAFE_ENV', 'ROOT_ENV', 'special_token_in', 'make_context', 'prompt_text', 'row_prompt', 'Frame',
            'render_frame', 'render_trace', 'TraceTimeout', 'TraceResult', 'trace_inprocess', 'ParsedTrace',
            'parse_trace', 'predicted_value', 'same_value', 'seccomp_program', 'SandboxUnavailable', 'unsafe_allowed',
-           'root_jails_allowed', 'root_launcher_problem', 'sandbox_status', 'sandbox_notice', 'special_in_frames',
-           'TracePool', 'trace_rows', 'trace_one', 'trace_file', 'sandbox_report', 'find_cruxeval']
+           'root_jails_allowed', 'root_launcher_problem', 'sandbox_status', 'sandbox_notice', 'read',
+           'special_in_frames', 'TracePool', 'imap', 'map', 'trace_rows', 'trace_one', 'trace_file', 'sandbox_report',
+           'find_cruxeval']
 
 # %% ../nbs/00_trace.ipynb #058e45e0
 TRACE_CONTEXT_START = "<|trace_context_start|>"
@@ -1236,8 +1237,18 @@ class _Jail:
                 import subprocess
                 subprocess.run(["rm", "-rf", "--", self.scratch], capture_output=True)
 
+# %% ../nbs/00_trace.ipynb #methodof1
+def _method_of(cls):
+    """Decorator: the function becomes `cls`'s method of its name, so a class can be written over several cells (like
+    fastcore's `@patch`, but in the standard library: the jail imports this module); the module's name is left as it was."""
+    def add(f):
+        setattr(cls, f.__name__, f)
+        return sys._getframe(1).f_globals.get(f.__name__, getattr(builtins, f.__name__, None))
+    return add
+
 # %% ../nbs/00_trace.ipynb #b9a25fce
-def _jail_read(self: _Jail, max_bytes: int):
+@_method_of(_Jail)
+def read(self: _Jail, max_bytes: int):
     "Complete messages `(header, payload)` received so far; None at end of file. Raises `_ProtocolError`."
     data = os.read(self.fd, 1 << 20)
     if not data: return None
@@ -1260,8 +1271,6 @@ def _jail_read(self: _Jail, max_bytes: int):
         msgs.append((self.head, bytes(self.buf[:n])))
         del self.buf[:n]
         self.head = None
-
-_Jail.read = _jail_read
 
 # %% ../nbs/00_trace.ipynb #ac54c29a
 _KINDS = frozenset(("call", "line", "return", "exception"))
@@ -1446,7 +1455,8 @@ class TracePool:
 # %% ../nbs/00_trace.ipynb #6c9a7172
 # Long on purpose: one event loop owns every worker's state (dispatch, timeouts, respawn, results), and splitting it
 # would pass that state around between functions that only make sense together.
-def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "trace"):
+@_method_of(TracePool)
+def imap(self: TracePool, rows, *, progress: bool = True, desc: str = "trace"):
     "Trace every row (`code`, `input`, optional `id`) in the sandbox; yields `(index, TraceResult)` as rows finish, one"
     "per row, always: a row that cannot run (bad fields, a jail that will not start) is answered with its reason."
     from tqdm.auto import tqdm
@@ -1576,14 +1586,13 @@ def _pool_imap(self: TracePool, rows, *, progress: bool = True, desc: str = "tra
         bar.close()
 
 # %% ../nbs/00_trace.ipynb #4fbe536e
-def _pool_map(self: TracePool, rows, *, progress: bool = True, desc: str = "trace") -> list[TraceResult]:
+@_method_of(TracePool)
+def map(self: TracePool, rows, *, progress: bool = True, desc: str = "trace") -> list[TraceResult]:
     "Trace every row (`code`, `input`, optional `id`) in the sandbox; results in input order, one per row, always."
     rows = list(rows)
     results = [None] * len(rows)
     for i, res in self.imap(rows, progress=progress, desc=desc): results[i] = res
     return results
-
-TracePool.imap, TracePool.map = _pool_imap, _pool_map
 
 # %% ../nbs/00_trace.ipynb #b163d9d4
 def trace_rows(rows,                                # dicts with `code`, `input` (strings) and optionally `id`

@@ -642,9 +642,9 @@ def test_jail_read_rejects_malformed_frames():
         os.write(w, data)
         os.close(w)
         try:
-            if ok: assert T._jail_read(Fake(r), 1 << 20) == [({"n": 3}, b"abc"), ({"n": 0}, b"")]
+            if ok: assert T._Jail.read(Fake(r), 1 << 20) == [({"n": 3}, b"abc"), ({"n": 0}, b"")]
             else:
-                with pytest.raises(T._ProtocolError): T._jail_read(Fake(r), 1 << 20)
+                with pytest.raises(T._ProtocolError): T._Jail.read(Fake(r), 1 << 20)
         finally: os.close(r)
 
 
