@@ -660,7 +660,8 @@ def _timed(fn, device):
 
 # %% ../nbs/27_bench.ipynb #167f3a3f
 def stages_bench(quick: bool = False, device: str = "cpu", arch: str = "tiny", batch_size: int | None = None) -> dict:
-    "Throughput and peak memory of the SFT, CODI, GKD and GRPO steps on a randomly initialised model of architecture `arch`."
+    """Throughput and peak memory of the SFT, CODI, GKD and GRPO steps on a randomly initialised model of architecture
+    `arch`."""
     if arch not in ARCHS: raise SystemExit(f"unknown --arch {arch!r}: choose from {sorted(ARCHS)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench stages --device cuda: no CUDA device here (run it on a GPU machine; CI skips it)")
@@ -827,7 +828,8 @@ def _ckpt_child(spec: str):
     )
 
 def ckpt_bench(quick: bool = False, size: str = "small", batch: int = 16, latent_steps: int = 3) -> dict:
-    "Peak memory and time of a CODI step with and without activation checkpointing of the latent passes (fresh processes)."
+    """Peak memory and time of a CODI step with and without activation checkpointing of the latent passes (fresh
+    processes)."""
     rows = []
     for ckpt in (False, True):
         spec = json.dumps(dict(ckpt=ckpt, size="nano" if quick else size, batch=4 if quick else batch,

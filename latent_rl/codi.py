@@ -90,7 +90,8 @@ SS_SALT, TF_SALT = (1_000_003, 100_003), (1_000_033, 100_019)
 
 # %% ../nbs/18_codi.ipynb #8d2abbbe
 def load_frozen_teacher(cfg: CodiConfig, lm: LatentModel, tok, device) -> nn.Module | None:
-    "The frozen teacher of `cfg.teacher` (None: the student's own weights teach), refused when it cannot teach this student."
+    """The frozen teacher of `cfg.teacher` (None: the student's own weights teach), refused when it cannot teach this
+    student."""
     if not cfg.teacher: return None
     teacher, ttok = load_model(cfg.teacher, dtype=teacher_dtype(cfg))
     if ttok.get_vocab() != tok.get_vocab():

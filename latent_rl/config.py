@@ -93,7 +93,8 @@ def config_from_dict(cls, d: dict, where: str = "config"):
     return cls(**{k: check_field(k, names[k].type, v, where) for k, v in d.items()})
 
 def _file_fields(cls, path) -> dict:
-    "The fields a `--config` file gives `cls`: the file itself, or its `[cls]` section when it is a whole-pipeline file."
+    """The fields a `--config` file gives `cls`: the file itself, or its `[cls]` section when it is a whole-pipeline
+    file."""
     f = load_config_file(path)
     sections = sorted(k for k, v in f.items() if isinstance(v, dict))
     if not sections: return f
@@ -215,7 +216,8 @@ class TrainConfig:
 # %% ../nbs/14_config.ipynb #c38483f2
 @dataclass
 class VLLMConfig(TrainConfig):
-    "`TrainConfig` and the vLLM rollout fields GKD and GRPO share (text policies; latent policies use the latent decoder)."
+    """`TrainConfig` and the vLLM rollout fields GKD and GRPO share (text policies; latent policies use the latent
+    decoder)."""
     use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
     vllm_mode: str = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
     vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL
@@ -241,5 +243,6 @@ def check_precision(cfg, params):
     print(f"warning: training {', '.join(low)} weights (pure_low_precision): small updates round away", file=sys.stderr)
 
 def teacher_dtype(cfg) -> str:
-    "A frozen teacher trains nothing: under bf16 compute it is held in bf16 (half the memory), else in the weights' dtype."
+    """A frozen teacher trains nothing: under bf16 compute it is held in bf16 (half the memory), else in the weights'
+    dtype."""
     return "bf16" if getattr(cfg, "precision", "fp32") == "bf16" else cfg.dtype

@@ -21,7 +21,8 @@ class RowError(ValueError):
     "A malformed CRUXEval-format row: the message names file, line and field."
 
 def _parse(src: str, mode: str = "exec"):
-    "`ast.parse`; a pathological source (nested thousands deep) raises `SyntaxError` too, never RecursionError/MemoryError."
+    """`ast.parse`; a pathological source (nested thousands deep) raises `SyntaxError` too, never
+    RecursionError/MemoryError."""
     try: return ast.parse(src, mode=mode)
     except (RecursionError, MemoryError) as e:
         raise SyntaxError(f"too deeply nested to parse ({type(e).__name__})") from None

@@ -200,7 +200,8 @@ def comparisons(d: DemoRun) -> list[dict]:
             for a, b, what in COMPARISONS if a in d.correct and b in d.correct]
 
 def results_md(res: dict, comps: list[dict] = (), title: str = "") -> str:
-    "The demo's table: accuracy per stage and mode with CIs and the shuffled-latents delta, then the paired comparisons."
+    """The demo's table: accuracy per stage and mode with CIs and the shuffled-latents delta, then the paired
+    comparisons."""
     L = ([f"**{title}**", ""] if title else []) + [
         "| stage | mode | accuracy | 95% CI | latents shuffled: Δ (95% CI) | format valid | n |",
         "|---|---|---:|---:|---:|---:|---:|",

@@ -60,7 +60,8 @@ def length_bucket(n: int | None) -> str:
     return "?"
 
 def accuracy_by_length(records: dict[str, list[dict]]) -> dict:
-    "`{mode: {bucket: {n, exact, format_valid}}}` (rates; `None` for an empty bucket), buckets in `BUCKETS` order + 'all'."
+    """`{mode: {bucket: {n, exact, format_valid}}}` (rates; `None` for an empty bucket), buckets in `BUCKETS` order +
+    'all'."""
     out = {}
     for mode, recs in records.items():
         groups = {name: [] for name, _, _ in BUCKETS}
@@ -202,7 +203,8 @@ def fit_probe(Xtr, ytr, Xte, yte, lams=LAMBDAS, seed: int = 0) -> tuple[float, d
 def collect_states(lm, tok, rows: list[dict], *, teacher=None, batch_size: int = 32, max_len: int = 384,
                    progress: bool = True, desc: str = "states") -> dict:
     """Per span of every usable row: latent vectors `latents` [N, S, H], student anchor states `student` [N, L, H],
-    teacher anchor states `teacher` [N, L, H] (numpy, float32), probe targets `var`/`value`, `row` ids and `span` index."""
+    teacher anchor states `teacher` [N, L, H] (numpy, float32), probe targets `var`/`value`, `row` ids and `span`
+    index."""
     n_layers = lm.model.config.num_hidden_layers
     opts = CodiOptions(kd_layers=tuple(range(n_layers + 1)))
     usable, skipped = [], 0
@@ -350,7 +352,8 @@ class LatentBank:
 USAGE_VARIANTS = ("shuffle", "zero", "mean", "noise", "explicit_last", "explicit_last2")
 
 def explicit_prefix(trace: str, j: int) -> str:
-    "The true trace up to and including its j-th last LINE frame's `<|line_sep|>` (the blocks from there on stay latent)."
+    """The true trace up to and including its j-th last LINE frame's `<|line_sep|>` (the blocks from there on stay
+    latent)."""
     cuts = [m.end() for m in re.finditer(re.escape(LINE_SEP), trace)]
     return trace[:cuts[-j]] if len(cuts) >= j else ""
 
@@ -487,7 +490,8 @@ def smooth(values, window: int | None = None) -> list[float]:
     return [float((c[i + 1] - c[max(0, i + 1 - w)]) / (i + 1 - max(0, i + 1 - w))) for i in range(len(v))]
 
 def plateau_step(steps, values, frac: float = 0.02, window: int | None = None) -> tuple[int | None, dict]:
-    "The first step after which the smoothed value never improves by more than `frac` of its range; and `{first, min, min_step, final, range}`."
+    """The first step after which the smoothed value never improves by more than `frac` of its range; and `{first, min,
+    min_step, final, range}`."""
     if not len(values): return None, {}
     m = np.array(smooth(values, window))
     rng = float(m.max() - m.min())
@@ -498,7 +502,8 @@ def plateau_step(steps, values, frac: float = 0.02, window: int | None = None) -
 
 # %% ../nbs/22_diagnose.ipynb #463bc9be
 def kd_floor(run) -> dict | None:
-    "Per-layer KD residual curves, their plateau steps and the losses' plateaus from a CODI run directory (None if no records)."
+    """Per-layer KD residual curves, their plateau steps and the losses' plateaus from a CODI run directory (None if no
+    records)."""
     run = Path(run)
     out = {"layers": [], "steps": [], "per_layer": [], "table": [], "by_anchor": [], "losses": {}}
     ka = run / "kd_anchors.jsonl"
@@ -636,7 +641,8 @@ def fig_kd_floor(kd: dict):
 
 # %% ../nbs/22_diagnose.ipynb #beae7a39
 def diagnostics_figures(report: dict) -> dict:
-    "`{name: matplotlib Figure}` for every view the report has data for (accuracy_by_length, faithfulness, probes, kd_floor, usage)."
+    """`{name: matplotlib Figure}` for every view the report has data for (accuracy_by_length, faithfulness, probes,
+    kd_floor, usage)."""
     figs = {
         "accuracy_by_length": fig_accuracy_by_length(report.get("by_length") or {}),
         "faithfulness": fig_faithfulness(report.get("faithfulness") or {}),
@@ -807,7 +813,8 @@ def render_markdown(rep: dict) -> str:
 
 # %% ../nbs/22_diagnose.ipynb #b1cfb97d
 def load_report(path) -> dict:
-    "The report dictionary of a diagnosis: `path` is a `report.json`, a diagnosis directory, or a run with `diagnosis/`."
+    """The report dictionary of a diagnosis: `path` is a `report.json`, a diagnosis directory, or a run with
+    `diagnosis/`."""
     p = Path(path)
     for q in (p, p / "report.json", p / "diagnosis" / "report.json"):
         if q.is_file(): return json.loads(q.read_text())

@@ -205,7 +205,8 @@ def param_checksum(params, acc, sharded: bool) -> list[float]:
     return g.tolist()
 
 def full_state_dict(eng: Engine) -> dict | None:
-    "The whole model's weights gathered once onto rank 0's CPU (every rank must call it); None where nothing is sharded."
+    """The whole model's weights gathered once onto rank 0's CPU (every rank must call it); None where nothing is
+    sharded."""
     if not (eng.sharded and eng.wrapped): return None
     sd = get_model_state_dict(eng.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     seen, tied = set(), set()                          # a tied head is saved once, as Hugging Face saves it

@@ -76,7 +76,8 @@ def true_line_frames(row: dict) -> int | None:
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_tokens: int = 384, progress: bool = True,
              desc: str = "eval", generate_fn=None) -> dict:
-    "Greedy output prediction on `rows`; returns `{accuracy, ci, format_valid, n, seconds, records}` (+ `latents` per row when the rollouts carry them)."
+    """Greedy output prediction on `rows`; returns `{accuracy, ci, format_valid, n, seconds, records}` (+ `latents` per
+    row when the rollouts carry them)."""
     if model is not None: model.eval()
     gen = generate_fn or (
         lambda prompts: generate_text(
@@ -145,7 +146,8 @@ def load_records(path) -> list[dict]:
 
 # %% ../nbs/21_evaluate.ipynb #9032edad
 def load_eval_rows(path, limit: int = 0, progress: bool = True) -> list[dict]:
-    "Every row of a CRUXEval-format file, its own `output` the truth; untraced rows get `trace`/`n_line_frames` when the"
+    """Every row of a CRUXEval-format file, its own `output` the truth; untraced rows get `trace`/`n_line_frames` when
+    the"""
     "sandbox can. A step-data file (multiplication, GSM8k-Aug, GSM8K) gives its rows as traces (`to_trace_row`)."
     if is_step_file(path): return [to_trace_row(r) for r in load_step_rows(path, limit or None)]
     rows = load_rows(path, limit or None)

@@ -99,7 +99,8 @@ def _take(keep: torch.Tensor, *xs):
     return tuple(None if x is None else x[keep] for x in xs)
 
 def _by_row(fn, rows: torch.Tensor, B: int, *xs):
-    "`fn` called on `[B, ...]` tensors indexed by the prompts' rows (zeros at rows that left), its result at the live slots."
+    """`fn` called on `[B, ...]` tensors indexed by the prompts' rows (zeros at rows that left), its result at the live
+    slots."""
     full = [x.new_zeros(B, *x.shape[1:]).index_copy(0, rows, x) for x in xs]
     return fn(*full)[rows]
 

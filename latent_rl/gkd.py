@@ -79,7 +79,8 @@ def resample_overlong(
 def value_mask(
     completions: list[list[int]], arg_id: int, frame_id: int, N: int | None = None, device=None
 ) -> torch.Tensor:
-    "`[B, N]` True at the tokens of each return value: after an `<|arg_sep|>`, up to and including the next `<|frame_sep|>`."
+    """`[B, N]` True at the tokens of each return value: after an `<|arg_sep|>`, up to and including the next
+    `<|frame_sep|>`."""
     N = N or max(1, max(map(len, completions)))
     c = completion_labels(completions, N)                                               # [B, N], -100 past each end
     pos = torch.arange(N).expand_as(c)                                                  # [B, N]
@@ -98,7 +99,8 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
              return_hidden: bool = False, value_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
     """GKD loss of a micro-batch of `{prompt, completion, latent_at, row}` items: JSD_β (+ sft_alpha·CE on dataset
     completions). The return value's tokens count `value_weight` times (`(Σ_rest + w·Σ_value) / n`); their JSD and the
-    rest's are logged apart (`jsd_value`, `jsd_rest`). `return_hidden` adds the student's detached `hidden [B, N, H]`."""
+    rest's are logged apart (`jsd_value`, `jsd_rest`). `return_hidden` adds the student's detached `hidden [B, N,
+    H]`."""
     P, C, LA = [it["prompt"] for it in items], [it["completion"] for it in items], [it["latent_at"] for it in items]
     N = max(1, max(map(len, C)))
     mask = sampled_mask(C, LA if policy.kind == "latent" else None, N, policy.device)   # [B, N]
@@ -180,7 +182,8 @@ def make_teacher(cfg: GKDConfig, policy: Policy, acc=None) -> Teacher:
 
 # %% ../nbs/19_gkd.ipynb #2864a4c7
 def _record_logprobs(rec, step, policy, items, teacher_out, temperature, hidden, n=4):
-    "A few sequences' (student, teacher) logprob pairs for the inspectors (`logprobs.jsonl`), from the loss's hidden states."
+    """A few sequences' (student, teacher) logprob pairs for the inspectors (`logprobs.jsonl`), from the loss's hidden
+    states."""
     with torch.no_grad():
         it = items[:n]
         C, LA = [x["completion"] for x in it], [x["latent_at"] for x in it]

@@ -263,7 +263,8 @@ def save_figure(fig: Figure, path, dpi: int = 110) -> Path:
 
 # %% ../nbs/23_inspect.ipynb #d0f6241f
 class Inspector:
-    "Base: named ipywidgets `controls` drive `figure(**values)`; `fig` is the latest figure; displaying shows the widget."
+    """Base: named ipywidgets `controls` drive `figure(**values)`; `fig` is the latest figure; displaying shows the
+    widget."""
     controls: dict = {}
     def _setup(self, **controls):
         self.controls, self._fig, self._hold, self._out = controls, None, False, None

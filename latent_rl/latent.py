@@ -62,7 +62,8 @@ class LatentModel(nn.Module):
     def embed(self, ids): return self.model.get_input_embeddings()(ids)
 
     def save(self, path, tok=None, state_dict: dict | None = None):
-        "A directory HF loads as a normal model, plus `projector.pt` and `latent_spec.json` (of `state_dict` when given)."
+        """A directory HF loads as a normal model, plus `projector.pt` and `latent_spec.json` (of `state_dict` when
+        given)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         sd = state_dict or {}
@@ -104,7 +105,8 @@ class LatentModel(nn.Module):
 
     def set_noise(self, sigma: float, learn: bool = False):
         """Make the latent policy stochastic: σ per dimension = `sigma` × the latents' scale in that dimension, the
-        gain of the projector's LayerNorm (1 for a fresh projector; the embeddings' std after `init_projector_to_embeddings`)."""
+        gain of the projector's LayerNorm (1 for a fresh projector; the embeddings' std after
+        `init_projector_to_embeddings`)."""
         g = self.prj[-1].weight.detach().float().abs().clamp_min(1e-6)               # [H]
         self.noise = LatentNoise(sigma * g, learn).to(g.device)
         return self
@@ -214,7 +216,8 @@ class TeacherPass:
 def teacher_pass(lm: LatentModel, examples, layers, teacher=None, want_logits=False, chunk_size: int = 1024,
                  grad_ckpt: bool = False, gather: dict | None = None) -> TeacherPass:
     """The teacher's CE, anchor states and any `gather = {name: (rows [M], positions [M])}` states, from one forward.
-    `grad_ckpt` recomputes the shared-weight teacher's layers in backward (the full-sequence pass is the memory peak)."""
+    `grad_ckpt` recomputes the shared-weight teacher's layers in backward (the full-sequence pass is the memory
+    peak)."""
     dev = lm.head_weight.device
     full = [list(e["prompt_ids"]) + list(e["trace_ids"]) for e in examples]
     ids, am = _pad(full, 0).to(dev), _pad([[1] * len(f) for f in full], 0).to(dev)  # [B, S] each
@@ -284,7 +287,8 @@ def check_codi_model(model):
 
 # %% ../nbs/07_latent.ipynb #f9151779
 def _phase_batch(phase: list, dev):
-    "One phase of every example as padded tensors: ids, mask, trace index (-1: not a trace token), labels [B, L]; lengths [B]."
+    """One phase of every example as padded tensors: ids, mask, trace index (-1: not a trace token), labels [B, L];
+    lengths [B]."""
     lens = torch.tensor([len(t) for t, _ in phase], device=dev)                      # [B]
     ids, ti = _pad([t for t, _ in phase], 0).to(dev), _pad([i for _, i in phase], -1).to(dev)   # [B, L] each
     m = (torch.arange(ids.shape[1], device=dev)[None] < lens[:, None]).long()          # [B, L]
@@ -301,7 +305,8 @@ def _phase_call(lm, ids, m, p_ids, cols, pend) -> tuple[dict, int]:
                 position_ids=torch.cat([zpos[:, None], p_ids], 1)), 1
 
 def _scheduled_input(body, head, call: tuple[dict, int], cache, ids, lens, coins, final):
-    "Scheduled sampling: the code after `<|action_sep|>` replaced by the student's own argmax (side pass, detached cache)."
+    """Scheduled sampling: the code after `<|action_sep|>` replaced by the student's own argmax (side pass, detached
+    cache)."""
     (kw, off), col = call, torch.arange(ids.shape[1], device=ids.device)[None]
     with torch.no_grad():
         side = body(**kw, use_cache=True, **cache_kw(body, copy_cache(cache)))
@@ -322,7 +327,8 @@ def student_pass(
     """The batched student: prompt, then per span text up to `<|line_sep|>` + `<|latent_start|>`, a latent block, and
     `<|latent_end|>` + the text from `<|action_sep|>`; all examples in lockstep in one KV cache. `layers` (hidden_states
     indices) selects the anchor states to return (None: the last layer only, without `output_hidden_states`).
-    `forced_latents [B, K, S]` token ids (-1: none) replace latent inputs with those tokens' embeddings (teacher forcing)."""
+    `forced_latents [B, K, S]` token ids (-1: none) replace latent inputs with those tokens' embeddings (teacher
+    forcing)."""
     spec, body, head = lm.spec, lm.body, lm.head
     W, dev, B = head.weight, head.weight.device, len(examples)
     check_codi_model(lm.model)
@@ -466,7 +472,8 @@ def _slice_rows(kw: dict, g: list[int], K: int, T: int) -> dict:
 
 # %% ../nbs/07_latent.ipynb #e6088061
 def _merge_passes(parts: list[StudentPass], groups: list[list[int]], K: int, T: int) -> StudentPass:
-    "One `StudentPass` in batch order from the passes of `groups` (rows missing a span or token padded as lockstep pads)."
+    """One `StudentPass` in batch order from the passes of `groups` (rows missing a span or token padded as lockstep
+    pads)."""
     order = torch.tensor([b for g in groups for b in g])
     inv = torch.empty_like(order)
     inv[order] = torch.arange(len(order))
@@ -586,7 +593,8 @@ def recon_loss(lm: LatentModel, examples: list[dict], latents: torch.Tensor,   #
 
 # %% ../nbs/07_latent.ipynb #e64b6c8d
 def _anchor_kd(opts: CodiOptions, S, tp: TeacherPass, valid, head):
-    "The seed's KD at each span's `<|action_sep|>` (`losses.anchor_kd_loss`): per-example loss [B], distances [B, K, L_sel]."
+    """The seed's KD at each span's `<|action_sep|>` (`losses.anchor_kd_loss`): per-example loss [B], distances [B, K,
+    L_sel]."""
     if opts.kd_target == "logit":
         loss, m = anchor_kd_loss(head.logits(S[:, :, 0]), tp.logits, valid, target="logit", temperature=opts.kd_temp)
     else: loss, m = anchor_kd_loss(S, tp.anchors, valid, normalize_by_teacher_std=opts.kd_norm_std)

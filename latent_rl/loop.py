@@ -127,7 +127,8 @@ class RunDirBusy(RuntimeError): "Another live process is training in this run di
 _LOCKS: dict = {}
 
 def lock_run_dir(out) -> None:
-    "Hold an exclusive lock on `OUT/.lock` until `release_run_dir` or exit: a second run on the same `--out` is refused."
+    """Hold an exclusive lock on `OUT/.lock` until `release_run_dir` or exit: a second run on the same `--out` is
+    refused."""
     out = Path(out).resolve()
     if str(out) in _LOCKS: return                          # this process holds it (stages run one after another)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +159,8 @@ RESUME_MAY_CHANGE = {
 }
 
 def config_changes(old: dict, new: dict) -> dict:
-    "`{field: [saved, now]}` for the fields a resumed run would change (fields the saved config lacks keep their default)."
+    """`{field: [saved, now]}` for the fields a resumed run would change (fields the saved config lacks keep their
+    default)."""
     return {k: [old[k], v] for k, v in new.items() if k in old and k not in RESUME_MAY_CHANGE and old[k] != v}
 
 def _prepare(cfg) -> None:
@@ -190,7 +192,8 @@ def _prepare(cfg) -> None:
 
 # %% ../nbs/16_loop.ipynb #4c08854a
 def write_config(cfg, acc):
-    "Check the run directory on rank 0 (lock, fresh / overwrite / resume) and save the resolved config; every rank raises the same error."
+    """Check the run directory on rank 0 (lock, fresh / overwrite / resume) and save the resolved config; every rank
+    raises the same error."""
     err = None
     if acc.is_main_process:
         try: _prepare(cfg)
@@ -362,7 +365,8 @@ def write_checkpoint(stage: Stage, eng: Engine, opt, sched, step: int) -> None:
 
 # %% ../nbs/16_loop.ipynb #154932a0
 def train_step(stage: Stage, eng: Engine, step: int, idx: list[int], amp) -> tuple[list[dict], float]:
-    "Forward and backward of this rank's share of the global batch `idx`, micro-batch by micro-batch; (metrics, seconds)."
+    """Forward and backward of this rank's share of the global batch `idx`, micro-batch by micro-batch; (metrics,
+    seconds)."""
     cfg, acc = stage.cfg, stage.acc
     W = acc.num_processes
     micro, mine, ms, t = cfg.batch_size // (W * cfg.grad_accum), idx[acc.process_index::W], [], 0.0
@@ -472,7 +476,8 @@ def finish_run(stage: Stage, summary: dict, engine: Engine | None = None) -> Pat
 
 # %% ../nbs/16_loop.ipynb #b3dae85b
 def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
-    """With `cfg.lora_r`: LoRA adapters in the HF `model` (inside the trained `module`), everything else in it frozen, and
+    """With `cfg.lora_r`: LoRA adapters in the HF `model` (inside the trained `module`), everything else in it frozen,
+    and
     the trainable weights as fp32 masters. A bf16 base then needs bf16 compute (`--precision bf16`, autocast)."""
     if not cfg.lora_r: return
     if cfg.dtype not in ("fp32", "float32") and cfg.precision != "bf16":
@@ -484,7 +489,8 @@ def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
 
 # %% ../nbs/16_loop.ipynb #4b1596f2
 def load_traced(path, limit: int = 0, progress: bool = True, step_blocks: str = "each") -> list[dict]:
-    "CRUXEval-format rows with traces (a step-data file's rows come as traces, `latent_rl.steps`): rows without a `trace`"
+    """CRUXEval-format rows with traces (a step-data file's rows come as traces, `latent_rl.steps`): rows without a
+    `trace`"""
     "field are traced in the sandbox (failures dropped; "
     "`SandboxUnavailable` where it cannot start, unless `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."
     if is_step_file(path):                    # steps: traces already (a latent block per step, or one: `step_blocks`)
@@ -502,7 +508,8 @@ def load_traced(path, limit: int = 0, progress: bool = True, step_blocks: str = 
 
 # %% ../nbs/16_loop.ipynb #0ba4bd17
 def wandb_settings(cfg, stage: str) -> dict | None:
-    """`wandb.init` arguments as a cluster expects them: `WANDB_MODE`, `WANDB_PROJECT`, `WANDB_ENTITY` and `WANDB_RUN_GROUP`
+    """`wandb.init` arguments as a cluster expects them: `WANDB_MODE`, `WANDB_PROJECT`, `WANDB_ENTITY` and
+    `WANDB_RUN_GROUP`
     win over the config; the run is named after its directory and grouped by the parent directory; its id is kept in
     `OUT/wandb_id`, so `--resume` continues the same W&B run. None when W&B is off."""
     mode = os.environ.get("WANDB_MODE") or cfg.wandb

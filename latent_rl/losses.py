@@ -74,7 +74,8 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
               densities: bool = False,               # entries are log-densities (stochastic latents): may exceed 0
              ) -> tuple[torch.Tensor, dict]:
     """PPO-clipped GRPO loss against rollout logprobs, with 'sequence' or step-exact 'token' normalisation; with
-    `kl_beta > 0`, plus `kl_beta · k3` per token, k3 = exp(ref − logp) − (ref − logp) − 1 ≥ 0 (unbiased for KL(π‖π_ref) on samples of π)."""
+    `kl_beta > 0`, plus `kl_beta · k3` per token, k3 = exp(ref − logp) − (ref − logp) − 1 ≥ 0 (unbiased for KL(π‖π_ref)
+    on samples of π)."""
     if logp_inf is None:
         raise ValueError("grpo_loss needs the rollout engine's logprobs (logp_inf) for the importance ratio; "
                          "got None. Make the generator return per-token logprobs of the sampled tokens "

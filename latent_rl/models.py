@@ -29,7 +29,8 @@ def resolve_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 def _generic_fast_tokenizer(path) -> bool:
-    "True for a local directory whose tokenizer is a plain `tokenizer.json` pipeline (e.g. the one `train_tokenizer` makes)."
+    """True for a local directory whose tokenizer is a plain `tokenizer.json` pipeline (e.g. the one `train_tokenizer`
+    makes)."""
     cfg = Path(path) / "tokenizer_config.json"
     if not cfg.exists(): return False
     import json
@@ -50,7 +51,8 @@ def load_tokenizer(name_or_path):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 def check_vocab(tok, model, where: str):
-    "Refuse a tokenizer that does not belong to `model`: more tokens (before the trace tokens are added) than embedding rows."
+    """Refuse a tokenizer that does not belong to `model`: more tokens (before the trace tokens are added) than
+    embedding rows."""
     base, rows = len(tok) - getattr(tok, "_latent_rl_added", 0), model.get_input_embeddings().weight.shape[0]
     if base > rows:
         raise ValueError(
@@ -189,7 +191,8 @@ def add_lora(model: nn.Module, r: int, alpha: float = 16.0, targets: str = LORA_
     return model
 
 def fp32_masters(module: nn.Module) -> None:
-    "Every trainable weight of `module` in fp32: over a bf16 base, the adapters (and a latent projector) train as fp32 masters."
+    """Every trainable weight of `module` in fp32: over a bf16 base, the adapters (and a latent projector) train as fp32
+    masters."""
     for p in module.parameters():
         if p.requires_grad and p.dtype != torch.float32: p.data = p.data.float()
 
@@ -212,7 +215,8 @@ def merge_lora(sd: dict, scale: float) -> dict:
     return out
 
 def export_state(module: nn.Module, state_dict: dict | None = None) -> dict | None:
-    "The state to save as a model: merged when `module` holds LoRA adapters, else `state_dict` unchanged (None = its own)."
+    """The state to save as a model: merged when `module` holds LoRA adapters, else `state_dict` unchanged (None = its
+    own)."""
     scale = lora_scale(module)
     if scale is None: return state_dict
     return merge_lora(state_dict if state_dict is not None else module.state_dict(), scale)

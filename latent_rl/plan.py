@@ -124,7 +124,8 @@ def layer_act_bytes(s: ModelShape, b: int, r: int) -> int:
 
 def pass_tokens(pc: PlanConfig) -> tuple[int, int, int]:
     """(tokens through the trainable passes, through a no-grad teacher pass, Σ attended prefix over the cached calls)
-    of one micro-batch: a latent pass runs `spans + 1` phases and `spans × (latent_steps − 1)` one-token calls, each of which
+    of one micro-batch: a latent pass runs `spans + 1` phases and `spans × (latent_steps − 1)` one-token calls, each of
+    which
     keeps the keys and values it attended to (the cache so far, half the sequence on average) for backward."""
     T = pc.micro_batch * pc.seq
     latent = pc.stage == "codi" or (pc.latent and pc.stage in ("gkd", "grpo"))

@@ -44,7 +44,8 @@ def completion_labels(completions: list[list[int]], N: int | None = None, device
 
 def sampled_mask(completions: list[list[int]], latent_at: list[list[int]] | None = None, N: int | None = None,
                  device=None) -> torch.Tensor:
-    "`[B, N]` True at tokens the policy sampled: real tokens, minus the forced `<|action_sep|>` after each latent block."
+    """`[B, N]` True at tokens the policy sampled: real tokens, minus the forced `<|action_sep|>` after each latent
+    block."""
     N = N or max(1, max(map(len, completions)))
     m = torch.zeros(len(completions), N, dtype=torch.bool)
     for b, c in enumerate(completions):
@@ -56,7 +57,8 @@ def sampled_mask(completions: list[list[int]], latent_at: list[list[int]] | None
 def replay_hidden(
     lm: LatentModel, prompts, completions, latent_at, call_cost: float = CALL_COST
 ) -> tuple[torch.Tensor, dict]:
-    "(`[B, N, H]` states predicting each completion token, exactly replayed in `phase_groups`; {positions_run, positions_real, calls})."
+    """(`[B, N, H]` states predicting each completion token, exactly replayed in `phase_groups`; {positions_run,
+    positions_real, calls})."""
     ex, N = replay_examples(prompts, completions, latent_at), max(1, max(map(len, completions)))
     sp = grouped_student_pass(lm, ex, call_cost, ce=False, return_hidden=True)
     # [B, N, H]
@@ -97,7 +99,8 @@ class Policy:
     def pad_id(self): return self.tok.pad_token_id
 
     def save(self, path, state_dict: dict | None = None):
-        "Save as a model directory of this policy's kind (the weights of `state_dict` when given: gathered FSDP2 shards)."
+        """Save as a model directory of this policy's kind (the weights of `state_dict` when given: gathered FSDP2
+        shards)."""
         path = Path(path)
         if self.kind == "latent": self.model.save(path, self.tok, state_dict)
         else:
@@ -166,7 +169,8 @@ class Policy:
 
 # %% ../nbs/10_policy.ipynb #cd2e17d6
 def _replay_inputs(lm: LatentModel, prompts, completions, latent_at, latents):
-    """A rollout's sequences as model inputs with its recorded `latents` (per row `[n_blocks, S, H]`) at the latent slots:
+    """A rollout's sequences as model inputs with its recorded `latents` (per row `[n_blocks, S, H]`) at the latent
+    slots:
     (embeddings `[B, L, H]`, attention mask and positions `[B, L]`, slot rows and positions `[M]` (row-major), the
     vectors `[M, H]`, the position predicting each completion token `[B, N]`)."""
     sp, dev, S = lm.spec, lm.head_weight.device, lm.spec.latent_steps
@@ -192,7 +196,8 @@ def _replay_inputs(lm: LatentModel, prompts, completions, latent_at, latents):
 
 def _recorded_forward(lm: LatentModel, emb, am, pos, bi, li, Z, hop: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(`[B, L, H]` states, `[M, H]` μ = `prj` of the state before each slot) with the recorded `Z` fed at the slots;
-    `hop` runs a second forward feeding `Z + μ − sg(μ)`: the same values, a gradient one hop back along the latent chain."""
+    `hop` runs a second forward feeding `Z + μ − sg(μ)`: the same values, a gradient one hop back along the latent
+    chain."""
     # [B, L, H]
     h = lm.body(inputs_embeds=emb, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state
     mu = lm.prj(h[bi, li - 1])  # [M, H]
@@ -204,7 +209,8 @@ def _recorded_forward(lm: LatentModel, emb, am, pos, bi, li, Z, hop: bool) -> tu
     return h, mu
 
 def truncated_replay_hidden(lm: LatentModel, prompts, completions, latent_at, latents) -> torch.Tensor:
-    "`[B, N, H]` states predicting each completion token, replaying the recorded `latents` (per row `[n_blocks, S, H]`)."
+    """`[B, N, H]` states predicting each completion token, replaying the recorded `latents` (per row `[n_blocks, S,
+    H]`)."""
     emb, am, pos, bi, li, Z, P = _replay_inputs(lm, prompts, completions, latent_at, latents)
     h, _ = _recorded_forward(lm, emb, am, pos, bi, li, Z, hop=True)                           # [B, L, H]
     return h.gather(1, P[..., None].expand(-1, -1, h.shape[-1]))                              # [B, N, H]
@@ -242,7 +248,8 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, t
 
 def layer_chunks(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    "Group a weight stream by decoder layer (the first integer in the name): at most one layer is materialised at a time."
+    """Group a weight stream by decoder layer (the first integer in the name): at most one layer is materialised at a
+    time."""
     key, cur = None, []
     for name, t in weights:
         k = next((".".join(name.split(".")[:i + 1]) for i, s in enumerate(name.split(".")) if s.isdigit()), None)
@@ -289,7 +296,8 @@ def colocate_llm_kwargs(
                 enable_prefix_caching=True, max_num_batched_tokens=4096)
 
 def ensure_dist_env():
-    "`external_launcher` reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT: set them for a single process (torchrun sets them)."
+    """`external_launcher` reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT: set them for a single process (torchrun
+    sets them)."""
     import socket
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
@@ -316,7 +324,8 @@ def _load_chunk(worker, blob: bytes):            # runs inside a vLLM worker pro
     worker.model_runner.get_model().load_weights(list(weights.items()))
 
 class VLLMEngine:
-    "One colocated vLLM engine per training rank for a text policy: `sync(model)` after an optimizer step, `generate` with seeds."
+    """One colocated vLLM engine per training rank for a text policy: `sync(model)` after an optimizer step, `generate`
+    with seeds."""
     def __init__(self, model_path, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3, seed: int = 0,
                  max_model_len: int | None = None, tensor_parallel_size: int = 1, sleep: bool = True):
         try: from vllm import LLM
@@ -355,7 +364,8 @@ class VLLMEngine:
 
     @property
     def in_process(self) -> bool:
-        "True when the engine core runs in this process (vLLM 0.33 forces this for `external_launcher`, config/parallel.py)."
+        """True when the engine core runs in this process (vLLM 0.33 forces this for `external_launcher`,
+        config/parallel.py)."""
         return getattr(self.llm.llm_engine, "model_executor", None) is not None
 
 # %% ../nbs/10_policy.ipynb #1b4101f4
@@ -390,7 +400,8 @@ def sync(self: VLLMEngine, model: nn.Module):
 def generate(
     self: VLLMEngine, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None
 ) -> Rollout:
-    "One completion per prompt with its sampled tokens' processed logprobs; `seeds` (one per row) make samples row-keyed."
+    """One completion per prompt with its sampled tokens' processed logprobs; `seeds` (one per row) make samples
+    row-keyed."""
     from vllm import SamplingParams
 
     if not self.weights_loaded:
@@ -450,7 +461,8 @@ def parse_completion_choice(res: dict) -> tuple[list[int], list[float]]:
 
 # %% ../nbs/10_policy.ipynb #60d804f0
 class VLLMServerEngine:
-    "Rollouts from a vLLM server on other GPUs (`latent-rl serve-rollouts`); rank 0 pushes weights over NCCL (vLLM's weight-transfer API)."
+    """Rollouts from a vLLM server on other GPUs (`latent-rl serve-rollouts`); rank 0 pushes weights over NCCL (vLLM's
+    weight-transfer API)."""
     def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 600.0, max_workers: int = 64,
                  group_port: int = 51216, sync_host: str | None = None):
         self.url, self.timeout, self.max_workers, self.group_port = url.rstrip("/"), timeout, max_workers, group_port
@@ -484,7 +496,8 @@ class VLLMServerEngine:
     def generate(
         self, prompts, *, max_new_tokens: int, temperature: float, eos_id: int, seeds: list[int] | None = None
     ) -> Rollout:
-        "One request per row (each with its own seed), sent concurrently: the server batches them (continuous batching)."
+        """One request per row (each with its own seed), sent concurrently: the server batches them (continuous
+        batching)."""
         from concurrent.futures import ThreadPoolExecutor
         seeds = list(seeds) if seeds is not None else [None] * len(prompts)
         one = lambda ps: parse_completion_choice(self._call("POST", "/v1/completions", completion_request(
@@ -495,7 +508,8 @@ class VLLMServerEngine:
 
     @torch.no_grad()
     def sync(self, model: nn.Module):
-        "Every rank calls this (sharded weights are gathered on all); rank 0 broadcasts each tensor to the server's workers."
+        """Every rank calls this (sharded weights are gathered on all); rank 0 broadcasts each tensor to the server's
+        workers."""
         from vllm.distributed.weight_transfer.base import ModuleSource
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if self._transfer is None:
@@ -519,7 +533,8 @@ def vllm_serve_command(
     gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, max_logprobs: int = 20,
     max_model_len: int | None = None, api_key: str | None = None, extra: list[str] = (),
 ) -> tuple[list[str], dict]:
-    """(argv, extra environment) of vLLM's OpenAI server for rollouts with weight sync, or a teacher with `--max-logprobs`:
+    """(argv, extra environment) of vLLM's OpenAI server for rollouts with weight sync, or a teacher with
+    `--max-logprobs`:
     started from this interpreter (`python -m vllm.entrypoints.openai.api_server`: no `vllm` script needed on PATH),
     with vLLM's own sampling defaults (`--generation-config vllm`), not the model's `generation_config.json`."""
     ctx = _model_context(model)
@@ -537,7 +552,8 @@ def vllm_serve_command(
     return argv + list(extra), {"VLLM_SERVER_DEV_MODE": "1"}   # dev mode exposes the RL routes (/update_weights, ...)
 
 def serve_rollouts(argv=None):
-    "`latent-rl serve-rollouts --model PATH`: `vllm serve` set up for rollouts (weight sync over NCCL) and teachers (`--max-logprobs`)."
+    """`latent-rl serve-rollouts --model PATH`: `vllm serve` set up for rollouts (weight sync over NCCL) and teachers
+    (`--max-logprobs`)."""
     import argparse, importlib.util
     ap = argparse.ArgumentParser(prog="latent-rl serve-rollouts", description=serve_rollouts.__doc__)
     ap.add_argument("--model", required=True)
@@ -579,7 +595,8 @@ def serve_rollouts(argv=None):
 
 # %% ../nbs/10_policy.ipynb #73cba7d5
 def make_rollout_engine(cfg, policy: Policy):
-    "The engine a GKD/GRPO config asks for: None (HF or latent generator), a colocated `VLLMEngine` or a `VLLMServerEngine`."
+    """The engine a GKD/GRPO config asks for: None (HF or latent generator), a colocated `VLLMEngine` or a
+    `VLLMServerEngine`."""
     if not cfg.use_vllm: return None
     if cfg.vllm_mode not in ("colocate", "server"):
         raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {cfg.vllm_mode!r}")

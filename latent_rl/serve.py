@@ -19,7 +19,8 @@ __all__ = ['ServerLimits', 'HTTPError', 'parse_completion', 'score_sequences', '
 # %% ../nbs/09_serve.ipynb #c902710d
 @dataclass
 class ServerLimits:
-    "What one client may ask of the teacher server; every limit answers with a 4xx/503 naming it, never a dropped connection."
+    """What one client may ask of the teacher server; every limit answers with a 4xx/503 naming it, never a dropped
+    connection."""
     max_body_bytes: int = 8 << 20         # request body (413 beyond; `Content-Length` is checked before reading)
     max_header_bytes: int = 16 << 10      # request line and headers together (431 beyond)
     max_prompts: int = 256                # sequences in one request
@@ -122,7 +123,8 @@ def _say(msg: str): print(msg, flush=True)
 def score_sequences(
     model, seqs: list[list[int]], k: int, max_batch_tokens: int = 16_384, chunk: int = 1024
 ) -> list[dict]:
-    "Per sequence `{top_v [L-1, k], top_i, actual [L-1], rank [L-1], next}`: batched, right-padded forwards of at most `max_batch_tokens`."
+    """Per sequence `{top_v [L-1, k], top_i, actual [L-1], rank [L-1], next}`: batched, right-padded forwards of at most
+    `max_batch_tokens`."""
     head = lm_head(model)
     W = head.weight
     out: list[dict | None] = [None] * len(seqs)
@@ -163,7 +165,8 @@ def score_sequences(
 
 # %% ../nbs/09_serve.ipynb #851af335
 def prompt_logprobs_json(seq: list[int], sc: dict, k: int) -> list:
-    "vLLM's `prompt_logprobs`: `[None]` then, per position, the top-k `{id: {logprob, rank, decoded_token}}` plus the actual token."
+    """vLLM's `prompt_logprobs`: `[None]` then, per position, the top-k `{id: {logprob, rank, decoded_token}}` plus the
+    actual token."""
     rows, tv, ti, act, rk = (
         [None], sc["top_v"][:, :k].tolist(), sc["top_i"][:, :k].tolist(), sc["actual"].tolist(), sc["rank"].tolist(),
     )
@@ -176,7 +179,8 @@ def prompt_logprobs_json(seq: list[int], sc: dict, k: int) -> list:
 
 # %% ../nbs/09_serve.ipynb #898440b9
 class Batcher:
-    "One scoring thread: takes queued requests, joins those that arrive within `batch_wait_ms`, scores them in one batch."
+    """One scoring thread: takes queued requests, joins those that arrive within `batch_wait_ms`, scores them in one
+    batch."""
     def __init__(self, model, tok, name: str, lim: ServerLimits, log=None):
         self.model, self.tok, self.name, self.lim, self.log = model, tok, name, lim, log or _say
         self.q: queue.Queue = queue.Queue(maxsize=lim.max_queue)
@@ -285,7 +289,8 @@ async def read_head(reader, lim: ServerLimits, line: bytes) -> tuple[str, str, d
     return parts[0], parts[1], headers
 
 def body_length(headers: dict, lim: ServerLimits) -> int:
-    "`Content-Length` as a checked integer: 411 missing, 400 not a non-negative integer, 413 above the limit, 501 chunked."
+    """`Content-Length` as a checked integer: 411 missing, 400 not a non-negative integer, 413 above the limit, 501
+    chunked."""
     if "chunked" in headers.get("transfer-encoding", "").lower():
         raise HTTPError(501, "chunked request bodies are not supported: send Content-Length", "Transfer-Encoding")
     cl = headers.get("content-length")
@@ -302,7 +307,8 @@ def body_length(headers: dict, lim: ServerLimits) -> int:
 
 # %% ../nbs/09_serve.ipynb #1c50166e
 class TeacherServer:
-    "The teacher in vLLM's completions protocol on an asyncio loop (its own thread): reading, limits and routing never wait on the model."
+    """The teacher in vLLM's completions protocol on an asyncio loop (its own thread): reading, limits and routing never
+    wait on the model."""
 
     def __init__(
         self, model, tok, name: str, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits | None = None,
@@ -464,7 +470,8 @@ def check_exposure(host: str, api_key: str | None, no_auth: bool) -> str | None:
 
 # %% ../nbs/09_serve.ipynb #758d454d
 def serve_teacher(argv=None):
-    "`latent-rl serve-teacher --model PATH [--host 127.0.0.1] [--port 8000]`: serve a model's prompt logprobs over HTTP."
+    """`latent-rl serve-teacher --model PATH [--host 127.0.0.1] [--port 8000]`: serve a model's prompt logprobs over
+    HTTP."""
     import argparse
     d = ServerLimits()
     ap = argparse.ArgumentParser(prog="latent-rl serve-teacher", description=serve_teacher.__doc__)

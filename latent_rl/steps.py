@@ -70,7 +70,8 @@ def multiplication_line(a: int, b: int, n: int, m: int) -> str:
 
 # %% ../nbs/01_steps.ipynb #88221cce
 def find_data(name: str) -> Path | None:
-    "The directory `shared/data/NAME` (`$LATENT_RL_<NAME>` first, then searched upwards from here and from the package)."
+    """The directory `shared/data/NAME` (`$LATENT_RL_<NAME>` first, then searched upwards from here and from the
+    package)."""
     env = os.environ.get(f"LATENT_RL_{name.upper()}")
     if env: return Path(env) if Path(env).is_dir() else None
     starts = (
@@ -106,7 +107,8 @@ def is_step_file(path) -> bool:
     return isinstance(row, dict) and {"question", "answer"} <= set(row) and "code" not in row
 
 def load_step_rows(path, limit: int | None = None) -> list[dict]:
-    "Step rows from an implicit-CoT `.txt` or a GSM8K `.jsonl`; a malformed line raises `StepError` naming file and line."
+    """Step rows from an implicit-CoT `.txt` or a GSM8K `.jsonl`; a malformed line raises `StepError` naming file and
+    line."""
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"{path}: no such file")
     rows = []
@@ -201,7 +203,8 @@ def step_trace(row: dict, blocks: str = "each") -> str:
     return render_trace(frames + [Frame("return", "return\n", None, row["answer"])])
 
 def to_trace_row(row: dict, blocks: str = "each") -> dict:
-    "A step row with the fields a traced row has besides its own: `prompt` (which the stages read through `row_prompt`),"
+    """A step row with the fields a traced row has besides its own: `prompt` (which the stages read through
+    `row_prompt`),"""
     "`trace`, `output`, `n_line_frames`, an empty `code` and the question as `input`."
     return {**row, "code": "", "input": row["question"], "prompt": step_prompt(row), "trace": step_trace(row, blocks),
             "output": row["answer"], "n_line_frames": len(row["steps"]) if blocks == "each" else 1}

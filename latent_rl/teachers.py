@@ -178,7 +178,8 @@ def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, p
 
 # %% ../nbs/11_teachers.ipynb #174af86c
 class ExplicitTraceTeacher(Teacher):
-    "Privileged teacher of a latent student: the explicit-trace model reading the student's trace with locals written in."
+    """Privileged teacher of a latent student: the explicit-trace model reading the student's trace with locals written
+    in."""
     def __init__(self, model, tok, spec: LatentSpec | None = None, topk: int | None = None, max_locals: int = 48):
         model.eval().requires_grad_(False)
         self.model, self.tok, self.topk, self.max_locals = model, tok, topk, max_locals
@@ -206,7 +207,8 @@ def _logprob_cap(msg: str) -> int | None:
 
 # %% ../nbs/11_teachers.ipynb #b1bbbeb3
 class HTTPTeacher(Teacher):
-    "Top-k teacher logprobs from a vLLM-compatible `/v1/completions` server (`vllm serve` or `latent-rl serve-teacher`)."
+    """Top-k teacher logprobs from a vLLM-compatible `/v1/completions` server (`vllm serve` or `latent-rl
+    serve-teacher`)."""
     def __init__(self, url: str, topk: int = 20, model: str | None = None, timeout: float = 60.0, retries: int = 3,
                  backoff: float = 1.0, log=print, api_key: str | None = None):
         self.url, self.topk, self.timeout, self.retries, self.backoff, self.log = (
@@ -255,7 +257,8 @@ class HTTPTeacher(Teacher):
         raise TeacherUnavailable(f"HTTP teacher {url} failed after {self.retries + 1} attempts: {last}")
 
     def models(self) -> dict:
-        "The served model (`/v1/models`), checked once: its logprob cap must admit `topk` (probed: vLLM does not advertise it)."
+        """The served model (`/v1/models`), checked once: its logprob cap must admit `topk` (probed: vLLM does not
+        advertise it)."""
         if self.info is None:
             info = self._request("/v1/models")["data"][0]
             cap = info.get("max_logprobs")

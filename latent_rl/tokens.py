@@ -23,7 +23,8 @@ __all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'DATA_DEFAULTS', 'add_trace_tokens', 'r
 IGNORE_INDEX = -100
 
 def add_trace_tokens(tok, model=None) -> int:
-    "Add the trace tokens to `tok` (idempotent); resize `model`'s embeddings, new rows = mean of old rows. Returns #added."
+    """Add the trace tokens to `tok` (idempotent); resize `model`'s embeddings, new rows = mean of old rows. Returns
+    #added."""
     vocab = tok.get_vocab()
     missing = [t for t in TRACE_TOKENS if t not in vocab]
     n = tok.add_tokens(missing, special_tokens=True) if missing else 0  # same call on transformers 4.x and 5.x
@@ -32,7 +33,8 @@ def add_trace_tokens(tok, model=None) -> int:
 
 @torch.no_grad()
 def resize_embeddings(model, n: int):
-    "Grow `model`'s vocabulary to `n` rows; new input/output rows (and LM-head bias entries) are the mean of the old ones."
+    """Grow `model`'s vocabulary to `n` rows; new input/output rows (and LM-head bias entries) are the mean of the old
+    ones."""
     emb = model.get_input_embeddings()
     old = emb.weight.shape[0]
     if n <= old: return model
@@ -183,7 +185,8 @@ def resolved_locals(trace: str) -> list[dict]:
 
 # %% ../nbs/03_tokens.ipynb #bb0471d0
 def trace_targets(tok, trace: str) -> dict:
-    "`{trace_ids, value_tok, answer_tok, recon_ids}` of a CWM trace (see above); None-free lists, [] where nothing applies."
+    """`{trace_ids, value_tok, answer_tok, recon_ids}` of a CWM trace (see above); None-free lists, [] where nothing
+    applies."""
     enc = tok(trace, add_special_tokens=False, return_offsets_mapping=True)
     ids, off = enc["input_ids"], enc["offset_mapping"]                                # [T], [T] (start, end) chars
     covering = lambda s, e: [t for t, (a, b) in enumerate(off) if a < e and b > s]    # tokens overlapping [s, e)
@@ -227,7 +230,8 @@ DATA_DEFAULTS = dict(n=12000, level="easy", seed=0, vocab=384)
 
 def build_data(out, n: int = 12000, level: str = "easy", seed: int = 0, vocab: int = 384, heldout: int | None = None,
                progress: bool = True) -> dict:
-    "`latent-rl data`: the traced corpus (+ `heldout.jsonl`, default n/5 programs) in `out/corpus`, the tokenizer in `out/tokenizer`."
+    """`latent-rl data`: the traced corpus (+ `heldout.jsonl`, default n/5 programs) in `out/corpus`, the tokenizer in
+    `out/tokenizer`."""
     out = Path(out)
     splits = build_corpus(n, level, seed, out / "corpus", progress=progress)
     heldout = n // 5 if heldout is None else heldout

@@ -54,7 +54,8 @@ def prompt_text(code: str, input: str) -> str:
             f"{CALL_SEP}{{}}{ACTION_SEP}def main():\n{FRAME_SEP}")
 
 def row_prompt(row: dict) -> str:
-    "A row's prompt: its own `prompt` where it has one (a step row, `latent_rl.steps`), else its program's `prompt_text`."
+    """A row's prompt: its own `prompt` where it has one (a step row, `latent_rl.steps`), else its program's
+    `prompt_text`."""
     return row["prompt"] if "prompt" in row else prompt_text(row["code"], row["input"])
 
 # %% ../nbs/00_trace.ipynb #e172a699
@@ -904,7 +905,8 @@ class SandboxUnavailable(RuntimeError):
     "The OS sandbox cannot run on this machine and running programs without it was not allowed."
 
 def unsafe_allowed() -> bool:
-    "True when the user allowed tracing without the OS sandbox (`--unsafe-no-sandbox`, which sets `$LATENT_RL_UNSAFE_NO_SANDBOX=1`)."
+    """True when the user allowed tracing without the OS sandbox (`--unsafe-no-sandbox`, which sets
+    `$LATENT_RL_UNSAFE_NO_SANDBOX=1`)."""
     return os.environ.get(UNSAFE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 def _bwrap() -> str | None:
@@ -921,7 +923,8 @@ def _python() -> str:
 
 # %% ../nbs/00_trace.ipynb #38b0be49
 def _ro_binds() -> list[str]:
-    "bwrap arguments for the read-only view: system libraries, the interpreter, its standard library (no site-packages)."
+    """bwrap arguments for the read-only view: system libraries, the interpreter, its standard library (no
+    site-packages)."""
     import sysconfig, importlib.util
     args = []
     for d in ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32"):
@@ -1240,7 +1243,8 @@ class _Jail:
 # %% ../nbs/00_trace.ipynb #methodof1
 def _method_of(cls):
     """Decorator: the function becomes `cls`'s method of its name, so a class can be written over several cells (like
-    fastcore's `@patch`, but in the standard library: the jail imports this module); the module's name is left as it was."""
+    fastcore's `@patch`, but in the standard library: the jail imports this module); the module's name is left as it
+    was."""
     def add(f):
         setattr(cls, f.__name__, f)
         return sys._getframe(1).f_globals.get(f.__name__, getattr(builtins, f.__name__, None))
@@ -1601,7 +1605,8 @@ def trace_rows(rows,                                # dicts with `code`, `input`
                unsafe_no_sandbox: bool | None = None,  # see `TracePool`
                **kw,                                # further `TracePool` options
               ) -> list[TraceResult]:               # one per row, in order; a failed row has `ok=False` and a `reason`
-    "Trace rows (`code`, `input`, optional `id`) in the sandbox (default: one fork server per CPU); results in input order."
+    """Trace rows (`code`, `input`, optional `id`) in the sandbox (default: one fork server per CPU); results in input
+    order."""
     rows = list(rows)
     if not rows: return []
     with TracePool(workers, timeout=timeout, mem_mb=mem_mb, max_frames=max_frames, grace=grace,

@@ -81,7 +81,8 @@ def cmd_data(argv):
     return splits
 
 def _return_large_blocks(threshold: int = 1 << 20):
-    "glibc: blocks of `threshold` bytes and more are their own mappings, returned to the system when freed (by default the"
+    """glibc: blocks of `threshold` bytes and more are their own mappings, returned to the system when freed (by default
+    the"""
     "threshold rises with the blocks freed, and a run of 5 MB values leaves the heap fragmented: a peak that depends on"
     "timing). Elsewhere (musl, macOS) nothing changes."
     try:
@@ -90,7 +91,8 @@ def _return_large_blocks(threshold: int = 1 << 20):
     except (OSError, AttributeError): pass
 
 def _peak_rss_mb() -> float:
-    "This process's peak resident memory since it started (VmHWM: `ru_maxrss` would also count the memory of the process"
+    """This process's peak resident memory since it started (VmHWM: `ru_maxrss` would also count the memory of the
+    process"""
     "that spawned it, which a child keeps as its maxrss across exec)."
     try:
         for line in open("/proc/self/status"):

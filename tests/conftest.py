@@ -37,7 +37,8 @@ def run_cli(*args, cwd=None, timeout=600, check=True, module="latent_rl.train", 
     return p
 
 def shared_dir(tmp_path_factory, worker_id, name, build) -> Path:
-    "A session's directory `name`, built once by `build(dir)` and shared by every xdist worker (a file lock orders them)."
+    """A session's directory `name`, built once by `build(dir)` and shared by every xdist worker (a file lock orders
+    them)."""
     if worker_id == "master":
         build(d := tmp_path_factory.mktemp(name))
         return d

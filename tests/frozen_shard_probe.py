@@ -1,4 +1,5 @@
-"""`torchrun --nproc_per_node 2 tests/frozen_shard_probe.py OUT.json`: how many bytes of a frozen teacher's decoder layers
+"""`torchrun --nproc_per_node 2 tests/frozen_shard_probe.py OUT.json`: how many bytes of a frozen teacher's decoder
+layers
 rank 0 holds gathered after `shard_frozen`, after one forward, and inside `gathered_weights` (tests/test_cluster.py)."""
 import json, sys
 from types import SimpleNamespace

@@ -305,7 +305,8 @@ def test_plan_prints_parts_and_a_fix():
 
 @pytest.mark.parametrize("stage", ["sft", "codi", "gkd", "grpo"])
 def test_every_flag_explains_itself(stage):
-    "`latent-rl STAGE --help`: every field's flag carries its field's comment (one source: the dataclass), not only a default."
+    """`latent-rl STAGE --help`: every field's flag carries its field's comment (one source: the dataclass), not only a
+    default."""
     from dataclasses import fields
     from latent_rl.config import field_comments
     from latent_rl.sft import SFTConfig

@@ -316,7 +316,8 @@ def test_frozen_teacher_stays_sharded_after_its_forward(tmp_path):
 
 
 def test_two_process_fsdp_latent_grpo_with_a_kl_reference(latent_dir, tmp_path):
-    "kl_beta under 2-process FSDP2: the sharded frozen reference replays latent rollouts whose call counts differ by rank."
+    """kl_beta under 2-process FSDP2: the sharded frozen reference replays latent rollouts whose call counts differ by
+    rank."""
     launch(
         2, "grpo", "--model", latent_dir, "--train", ROWS, "--max_train", 16, "--steps", 2, "--batch_size", 2,
         "--group_size", 4, "--max_new_tokens", 64, "--lr", 1e-4, "--warmup", 0, "--save_every", 0, "--record_every", 0,

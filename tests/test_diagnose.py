@@ -75,7 +75,8 @@ from latent_rl.tokens import encode
 from latent_rl.trace import prompt_text
 
 class Oracle:
-    "Writes each program's true trace in the latent format; its answer is read back from its last fed latent (uses) or not."
+    """Writes each program's true trace in the latent format; its answer is read back from its last fed latent (uses) or
+    not."""
     def __init__(self, tok, rows, uses, H=16):
         self.tok, self.uses = tok, uses
         self.rows = {tuple(encode(tok, prompt_text(r["code"], r["input"]))): r for r in rows}

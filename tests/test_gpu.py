@@ -102,7 +102,8 @@ def test_vllm_sleep_releases_memory_and_wakes(colocated):
 @cuda
 @needs_vllm
 def test_vllm_server_round_trip(tmp_path):
-    "latent-rl serve-rollouts: rollouts with logprobs that match the training forward, a teacher with --max-logprobs, and (2+ GPUs) an NCCL weight sync."
+    """latent-rl serve-rollouts: rollouts with logprobs that match the training forward, a teacher with --max-logprobs,
+    and (2+ GPUs) an NCCL weight sync."""
     import os, socket, subprocess, sys, time, urllib.request
     from latent_rl.policy import Policy, VLLMServerEngine
     from latent_rl.teachers import HTTPTeacher, ModelTeacher, ScoreBatch
@@ -178,7 +179,8 @@ print(json.dumps({"mean": sum(d) / len(d), "max": max(d), "tokens": len(d)}))
 @cuda
 @needs_vllm
 def test_vllm_bf16_alignment_within_documented_tolerance(tmp_path):
-    "bf16 (its own process: one LLM per process): mean |logp_vllm - logp_train| <= 0.05, the tolerance documented in 08_policy."
+    """bf16 (its own process: one LLM per process): mean |logp_vllm - logp_train| <= 0.05, the tolerance documented in
+    08_policy."""
     import subprocess, sys
     (tmp_path / "bf16.py").write_text(BF16)
     p = subprocess.run(

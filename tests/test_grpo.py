@@ -77,7 +77,8 @@ def test_truncated_replay_aligns_and_trains(tmp_path, latent_student):
 
 # --- RL that learns: the stage raises a reward the tiny policies can reach, and only with the right signal ---------------
 def _answer_starts_with(c):
-    "Reward 1 when the completion's first return value starts with `c` (`<|arg_sep|>\"c...`): reachable by changing answers."
+    """Reward 1 when the completion's first return value starts with `c` (`<|arg_sep|>\"c...`): reachable by changing
+    answers."""
     import re
     def fn(texts, rows):
         fn.parts = {
@@ -87,7 +88,8 @@ def _answer_starts_with(c):
     return fn
 
 def _to_last_line(r):
-    "A prompt that ends before the trace's last LINE frame: the next tokens are a latent block, the line, the return value."
+    """A prompt that ends before the trace's last LINE frame: the next tokens are a latent block, the line, the return
+    value."""
     tr = r["trace"]
     return tr[:tr.rfind("<|line_sep|>", 0, tr.index("<|return_sep|>"))]
 
@@ -144,7 +146,8 @@ def test_grpo_with_a_wrong_signal_does_not_learn(tmp_path, kind, flip, steps, la
 
 
 def test_dynamic_sampling_fills_the_batch_with_groups_that_carry_signal(tmp_path):
-    "Groups whose rewards are all equal are replaced by fresh prompts' groups; the step's reward stays its own prompts'."
+    """Groups whose rewards are all equal are replaced by fresh prompts' groups; the step's reward stays its own
+    prompts'."""
     from latent_rl.grpo import GRPOConfig, GRPOStep
     from latent_rl.policy import Policy
     from latent_rl.engine import setup

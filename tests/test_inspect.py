@@ -22,7 +22,8 @@ def _jsonl(path, rows, tail=""):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
 
 def write_run(run: Path, kind="grpo", steps=(0, 1, 2), groups=2, G=4, seed=0, eps=(0.2, 0.28), half_line=True):
-    "Synthetic records in the documented formats (numbers at random, fixed seed); records count steps from 0, metrics from 1."
+    """Synthetic records in the documented formats (numbers at random, fixed seed); records count steps from 0, metrics
+    from 1."""
     rng = np.random.default_rng(seed)
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.json").write_text(

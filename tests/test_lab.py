@@ -20,7 +20,8 @@ def free_port() -> int:
 
 @pytest.fixture
 def lab(tmp_path):
-    "A JupyterLab server over a copy of the notebook (its data/ linked to the repository's), the project's kernel installed."
+    """A JupyterLab server over a copy of the notebook (its data/ linked to the repository's), the project's kernel
+    installed."""
     work = tmp_path / "work"
     (work / "nbs").mkdir(parents=True)
     (work / "data").symlink_to(ROOT / "data")
@@ -73,7 +74,8 @@ def diagnosis(page, work: Path, why: str) -> str:
 
 
 def run_all(page, work: Path, attempts: int = 3):
-    """Run > Run All Cells, retried: under load the menu can open before the notebook is the current widget, when the item
+    """Run > Run All Cells, retried: under load the menu can open before the notebook is the current widget, when the
+    item
     is disabled and a click on it does nothing. Returns once some cell is queued or numbered."""
     for _ in range(attempts):
         page.locator(".jp-Notebook .jp-Cell").first.click()               # the notebook is the current widget

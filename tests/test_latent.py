@@ -210,7 +210,8 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
 from latent_rl.losses import state_kd_loss, embed_kd_loss
 
 def with_targets(ex, rng):
-    "Synthetic CWM-like targets: value tokens inside each span's dropped locals (or none), answer tokens after the last block."
+    """Synthetic CWM-like targets: value tokens inside each span's dropped locals (or none), answer tokens after the
+    last block."""
     e = dict(ex)
     e["value_tok"] = [
         list(range(i + 1, min(j, i + 1 + rng.randrange(1, 4)))) if rng.random() < 0.8 else [] for i, j in ex["spans"]

@@ -1,4 +1,5 @@
-"""LoRA students (peft adapters injected in place): the final model is a plain merged HF model, resume is exact, 2-process
+"""LoRA students (peft adapters injected in place): the final model is a plain merged HF model, resume is exact,
+2-process
 FSDP2 equals 1 process, the CODI projector trains beside the adapters, GKD's adapter-off teacher is the base model."""
 import shutil
 import pytest, torch

@@ -1,4 +1,5 @@
-"The vLLM weight stream on CPU: FSDP2-sharded parameters (real DTensors over gloo) are gathered one at a time, in order."
+"""The vLLM weight stream on CPU: FSDP2-sharded parameters (real DTensors over gloo) are gathered one at a time, in
+order."""
 import os, socket, subprocess, sys
 from conftest import ROOT, ONE
 

@@ -4,7 +4,8 @@ Each hostile row is followed by a plain row. Whatever the hostile rows do, the r
 nothing outside the jail, leak no secret of the parent (an environment variable, a file, a process's command line),
 leave the parent, its other processes and its sockets alone, and give every plain row its correct value.
 Three runs: the command line with every layer; the OS layers alone (audit hook off); the namespaces alone (audit hook
-and seccomp off, attacks on the host only). Hostile code never runs outside the jail: without one the file is skipped."""
+and seccomp off, attacks on the host only). Hostile code never runs outside the jail: without one the file is
+skipped."""
 import json, os, socket, subprocess, sys, time, uuid
 from pathlib import Path
 
@@ -560,7 +561,8 @@ def test_hostile_programs_namespaces_only(host):
 
 @needs_jail
 def test_no_state_survives_between_programs():
-    "A program leaves files, a chmod-ed scratch, a thread and poisoned modules; the next one in the same server sees none."
+    """A program leaves files, a chmod-ed scratch, a thread and poisoned modules; the next one in the same server sees
+    none."""
     mess = {"id": "mess", "input": "", "code": "import builtins, os, threading, time\ndef f():\n" + "\n".join(
         "    " + l for l in ATTACKS["fill_scratch_root"].split("\n")[:-1]) +
         "\n    builtins.sorted = None\n    threading.Thread(target=time.sleep, args=(10,)).start()\n    open('left', 'w').write('x')\n    return 1"}
@@ -652,7 +654,8 @@ def test_jail_read_rejects_malformed_frames():
 # ---------------------------------------------------------------- issue 16b: the red team's second round
 
 def _untraced(body):
-    "A row whose `f` runs `body` (which sets RESULT) outside the tracer; run it with the audit hook off (`_audit=False`)."
+    """A row whose `f` runs `body` (which sets RESULT) outside the tracer; run it with the audit hook off
+    (`_audit=False`)."""
     return "def f(src):\n    g = {}\n    exec(compile(src, 'u', 'exec'), g)\n    return g.get('RESULT')\n"
 
 
@@ -728,7 +731,8 @@ except OSError as e: RESULT = type(e).__name__
 
 @needs_jail
 def test_default_acl_on_scratch_is_refused_or_survived():
-    "seccomp refuses setxattr; without seccomp, the server sees its changed scratch root and a fresh one retries the row."
+    """seccomp refuses setxattr; without seccomp, the server sees its changed scratch root and a fresh one retries the
+    row."""
     rows = [{"id": "acl", "code": _untraced(ACL), "input": repr(ACL)}] + [_plain(k) for k in range(3)]
     res = _run(rows)
     assert res[0].value == "'PermissionError'", res[0]

@@ -1,4 +1,5 @@
-"The teacher server under careless and hostile clients: every abuse gets a clear 4xx/503 and the server keeps answering."
+"""The teacher server under careless and hostile clients: every abuse gets a clear 4xx/503 and the server keeps
+answering."""
 import concurrent.futures, importlib.util, json, os, re, socket, subprocess, sys, time, urllib.error, urllib.request
 import pytest
 from conftest import ROOT, TEACHER, ROWS, ONE, rows_of
@@ -11,7 +12,8 @@ def free_port():
     return p
 
 def start(*args, env=None):
-    "`latent-rl serve-teacher --model TEACHER ARGS` on a free loopback port; returns (url, process) once /health answers."
+    """`latent-rl serve-teacher --model TEACHER ARGS` on a free loopback port; returns (url, process) once /health
+    answers."""
     port = free_port()
     proc = subprocess.Popen(
         [

