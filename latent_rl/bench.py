@@ -14,8 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen2Config
 
-from latent_rl.trace import (find_cruxeval, _load_jsonl, sandbox_status, unsafe_allowed, TracePool, trace_inprocess,
-    prompt_text)
+from .trace import trace_inprocess, prompt_text
+from .sandbox import sandbox_status, unsafe_allowed
+from .pool import find_cruxeval, _load_jsonl, TracePool
 from .corpus import load_rows
 from .tokens import encode, sft_example, codi_example
 from .models import load_tokenizer, build_tiny, n_params, cache_kw, out_cache, backbone

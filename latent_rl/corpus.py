@@ -8,7 +8,7 @@ import ast, hashlib, json, os, random
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Iterable
-from .trace import trace_rows
+from .pool import trace_rows
 
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'LEVELS', 'RowError', 'check_row', 'load_rows', 'save_rows', 'GenConfig', 'generate_programs',

@@ -4,7 +4,8 @@
 
 # %% ../nbs/02_rewards.ipynb #e2a70966
 from __future__ import annotations
-from .trace import parse_trace, trace_rows, same_value
+from .trace import parse_trace, same_value
+from .pool import trace_rows
 
 # %% auto #0
 __all__ = ['REWARDS', 'correct_reward', 'format_reward', 'executed_reward', 'parse_weights', 'weighted']

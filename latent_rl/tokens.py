@@ -10,7 +10,8 @@ from typing import Iterable, Sequence
 
 import torch
 from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, parse_trace, row_prompt
-from .trace import special_token_in, special_in_frames
+from .trace import special_token_in
+from .pool import special_in_frames
 from .corpus import build_corpus, build_heldout, save_rows
 
 # %% auto #0

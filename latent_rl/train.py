@@ -6,7 +6,9 @@
 from __future__ import annotations
 import argparse, os, re, sys, time
 from pathlib import Path
-from .trace import UNSAFE_ENV, THREAT_MODEL, sandbox_report, trace_file, SandboxUnavailable, sandbox_notice
+from .jail import THREAT_MODEL
+from .sandbox import UNSAFE_ENV, SandboxUnavailable, sandbox_notice
+from .pool import sandbox_report, trace_file
 from .tokens import build_data, DATA_DEFAULTS
 from .corpus import load_rows
 from .steps import multiplication_files

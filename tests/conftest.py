@@ -17,7 +17,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Tracing needs the sandbox (a bwrap jail). Where it cannot start, the suite's own benign programs are traced without
 # it (as `--unsafe-no-sandbox` would); tests/test_sandbox.py then skips its hostile programs, which never run unjailed.
 sys.path.insert(0, str(ROOT))
-from latent_rl.trace import UNSAFE_ENV, sandbox_status
+from latent_rl.sandbox import UNSAFE_ENV, sandbox_status
 if not sandbox_status()["available"]:
     print(f"conftest: no sandbox here ({sandbox_status()['reason']}): tracing the tests' own programs without it")
     os.environ[UNSAFE_ENV] = "1"

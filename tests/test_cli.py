@@ -100,7 +100,7 @@ def test_sft_resume_continues_exactly(tiny_data, tmp_path):
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
 
 def test_bench_prints_table_and_json(tmp_path):
-    from latent_rl.trace import find_cruxeval
+    from latent_rl.pool import find_cruxeval
 
     if find_cruxeval() is None:
         pytest.skip("cruxeval_dev.jsonl not found (set LATENT_RL_CRUXEVAL or provide shared/data/cruxeval)")

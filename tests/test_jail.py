@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import latent_rl.trace as T
-from latent_rl.trace import TracePool, sandbox_status, trace_inprocess
+import latent_rl.sandbox as SB
+import latent_rl.pool as PL
+from latent_rl.trace import trace_inprocess
+from latent_rl.sandbox import sandbox_status
+from latent_rl.pool import TracePool
 from conftest import ROOT, run_cli
 from test_sandbox import ATTACKS, SECRET, _untraced, check, hostile_rows, needs_jail, third_round, host  # noqa: F401 (fixture)
 
@@ -76,7 +79,7 @@ def as_user(cmd, uid, home):
 def test_hostile_suite_as_an_ordinary_user(host):   # noqa: F811 (the fixture imported above)
     "Every attack, through `latent-rl trace` run by an unprivileged uid (bwrap in its own user namespace, as on a"
     "workstation): exit 0, every row answered, every plain row right, no secret anywhere."
-    if T.root_launcher_problem(): pytest.skip(T.root_launcher_problem())
+    if SB.root_launcher_problem(): pytest.skip(SB.root_launcher_problem())
     work = tempfile.mkdtemp(prefix="latent_rl_as_user_")
     os.chown(work, USER, USER)
     rows = hostile_rows(list(ATTACKS), host)
@@ -107,7 +110,7 @@ def test_hostile_suite_as_an_ordinary_user(host):   # noqa: F811 (the fixture im
 def test_pid_exhaustion_in_a_pids_capped_run(tmp_path):
     "The whole run in a pids cgroup of 400 (a stand-in for the host's limit): rows that make thousands of threads cost"
     "only themselves (their jail's uid has its own RLIMIT_NPROC, their jail its own pids cgroup); the run exits 0."
-    base = T._pids_cgroup_base()
+    base = SB._pids_cgroup_base()
     if base is None: pytest.skip("no pids cgroup can be made here")
     cg = os.path.join(base, f"latent_rl_test_{os.getpid()}")
     os.mkdir(cg)
@@ -128,7 +131,7 @@ def test_pid_exhaustion_in_a_pids_capped_run(tmp_path):
         assert all(out[f"plain{k}"]["value"] == repr([2 * k, "plain"]) for k in range(4)), out
         for k in range(4): assert eval(out[f"storm{k}"]["value"])[0] < 128, out[f"storm{k}"]
         assert int(Path(cg, "pids.events").read_text().split()[-1]) == 0     # the run's own cap was never hit
-    finally: T._remove_cgroup(cg)
+    finally: SB._remove_cgroup(cg)
 
 
 # ---------------------------------------------------------------- a jail that cannot start costs one row
@@ -137,13 +140,13 @@ def test_pid_exhaustion_in_a_pids_capped_run(tmp_path):
 def test_a_jail_that_cannot_start_costs_only_its_row(monkeypatch):
     "Three failed starts in a row answer the next row with the reason (after backoff); the run goes on and the rows"
     "after it are traced once jails start again. A machine that cannot start any answers every row, and returns."
-    monkeypatch.setattr(T, "_BACKOFF", 0.001)
-    real, calls = T._Jail.__init__, {"n": 0}
+    monkeypatch.setattr(PL, "_BACKOFF", 0.001)
+    real, calls = SB._Jail.__init__, {"n": 0}
     def flaky(self, *a, **k):
         calls["n"] += 1
         if calls["n"] <= 4: raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
         real(self, *a, **k)
-    monkeypatch.setattr(T._Jail, "__init__", flaky)
+    monkeypatch.setattr(SB._Jail, "__init__", flaky)
     rows = [_plain(k) for k in range(5)]
     with TracePool(1, unsafe_no_sandbox=False) as pool: res = pool.map(rows, progress=False)
     assert res[0].reason.startswith("sandbox: the jail could not start (") and "[Errno 11]" in res[0].reason, res[
@@ -155,21 +158,21 @@ def test_a_jail_that_cannot_start_costs_only_its_row(monkeypatch):
         calls["n"] += 1
         if calls["n"] > -10 ** 9 + 1: raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
         real(self, *a, **k)
-    monkeypatch.setattr(T._Jail, "__init__", second_fails)
+    monkeypatch.setattr(SB._Jail, "__init__", second_fails)
     with TracePool(2, unsafe_no_sandbox=False) as pool: res = pool.map([_plain(k) for k in range(40)], progress=False)
     assert all(r.ok for r in res), {r.reason for r in res}
     starts = {"n": 0}
     def counted(self, *a, **k):
         starts["n"] += 1
         real(self, *a, **k)
-    monkeypatch.setattr(T._Jail, "__init__", counted)
-    monkeypatch.setattr(T, "_bwrap", lambda: "/bin/false")            # every jail dies before it is ready
+    monkeypatch.setattr(SB._Jail, "__init__", counted)
+    monkeypatch.setattr(SB, "_bwrap", lambda: "/bin/false")            # every jail dies before it is ready
     t0 = time.monotonic()
     with TracePool(2, unsafe_no_sandbox=False) as pool: res = pool.map([_plain(k) for k in range(30)], progress=False)
     assert all(not r.ok and r.reason.startswith("sandbox: the jail could not start") for r in res), {
         r.reason for r in res
     }
-    assert starts["n"] <= T._START_TRIES * T._LOST_TO_START + 2, starts  # then the rest are answered without a try
+    assert starts["n"] <= PL._START_TRIES * PL._LOST_TO_START + 2, starts  # then the rest are answered without a try
     assert time.monotonic() - t0 < 60
 
 
@@ -178,15 +181,15 @@ def test_a_jail_that_cannot_start_costs_only_its_row(monkeypatch):
 def test_each_jail_of_root_has_its_own_uid_and_pids_cgroup():
     "As root: every jail runs as an uid of its own (not root) inside a pids cgroup of its own, removed when it ends."
     if not sandbox_status().get("drop_uid"): pytest.skip(sandbox_status().get("root_problem"))
-    if T._pids_cgroup_base() is None: pytest.skip("no pids cgroup can be made here")
+    if SB._pids_cgroup_base() is None: pytest.skip("no pids cgroup can be made here")
     with TracePool(2, unsafe_no_sandbox=False) as pool:
         pool.map([_plain(k) for k in range(4)], progress=False)
         ws = list(pool._ws)
         uids = {int(open(f"/proc/{w.p.pid}/status").read().split("Uid:")[1].split()[0]) for w in ws}
-        assert len(uids) == 2 and min(uids) >= T._JAIL_UID0, uids
+        assert len(uids) == 2 and min(uids) >= SB._JAIL_UID0, uids
         for w in ws:
             assert str(w.p.pid) in Path(w.cgroup, "cgroup.procs").read_text().split()
-            assert Path(w.cgroup, "pids.max").read_text().strip() == str(T._JAIL_PIDS)
+            assert Path(w.cgroup, "pids.max").read_text().strip() == str(SB._JAIL_PIDS)
     assert not any(os.path.exists(w.cgroup) for w in ws)
 
 
@@ -247,7 +250,7 @@ def test_an_injected_special_token_cannot_reach_a_target(tmp_path):
                          "    try: raise E()\n    except E: pass\n    return x"}
     rows = [{"id": k, "code": c, "input": "'a'", "output": "None"} for k, c in evil.items()] + [
         {"id": "ok", "code": "def f(x):\n    y = x * 2\n    return y", "input": "'a'", "output": "'aa'"}]
-    res = T.trace_rows(rows, workers=1, progress=False)
+    res = PL.trace_rows(rows, workers=1, progress=False)
     assert [r.ok for r in res] == [False, False, False, True], [r.reason for r in res]
     assert all(r.reason.startswith("special token") for r in res[:3]), [r.reason for r in res]
     kept, _ = trace_and_fill(rows, progress=False)
@@ -287,11 +290,11 @@ def test_a_row_cannot_change_its_jail_for_later_rows(monkeypatch):
     assert "written" not in w.value, w.value
     assert eval(s.value) == ("0", "0"), s.value
     if os.geteuid() != 0 or not sandbox_status().get("drop_uid"): return
-    monkeypatch.setattr(T, "_ROOT_DROPS", False)
-    monkeypatch.setenv(T.ROOT_ENV, "1")
-    T.sandbox_status(refresh=True)
+    monkeypatch.setattr(SB, "_ROOT_DROPS", False)
+    monkeypatch.setenv(SB.ROOT_ENV, "1")
+    SB.sandbox_status(refresh=True)
     try: w, s = run()
     finally:
         monkeypatch.undo()
-        T.sandbox_status(refresh=True)
+        SB.sandbox_status(refresh=True)
     assert "written" in w.value and eval(s.value)[0] == "1000", (w.value, s.value)   # the test can fail

@@ -22,12 +22,12 @@ def modules() -> dict[str, Path]:
     return {p.stem: p for p in PKG.glob("*.py") if not p.stem.startswith("_")}
 
 
-def notebook_order() -> dict[str, int]:
-    "module -> the number of the notebook that exports it."
+def notebook_order() -> dict[str, str]:
+    "module -> the number of the notebook that exports it (`00`, `00a`, ...: a letter orders a module's successors)."
     out = {}
-    for nb in (ROOT / "nbs").glob("[0-9][0-9]_*.ipynb"):
+    for nb in (ROOT / "nbs").glob("[0-9][0-9]*_*.ipynb"):
         m = re.search(r"#\| default_exp (\w+)", nb.read_text())
-        if m: out[m.group(1)] = int(nb.name[:2])
+        if m: out[m.group(1)] = nb.name.split("_")[0]
     return out
 
 

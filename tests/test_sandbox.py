@@ -13,8 +13,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import latent_rl.trace as T
-from latent_rl.trace import (THREAT_MODEL, SandboxUnavailable, TracePool, UNSAFE_ENV, sandbox_status, trace_inprocess,
-    trace_rows)
+import latent_rl.sandbox as SB
+import latent_rl.pool as PL
+from latent_rl.trace import trace_inprocess
+from latent_rl.jail import THREAT_MODEL
+from latent_rl.sandbox import SandboxUnavailable, UNSAFE_ENV, sandbox_status
+from latent_rl.pool import TracePool, trace_rows
 from conftest import ROOT, run_cli
 
 needs_jail = pytest.mark.skipif(
@@ -216,7 +220,7 @@ return out""",
     "write_outside": """import os
 out = {}
 for p in [info['host'] + '/PWNED_w', info['canary'], '/tmp/' + info['pwned'], '/' + info['pwned'], info['project'] + '/' + info['pwned'],
-          os.path.expanduser('~/' + info['pwned']), '/opt/latent_rl/trace.py', '/dev/shm/' + info['pwned'], '../../' + info['pwned']]:
+          os.path.expanduser('~/' + info['pwned']), '/opt/latent_rl/trace.py', '/opt/latent_rl/jail.py', '/dev/shm/' + info['pwned'], '../../' + info['pwned']]:
     try:
         with open(p, 'w') as fh: fh.write('PWNED')
         out[p] = 'wrote'
@@ -468,7 +472,7 @@ def check(rows, results):
         if r["ok"]:                              # no special token outside the trace's own structure
             pt = T.parse_trace(r["trace"])
             assert pt.well_formed and T.render_trace(pt.frames) == r["trace"], row["id"]
-            assert T.special_in_frames(pt.frames) is None, (row["id"], T.special_in_frames(pt.frames))
+            assert PL.special_in_frames(pt.frames) is None, (row["id"], PL.special_in_frames(pt.frames))
         if row["id"].startswith("plain"):
             want = trace_inprocess(row["code"], row["input"])
             assert r["ok"] and r["value"] == want.value and r["trace"] == want.trace, (
@@ -586,12 +590,12 @@ OK = {"id": "ok", "code": "def f(x):\n    return x * 2", "input": "21", "output"
 def test_refuses_without_a_jail_unless_told(monkeypatch, tmp_path):
     "No jail: the pool refuses (and the CLI says why, exit 1); --unsafe-no-sandbox traces benign rows without one."
     monkeypatch.delenv(UNSAFE_ENV, raising=False)
-    monkeypatch.setattr(T, "_STATUS", {"available": False, "bwrap": None, "reason": "test: no namespaces"})
+    monkeypatch.setattr(SB, "_STATUS", {"available": False, "bwrap": None, "reason": "test: no namespaces"})
     with pytest.raises(SandboxUnavailable, match="--unsafe-no-sandbox"): trace_rows([OK], progress=False)
     res = trace_rows([OK], progress=False, unsafe_no_sandbox=True)
     assert res[0].ok and res[0].value == "42"
     with TracePool(1, unsafe_no_sandbox=True) as pool: assert not pool.jailed
-    assert "unavailable" in T.sandbox_notice() and "WARNING" in T.sandbox_notice(unsafe=True)
+    assert "unavailable" in SB.sandbox_notice() and "WARNING" in SB.sandbox_notice(unsafe=True)
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps(OK) + "\n")
     env = {"LATENT_RL_BWRAP": str(tmp_path / "no-bwrap"), UNSAFE_ENV: ""}
@@ -620,14 +624,14 @@ def test_readme_states_the_threat_model():
 def test_a_lying_or_dead_server_costs_only_its_running_row(monkeypatch):
     "A server whose answer breaks the protocol is killed: its running row fails, its queued row is traced by a new one."
     rows = [dict(OK, id=f"r{i}", input=str(i)) for i in range(6)]
-    real, calls = T._Jail.read, {"n": 0}
+    real, calls = SB._Jail.read, {"n": 0}
     def lying(self, max_bytes):
         msgs = real(self, max_bytes)
         if msgs and self.ready and self.jobs and self.jobs[0][0] == 2 and not calls["n"]:
             calls["n"] += 1
-            raise T._ProtocolError("forged header")
+            raise SB._ProtocolError("forged header")
         return msgs
-    monkeypatch.setattr(T._Jail, "read", lying)
+    monkeypatch.setattr(SB._Jail, "read", lying)
     with TracePool(1, unsafe_no_sandbox=False) as pool: res = pool.map(rows, progress=False)
     assert [r.ok for r in res] == [True, True, False, True, True, True], [r.reason for r in res]
     assert res[2].reason == "sandbox protocol error (forged header)"
@@ -636,7 +640,7 @@ def test_a_lying_or_dead_server_costs_only_its_running_row(monkeypatch):
 
 def test_jail_read_rejects_malformed_frames():
     "Headers longer than 4 KB, not JSON objects, or announcing a bad payload size end the server (`_ProtocolError`)."
-    class Fake(T._Jail):
+    class Fake(SB._Jail):
         def __init__(self, fd): self.buf, self.head, self.fd = bytearray(), None, fd
     for data, ok in [(b'{"n": 3}\nabc{"n": 0}\n', True), (b"x" * 5000, False), (b"[1]\n", False), (b"{bad\n", False),
                      (b'{"n": -1}\n', False), (b'{"n": 999999999999}\n', False), (b'{"n": "3"}\n', False)]:
@@ -644,9 +648,9 @@ def test_jail_read_rejects_malformed_frames():
         os.write(w, data)
         os.close(w)
         try:
-            if ok: assert T._Jail.read(Fake(r), 1 << 20) == [({"n": 3}, b"abc"), ({"n": 0}, b"")]
+            if ok: assert SB._Jail.read(Fake(r), 1 << 20) == [({"n": 3}, b"abc"), ({"n": 0}, b"")]
             else:
-                with pytest.raises(T._ProtocolError): T._Jail.read(Fake(r), 1 << 20)
+                with pytest.raises(SB._ProtocolError): SB._Jail.read(Fake(r), 1 << 20)
         finally: os.close(r)
 
 
@@ -701,23 +705,23 @@ def test_sysctl_and_device_nodes_are_read_only():
 @needs_jail
 def test_doctor_fails_when_sysctl_or_devices_are_writable(monkeypatch):
     "The doctor checks both: a working jail passes; a jail without the read-only /proc/sys and without seccomp fails."
-    ok = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False)}
+    ok = {c: (p, d) for c, p, d in PL.sandbox_report(unsafe_no_sandbox=False)}
     assert ok["kernel settings and devices"][0] is True, ok["kernel settings and devices"]
     if os.geteuid() != 0: pytest.skip("only root outside the jail can write /proc/sys or chmod /dev/null")
-    real = T._jail_argv
+    real = SB._jail_argv
     def weak(*a, **k):
         argv = real(*a, **k)
         i = argv.index("/proc/sys")
         return argv[:i - 1] + argv[i + 2:]
-    monkeypatch.setattr(T, "_jail_argv", weak)
-    dropped = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
+    monkeypatch.setattr(SB, "_jail_argv", weak)
+    dropped = {c: (p, d) for c, p, d in PL.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
     assert dropped["kernel settings and devices"][0] is True, dropped   # the uid drop alone defends both
-    monkeypatch.setattr(T, "_ROOT_DROPS", False)                       # root starts bwrap itself: root outside,
-    monkeypatch.setenv(T.ROOT_ENV, "1")                                # which must be asked for
-    try: bad = {c: (p, d) for c, p, d in T.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
+    monkeypatch.setattr(SB, "_ROOT_DROPS", False)                       # root starts bwrap itself: root outside,
+    monkeypatch.setenv(SB.ROOT_ENV, "1")                                # which must be asked for
+    try: bad = {c: (p, d) for c, p, d in PL.sandbox_report(unsafe_no_sandbox=False, _seccomp=False)}
     finally:
         monkeypatch.undo()
-        T.sandbox_status(refresh=True)
+        SB.sandbox_status(refresh=True)
     assert bad["kernel settings and devices"][0] is False, bad["kernel settings and devices"]
     assert bad["uid outside the jail"][0] is False, bad["uid outside the jail"]
 
@@ -745,30 +749,30 @@ def test_default_acl_on_scratch_is_refused_or_survived():
 def test_forged_results_of_the_wrong_types_fail_their_row_only():
     "Lists or objects where strings are expected, and absurd counts, are rejected: a reason, never an exception."
     code = "def f(x):\n    return x"
-    lines = T._context_lines(code, "1")
+    lines = PL._context_lines(code, "1")
     L = "    return x\n"
     for frame in [[["call"], L, None, None], ["call", [L], None, None], ["line", {"a": 1}, None, None],
                   ["line", L, {"x": ["1"]}, None], ["return", L, None, {"v": 1}], ["line", L, [["x", "1"]], None],
                   ["line", L, {f"k{i}": "v" for i in range(5000)}, None], ["line", L, {"x" * 2000: "1"}, None]]:
         payload = json.dumps({"ok": False, "reason": "x", "value": None, "frames": [frame]}).encode()
-        assert isinstance(T._check_result(payload, lines, 10), str), frame
+        assert isinstance(PL._check_result(payload, lines, 10), str), frame
     for d in [
         {"ok": 1, "reason": None, "value": "1", "frames": []},
         {"ok": False, "reason": ["x"], "value": None, "frames": []},
         {"ok": True, "reason": None, "value": {"a": 1}, "frames": []},
     ]:
-        assert isinstance(T._check_result(json.dumps(d).encode(), lines, 10), str), d
+        assert isinstance(PL._check_result(json.dumps(d).encode(), lines, 10), str), d
     many = json.dumps({"ok": False, "reason": "x", "value": None, "frames": [["line", L, None, None]] * 1000}).encode()
-    assert "too long" in T._check_result(many, lines, 10_000, deadline=time.monotonic() - 1)
+    assert "too long" in PL._check_result(many, lines, 10_000, deadline=time.monotonic() - 1)
     assert TracePool(1, unsafe_no_sandbox=True).max_result_bytes == 16 << 20
     # and whatever the checker raises fails the row, not the run
     class Pool: timeout, grace, max_frames, max_result_bytes = 1.0, 1.0, 10, 1 << 20
     boom = lambda *a, **k: (_ for _ in ()).throw(TypeError("unhashable"))
-    real = T._check_result
+    real = PL._check_result
     try:
-        T._check_result = boom
-        r = T._relayed("x", {"status": "exited", "exit": 0}, b"{}", {"code": code, "input": "1"}, Pool())
-    finally: T._check_result = real
+        PL._check_result = boom
+        r = PL._relayed("x", {"status": "exited", "exit": 0}, b"{}", {"code": code, "input": "1"}, Pool())
+    finally: PL._check_result = real
     assert not r.ok and r.reason.startswith("bad result") and "TypeError" in r.reason
 
 
@@ -830,10 +834,11 @@ RESULT = sorted(found)
 
 @needs_jail
 def test_jail_mount_table_names_no_project_path():
-    "trace.py is copied into the jail (--ro-bind-data), so /proc/self/mountinfo does not show where the project lives."
+    """The jail side (trace.py, jail.py) is copied into the jail (--ro-bind-data), so /proc/self/mountinfo does not show
+    where the project lives."""
     look = "RESULT = open('/proc/self/mountinfo').read()\n"
     res = _run([{"id": "mi", "code": _untraced(look), "input": repr(look)}])
-    assert res[0].ok and "/opt/latent_rl/trace.py" in res[0].value
+    assert res[0].ok and "/opt/latent_rl/trace.py" in res[0].value and "/opt/latent_rl/jail.py" in res[0].value
     assert str(ROOT) not in res[0].value, res[0].value
 
 
