@@ -8,7 +8,8 @@ import json, os
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['RECORD_FILES', 'METRICS_STEP_OFFSET', 'RunRecord', 'trim_records']
+__all__ = ['RECORD_FILES', 'METRICS_STEP_OFFSET', 'RunRecord', 'trim_records', 'run_file', 'read_records', 'read_config',
+           'read_metrics', 'read_logprobs', 'read_rollouts', 'read_anchors', 'run_kind', 'steps_of']
 
 # %% ../nbs/12_records.ipynb #a5fb848d
 # name -> step base
@@ -42,3 +43,81 @@ def trim_records(out, step: int):
         tmp = p.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep))
         os.replace(tmp, p)
+
+# %% ../nbs/12_records.ipynb #c4b231d3
+def run_file(run_dir, name: str) -> Path:
+    "`RUN/name`, or a `FileNotFoundError` that says what the directory does hold."
+    run = Path(run_dir)
+    if not run.is_dir(): raise FileNotFoundError(f"{run}: no such run directory")
+    p = run / name
+    if not p.exists():
+        have = [f for f in RECORD_FILES if (run / f).exists()]
+        raise FileNotFoundError(f"{p}: not found ({run} holds {', '.join(have) if have else 'no run records'})")
+    return p
+
+def read_records(run_dir, name: str, required=(), step: int | None = None) -> list[dict]:
+    "Rows of `RUN/name` (a half-written last line is ignored); each row must have the `required` fields."
+    p = run_file(run_dir, name)
+    rows = RunRecord.read(p)
+    for i, r in enumerate(rows, 1):
+        if not isinstance(r, dict): raise ValueError(f"{p}: row {i} is not a JSON object")
+        miss = [k for k in required if k not in r]
+        if miss: raise ValueError(f"{p}: row {i}: missing field(s) {', '.join(map(repr, miss))}")
+    return _at(rows, step)
+
+def _at(rows, step): return rows if step is None else [r for r in rows if r.get("step") == step]
+
+def read_config(run_dir) -> dict:
+    "The run's resolved `config.json` ({} when there is none)."
+    p = Path(run_dir) / "config.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+def read_metrics(run_dir) -> list[dict]:
+    "One row per logged optimizer step (event rows such as the final `done` are skipped)."
+    return [r for r in read_records(run_dir, "metrics.jsonl") if "step" in r]
+
+def _check_lengths(p, i, r, keys):
+    n = {k: len(r[k]) for k in keys if k in r}
+    if len(set(n.values())) > 1:
+        raise ValueError(f"{p}: row {i}: fields must have one entry per token, got lengths {n}")
+
+# %% ../nbs/12_records.ipynb #8c2966b9
+def read_logprobs(run_dir, step: int | None = None) -> list[dict]:
+    "Rows of `logprobs.jsonl` (one per recorded sequence), optionally of one step."
+    rows = read_records(run_dir, "logprobs.jsonl", ("step", "tokens", "logp", "logp_inf", "mask"))
+    p = Path(run_dir) / "logprobs.jsonl"
+    for i, r in enumerate(rows, 1): _check_lengths(p, i, r, ("tokens", "logp", "logp_inf", "mask"))
+    return _at(rows, step)
+
+def read_rollouts(run_dir, step: int | None = None) -> list[dict]:
+    "Rows of `rollouts.jsonl` (one per group per generation), optionally of one step."
+    rows = read_records(run_dir, "rollouts.jsonl", ("step", "group", "samples"))
+    p = Path(run_dir) / "rollouts.jsonl"
+    for i, r in enumerate(rows, 1):
+        for j, s in enumerate(r["samples"]):
+            if "reward" not in s or not ("tokens" in s or "text" in s):
+                raise ValueError(f"{p}: row {i}: sample {j} needs 'reward' and 'tokens' or 'text'")
+    return _at(rows, step)
+
+def read_anchors(run_dir, step: int | None = None) -> list[dict]:
+    "Rows of `kd_anchors.jsonl`: per recorded step, `dist[example][anchor][layer]` for the examples `ids`."
+    rows = read_records(run_dir, "kd_anchors.jsonl", ("step", "ids", "layers", "dist"))
+    p = Path(run_dir) / "kd_anchors.jsonl"
+    for i, r in enumerate(rows, 1):
+        if len(r["ids"]) != len(r["dist"]):
+            raise ValueError(f"{p}: row {i}: {len(r['ids'])} ids but {len(r['dist'])} 'dist' entries")
+    return _at(rows, step)
+
+def run_kind(run_dir) -> str:
+    "'grpo', 'gkd', 'codi', 'sft' or 'unknown', from the record files and metric names."
+    run, keys = Path(run_dir), set()
+    if (run / "metrics.jsonl").exists():
+        for r in read_metrics(run)[:3]: keys |= set(r)
+    if (run / "rollouts.jsonl").exists() or {"clip_frac_low", "ratio_mean", "reward_mean"} & keys: return "grpo"
+    if "jsd_loss" in keys: return "gkd"
+    if (run / "kd_anchors.jsonl").exists() or "kd_loss" in keys: return "codi"
+    return "sft" if "loss" in keys else "unknown"
+
+def steps_of(rows) -> list[int]:
+    "Sorted distinct `step` values of record rows."
+    return sorted({int(r["step"]) for r in rows})

@@ -12,7 +12,7 @@ from latent_rl.losses import generalized_jsd, generalized_jsd_from_hidden, sft_l
 from latent_rl.teachers import hidden_to_output
 from latent_rl.generate import generate_text
 from latent_rl.latent import LatentModel, LatentSpec, CodiOptions, codi_forward
-from latent_rl.bench import ref_forward
+from latent_rl.reference import ref_forward
 
 V = 48
 KW = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

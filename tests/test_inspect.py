@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, ROOT
+from latent_rl.records import read_metrics, read_logprobs, read_rollouts, read_anchors, run_kind, steps_of
 from latent_rl.inspect_runs import (
-    read_metrics, read_logprobs, read_rollouts, read_anchors, run_kind, steps_of, token_arrays, alignment_stats,
+    token_arrays, alignment_stats,
     clip_stats, ratios, leaks, completion_lines, trace_lines, panel, plot_metrics, AlignmentInspector, ClipInspector,
     AnchorInspector, RolloutViewer, plot_run, main, to_png,
 )

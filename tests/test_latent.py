@@ -8,7 +8,7 @@ from transformers import Qwen2Config, AutoModelForCausalLM
 
 from latent_rl.latent import LatentModel, LatentSpec, CodiOptions, codi_forward
 from latent_rl.models import cache_kw, out_cache
-from latent_rl.bench import ref_forward     # the per-example reference (the seed's algorithm): the oracle
+from latent_rl.reference import ref_forward     # the per-example reference (the seed's algorithm): the oracle
 
 V, LS, LE, LSEP, ASEP, EOT = 48, 40, 41, 42, 43, 44
 

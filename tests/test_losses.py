@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from latent_rl.logprobs import (IGNORE_INDEX, logprobs_from_logits, shift_labels, token_logprobs,
                                 token_logprobs_checkpointed)
-from latent_rl.bench import losses_bench
+from latent_rl.bench_losses import losses_bench
 from latent_rl.losses import (TeacherOutput, generalized_jsd, generalized_jsd_from_hidden, group_advantages,
                               grpo_loss, anchor_kd_loss, sft_loss)
 

@@ -6,7 +6,7 @@ import pytest
 
 # the package may not be installed into the venv: import it from the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from latent_rl.bench import trace_bench
+from latent_rl.bench_trace import trace_bench
 from latent_rl.trace import (TRACE_TOKENS, TRACE_CONTEXT_START, CALL_SEP, LINE_SEP, RETURN_SEP, EXCEPTION_SEP,
                              ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, LATENT_START, LATENT_END, Frame, make_context,
                              parse_trace, predicted_value, prompt_text, render_frame, render_trace, trace_inprocess)
