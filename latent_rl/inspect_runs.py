@@ -13,145 +13,15 @@ from matplotlib.figure import Figure
 import torch
 from .records import (METRICS_STEP_OFFSET, run_file, read_records, read_config,
                                read_metrics, read_logprobs, read_rollouts, read_anchors, run_kind, steps_of)
+from .run_stats import (token_arrays, leaks, alignment_stats, ratios, clip_stats, by_step, eps_of,
+                                 completion_lines, trace_lines, frame_lines, prompt_lines, nearest)
 from .latent import codi_forward, CodiOptions, LatentModel
 from .tokens import codi_example
 
 # %% auto #0
-__all__ = ['SHORT', 'METRIC_PANELS', 'FIG_W', 'MIN_PT', 'nearest', 'token_arrays', 'leaks', 'alignment_stats', 'ratios',
-           'clip_stats', 'by_step', 'eps_of', 'detok', 'completion_lines', 'trace_lines', 'in_kernel', 'to_png', 'show',
-           'panel', 'save_figure', 'Inspector', 'plot_metrics', 'AlignmentInspector', 'ClipInspector', 'latent_states',
-           'AnchorInspector', 'RolloutViewer', 'plot_run', 'main']
-
-# %% ../nbs/23_inspect.ipynb #54925f74
-def nearest(steps: list[int], s) -> int:
-    "The recorded step closest to `s` (the last one for None)."
-    if not steps: raise ValueError("no recorded steps")
-    return steps[-1] if s is None else min(steps, key=lambda t: (abs(t - s), t))
-
-# %% ../nbs/23_inspect.ipynb #3e50cd54
-def token_arrays(rows: list[dict]) -> dict[str, np.ndarray]:
-    "Per-token arrays over logprobs rows: `logp, logp_inf, mask` (bool), `adv`, `step`, `seq` (row index), `pos`."
-    def cat(f, dt=float): return np.concatenate([np.asarray(f(r), dtype=dt) for r in rows]) if rows else np.zeros(0, dt)
-    n = lambda r: len(r["logp"])
-    return {"logp": cat(lambda r: [np.nan if v is None else v for v in r["logp"]]),
-            "logp_inf": cat(lambda r: [np.nan if v is None else v for v in r["logp_inf"]]),
-            "mask": cat(lambda r: r["mask"], int).astype(bool), "adv": cat(lambda r: [r.get("adv", 0.0)] * n(r)),
-            "step": cat(lambda r: [r["step"]] * n(r), int),
-            "seq": np.concatenate([np.full(n(r), i) for i, r in enumerate(rows)]) if rows else np.zeros(0, int),
-            "pos": np.concatenate([np.arange(n(r)) for r in rows]) if rows else np.zeros(0, int)}
-
-def leaks(logp_inf: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    "Masked positions whose `logp_inf` is not a real log-probability (0, positive, NaN, ±inf)."
-    real = np.isfinite(logp_inf) & (np.nan_to_num(logp_inf, nan=1.0) < 0)
-    return ~mask & ~real
-
-def _stat(d):
-    return (float(d.mean()), float(np.abs(d).mean()), float(np.abs(d).max())) if d.size else (math.nan,) * 3
-
-def alignment_stats(rows: list[dict]) -> dict:
-    "Mean, mean |·| and max |·| of `logp − logp_inf` (nats) over scored tokens; counts of masked tokens and leaks."
-    t = token_arrays(rows)
-    d = (t["logp"] - t["logp_inf"])[t["mask"]]
-    fin = np.isfinite(d)
-    mean, am, mx = _stat(d[fin])
-    return {"mean": mean, "abs_mean": am, "abs_max": mx, "n": int(fin.sum()), "nonfinite": int((~fin).sum()),
-            "masked": int((~t["mask"]).sum()), "leaks": int(leaks(t["logp_inf"], t["mask"]).sum())}
-
-def ratios(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    "(ratio `exp(logp − logp_inf)`, advantage) of every scored token with a finite ratio."
-    t = token_arrays(rows)
-    r = np.exp(t["logp"] - t["logp_inf"])[t["mask"]]
-    a = t["adv"][t["mask"]]
-    ok = np.isfinite(r)
-    return r[ok], a[ok]
-
-# %% ../nbs/23_inspect.ipynb #457874af
-def clip_stats(rows: list[dict], eps_low: float = 0.2, eps_high: float = 0.2) -> dict:
-    """Mean ratio and the fractions of scored tokens below `1 − eps_low` / above `1 + eps_high`: over all tokens
-    (`ratio_mean, below, above, n`) and per advantage sign (suffixes `_pos`, `_neg`)."""
-    r, a = ratios(rows)
-    out = {}
-    for suf, sel in (("", np.ones_like(r, bool)), ("_pos", a > 0), ("_neg", a < 0)):
-        x = r[sel]
-        out.update({f"ratio_mean{suf}": float(x.mean()) if x.size else math.nan,
-                    f"below{suf}": float((x < 1 - eps_low).mean()) if x.size else math.nan,
-                    f"above{suf}": float((x > 1 + eps_high).mean()) if x.size else math.nan, f"n{suf}": int(x.size)})
-    return out
-
-def by_step(rows: list[dict], fn) -> tuple[list[int], list]:
-    "(steps, `fn(rows of that step)` for each step)."
-    steps = steps_of(rows)
-    return steps, [fn([r for r in rows if r["step"] == s]) for s in steps]
-
-def eps_of(run_dir) -> tuple[float, float]:
-    "GRPO clip range `(eps_low, eps_high)` from `config.json` (0.2 each by default)."
-    c = read_config(run_dir)
-    return float(c.get("eps_low", 0.2)), float(c.get("eps_high", 0.2))
-
-# %% ../nbs/23_inspect.ipynb #0f727212
-SHORT = {"<|trace_context_start|>": "", "<|call_sep|>": "CALL ", "<|line_sep|>": "LINE ", "<|return_sep|>": "RETURN",
-         "<|exception_sep|>": "EXCEPTION", "<|action_sep|>": " | ", "<|arg_sep|>": " -> ", "<|end_of_text|>": "<eot>",
-         "<|latent_start|>": "[", "<|latent_end|>": "]"}
-
-_MARK = "\x00"
-
-def _byte_decoder() -> dict:
-    "GPT-2 byte-level BPE: the printable character standing for each byte, inverted."
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-_BYTES = _byte_decoder()
-
-def detok(text: str) -> str:
-    "Text of joined tokens; raw byte-level BPE pieces (`Ġreturn`, `Ċ`) are turned back into bytes."
-    if not any(256 <= ord(c) < 324 for c in text): return text
-    out = bytearray()
-    for c in text:
-        b = _BYTES.get(c)
-        if b is None: out += c.encode()
-        else: out.append(b)
-    return out.decode("utf-8", errors="replace")
-
-def _frames(text: str) -> list[str]:
-    out = []
-    for f in text.split("<|frame_sep|>"):
-        f = f.rstrip("\n").replace("\n<|", "<|")
-        for k, v in SHORT.items(): f = f.replace(k, v)
-        f = f.replace("\n", " ")
-        if f.strip(): out.append(f)
-    return out
-
-# %% ../nbs/23_inspect.ipynb #db2f9767
-def completion_lines(tokens: list[str], latent_at=()) -> list[str]:
-    "A completion's frames, one per line, with `[latent k]` after each index of `latent_at`."
-    at, pieces = set(latent_at), []
-    for i, t in enumerate(tokens):
-        pieces.append(t)
-        if i in at: pieces.append(_MARK)
-    lines, k = [], 0
-    for f in _frames(detok("".join(pieces))):
-        while _MARK in f:
-            k += 1
-            f = f.replace(_MARK, f"[latent {k}]", 1)
-        lines.append(f)
-    return lines
-
-def trace_lines(trace: str) -> tuple[list[str], list[str]]:
-    "(a CODI trace's frames, one per line, each LINE frame's locals marked `[latent k: …]`; the source line of each span)."
-    lines, spans = [], []
-    for f in trace.split("<|frame_sep|>"):
-        if f.startswith("<|line_sep|>") and "<|action_sep|>" in f:
-            loc, src = f[len("<|line_sep|>"):].split("<|action_sep|>", 1)
-            spans.append(src.strip())
-            f = f"<|line_sep|>[latent {len(spans)}: {loc}]<|action_sep|>{src}"
-        lines += _frames(f)
-    return lines, spans
+__all__ = ['METRIC_PANELS', 'FIG_W', 'MIN_PT', 'in_kernel', 'to_png', 'show', 'panel', 'save_figure', 'Inspector', 'plot_metrics',
+           'AlignmentInspector', 'ClipInspector', 'latent_states', 'AnchorInspector', 'RolloutViewer', 'plot_run',
+           'main']
 
 # %% ../nbs/23_inspect.ipynb #2ac5b5e8
 def in_kernel() -> bool:
@@ -722,11 +592,6 @@ class AnchorInspector(Inspector):
         return fig
 
 # %% ../nbs/23_inspect.ipynb #fd2c9d45
-def _prompt_lines(prompt: str) -> list[str]:
-    p = prompt.split("<|frame_sep|>")[0]
-    for k, v in SHORT.items(): p = p.replace(k, v)
-    return [l for l in p.split("\n") if l.strip()]
-
 def _verdict(c): return {True: "correct", False: "wrong"}.get(c, "correctness not recorded")
 
 # %% ../nbs/23_inspect.ipynb #0ce6465f
@@ -763,7 +628,7 @@ class RolloutViewer(Inspector):
         gs = fig.add_gridspec(1 + G, 2, height_ratios=[2.8] + [hs] * G, width_ratios=[1, 1.2])
         ap = fig.add_subplot(gs[0, 0], gid="prompt")
         _text_lines(
-            ap, _prompt_lines(rec.get("prompt", "")) + [f"truth: {rec.get('truth', '?')}"], max_lines=14, width=80,
+            ap, prompt_lines(rec.get("prompt", "")) + [f"truth: {rec.get('truth', '?')}"], max_lines=14, width=80,
             hl=lambda l: l.startswith("truth:"), title="prompt",
         )
         ab = fig.add_subplot(gs[0, 1], gid="bars")
@@ -780,7 +645,7 @@ class RolloutViewer(Inspector):
         ab.legend(fontsize=7)
         for i, q in enumerate(S):
             a = fig.add_subplot(gs[1 + i, :], gid=f"sample{i}")
-            lines = completion_lines(q["tokens"], q.get("latent_at", ())) if "tokens" in q else _frames(q["text"])
+            lines = completion_lines(q["tokens"], q.get("latent_at", ())) if "tokens" in q else frame_lines(q["text"])
             _text_lines(a, lines, max_lines=self.max_lines, width=150,
                         title=f"sample {i}: reward {R[i]:.2f}, advantage {A[i]:+.2f}, {_verdict(q.get('correct'))}, "
                               f"{len(q.get('latent_at', []))} latent block(s), {len(q.get('tokens', []))} tokens")
