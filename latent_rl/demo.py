@@ -19,7 +19,8 @@ from .gkd import GKDConfig, run_gkd
 from .grpo import GRPOConfig, run_grpo
 from .recipes import recipe_fields
 from .evaluate import evaluate_path, save_records, paired_delta
-from .diagnose import diagnose, latent_usage
+from .diagnose import diagnose
+from .latent_probes import latent_usage
 from .inspect_runs import plot_run, save_figure
 
 # %% auto #0

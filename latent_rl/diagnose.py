@@ -4,36 +4,29 @@
 
 # %% ../nbs/22_diagnose.ipynb #97757c18
 from __future__ import annotations
-import argparse, json, re, sys, time
+import argparse, json, sys, time
 from collections import Counter
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-from .latent import codi_forward, CodiOptions, LatentModel
-from .tokens import codi_example
-from .generate import generate_latent
+from .latent import LatentModel
 from .loop import load_traced
 from .models import load_model
 
 # %% auto #0
-__all__ = ['BUCKETS', 'OUTCOMES', 'LAMBDAS', 'USAGE_VARIANTS', 'MODE_COLORS', 'MODE_FILES', 'record_frames', 'length_bucket',
-           'accuracy_by_length', 'length_table', 'frame_path', 'compare_paths', 'classify', 'faithfulness',
-           'value_bucket', 'span_targets', 'fit_probe', 'collect_states', 'feature_sets', 'run_probes', 'LatentBank',
-           'explicit_prefix', 'latent_collapse', 'latent_usage', 'usage_verdict', 'usage_markdown', 'fig_usage',
-           'smooth', 'plateau_step', 'kd_floor', 'fig_accuracy_by_length', 'fig_faithfulness', 'fig_probes',
-           'fig_kd_floor', 'diagnostics_figures', 'render_markdown', 'load_report', 'write_report', 'resolve_run',
-           'find_records', 'diagnose', 'main']
+__all__ = ['BUCKETS', 'OUTCOMES', 'MODE_COLORS', 'record_frames', 'length_bucket', 'accuracy_by_length', 'length_table',
+           'frame_path', 'compare_paths', 'classify', 'faithfulness', 'smooth', 'plateau_step', 'kd_floor',
+           'usage_markdown', 'fig_usage', 'fig_accuracy_by_length', 'fig_faithfulness', 'fig_probes', 'fig_kd_floor',
+           'diagnostics_figures', 'render_markdown', 'load_report', 'write_report', 'resolve_run', 'diagnose', 'main']
 
 # %% ../nbs/22_diagnose.ipynb #6568a70b
-from .trace import parse_trace, same_value, LINE_SEP, row_prompt
-from .tokens import encode
-from .evaluate import (frames_json, true_line_frames, load_records, save_records, bootstrap_mean, paired_delta,
-                                within_noise, evaluate, load_policy)
+from .trace import parse_trace
+from .evaluate import (frames_json, true_line_frames, save_records, within_noise, evaluate,
+                                load_policy, MODE_FILES, find_records)
 # run records are read as a running job writes them (half-written last line skipped)
 from .records import RunRecord
+from .latent_probes import collect_states, run_probes, latent_usage
 
 # %% ../nbs/22_diagnose.ipynb #b9012a7d
 def record_frames(rec: dict) -> list[dict]:
@@ -136,350 +129,6 @@ def faithfulness(records: list[dict], true_traces: dict[str, str]) -> dict:
         "median_diverge_at": div[len(div) // 2] if div else None,
     }
 
-# %% ../nbs/22_diagnose.ipynb #2e26e937
-def value_bucket(r: str | None) -> str | None:
-    "A small class for a value's repr: ints in [-9, 9] exactly, else '≤-10'/'≥10'; other values by type."
-    if r is None: return None
-    if r in ("True", "False"): return "bool"
-    try: v = int(r)
-    except ValueError: pass
-    else: return str(v) if -9 <= v <= 9 else ("≤-10" if v < 0 else "≥10")
-    if r[:1] in "'\"": return "str"
-    return {"[": "list", "(": "tuple", "{": "dict/set"}.get(r[:1], "other")
-
-def span_targets(trace: str) -> list[dict]:
-    "Per LINE frame of a true trace (= per CODI span, in order): `{var, value, line}`."
-    out = []
-    for f in parse_trace(trace).frames:
-        if f.kind != "line": continue
-        ch = [(k, v) for k, v in (f.locals or {}).items() if v != ".."]
-        out.append({"var": ",".join(k for k, _ in ch) if ch else "<none>",
-                    "value": value_bucket(ch[-1][1]) if ch else None, "line": f.line.rstrip("\n")})
-    return out
-
-# %% ../nbs/22_diagnose.ipynb #7ca3e87a
-LAMBDAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
-
-def _ridge_solutions(X, Y, lams):
-    "Centred ridge solutions W(λ) for each λ (λ scaled by the number of rows) via one eigendecomposition of XᵀX."
-    n = X.shape[0]
-    e, V = np.linalg.eigh(X.T @ X)                                                   # [d], [d, d]
-    XtY = V.T @ (X.T @ Y)                                                            # [d, C]
-    return [V @ (XtY / (e + lam * n)[:, None]) for lam in lams]                     # each [d, C]
-
-def fit_probe(Xtr, ytr, Xte, yte, lams=LAMBDAS, seed: int = 0) -> tuple[float, dict]:
-    "Held-out accuracy of a ridge probe on one-hot targets, and `{chance, lam, n_train, n_test, n_classes}`."
-    Xtr, Xte = np.asarray(Xtr, np.float64), np.asarray(Xte, np.float64)             # [N, d], [M, d]
-    ytr, yte = list(map(str, ytr)), list(map(str, yte))
-    if len(Xtr) != len(ytr) or len(Xte) != len(yte): raise ValueError("fit_probe: features and labels differ in length")
-    classes = sorted(set(ytr))
-    idx = {c: i for i, c in enumerate(classes)}
-    a = np.array([idx[y] for y in ytr])
-    b = np.array([idx.get(y, -1) for y in yte])
-    majority = Counter(ytr).most_common(1)[0][0] if ytr else None
-    chance = float(np.mean([y == majority for y in yte])) if yte else float("nan")
-    meta = {"chance": chance, "n_train": len(ytr), "n_test": len(yte), "n_classes": len(classes)}
-    if len(classes) < 2 or not len(yte):
-        return chance, {**meta, "lam": None}
-    mu, sd = Xtr.mean(0), Xtr.std(0) + 1e-6
-    Ztr, Zte = (Xtr - mu) / sd, (Xte - mu) / sd
-    Y = np.eye(len(classes))[a]
-    ybar = Y.mean(0)                                    # [N, C]
-    perm = np.random.default_rng(seed).permutation(len(a))
-    nv = max(1, len(a) // 5)
-    va, tr = perm[:nv], perm[nv:]
-    if len(tr) >= 2:
-        Zm = Ztr[tr].mean(0)
-        Ws = _ridge_solutions(Ztr[tr] - Zm, Y[tr] - Y[tr].mean(0), lams)
-        accs = [float(np.mean(((Ztr[va] - Zm) @ W + Y[tr].mean(0)).argmax(1) == a[va])) for W in Ws]
-        lam = lams[int(np.argmax(accs))]
-    else: lam = lams[len(lams) // 2]
-    # Ztr is centred on the training split
-    W = _ridge_solutions(Ztr, Y - ybar, [lam])[0]
-    pred = (Zte @ W + ybar).argmax(1)                                                # [M]
-    return float(np.mean(pred == b)), {**meta, "lam": lam}
-
-# %% ../nbs/22_diagnose.ipynb #18bec3f7
-def collect_states(lm, tok, rows: list[dict], *, teacher=None, batch_size: int = 32, max_len: int = 384,
-                   progress: bool = True, desc: str = "states") -> dict:
-    """Per span of every usable row: latent vectors `latents` [N, S, H], student anchor states `student` [N, L, H],
-    teacher anchor states `teacher` [N, L, H] (numpy, float32), probe targets `var`/`value`, `row` ids and `span`
-    index."""
-    n_layers = lm.model.config.num_hidden_layers
-    opts = CodiOptions(kd_layers=tuple(range(n_layers + 1)))
-    usable, skipped = [], 0
-    for r in rows:
-        ex = codi_example(tok, r, max_len)
-        tg = span_targets(r["trace"]) if ex is not None else []
-        if ex is None or len(tg) != len(ex["spans"]):
-            skipped += 1
-            continue
-        usable.append((r, ex, tg))
-    acc = {k: [] for k in ("latents", "student", "teacher")}
-    meta = {k: [] for k in ("var", "value", "row", "span", "line")}
-    layers = list(range(n_layers + 1))
-    was_training = lm.training
-    lm.eval()
-    try:
-        with torch.no_grad():
-            for s in tqdm(range(0, len(usable), batch_size), desc=desc, disable=not progress):
-                part = usable[s:s + batch_size]
-                o = codi_forward(lm, [ex for _, ex, _ in part], opts, teacher=teacher, return_states=True)
-                if o.latents is None or o.student_states is None or o.teacher_states is None:
-                    raise RuntimeError(
-                        "codi_forward(return_states=True) returned no states: latent_rl.latent is too old"
-                    )
-                layers = list(o.layers)
-                valid = o.kd_valid.cpu()                                               # [B, K]
-                # [B, K, S|L, H]
-                lat, st, te = (t.float().cpu() for t in (o.latents, o.student_states, o.teacher_states))
-                for b, (r, ex, tg) in enumerate(part):
-                    for q in range(len(ex["spans"])):
-                        if not valid[b, q]: continue
-                        acc["latents"].append(lat[b, q].numpy())
-                        acc["student"].append(st[b, q].numpy())
-                        acc["teacher"].append(te[b, q].numpy())
-                        meta["var"].append(tg[q]["var"])
-                        meta["value"].append(tg[q]["value"])
-                        meta["row"].append(r.get("id"))
-                        meta["span"].append(q)
-                        meta["line"].append(tg[q]["line"])
-    finally:
-        lm.train(was_training)
-    out = {k: np.stack(v) if v else np.zeros((0, 0, 0), np.float32) for k, v in acc.items()}
-    return {**out, **meta, "layers": layers, "skipped": skipped, "n_rows": len(usable)}
-
-# %% ../nbs/22_diagnose.ipynb #0856c71a
-def feature_sets(states: dict) -> list[tuple[str, str, np.ndarray]]:
-    "`[(group, name, X [N, H])]`: latent steps, student layers, teacher layers."
-    out = []
-    lat = states["latents"]
-    for s in range(lat.shape[1] if lat.ndim == 3 else 0): out.append(("latent", f"latent step {s + 1}", lat[:, s]))
-    for who in ("student", "teacher"):
-        X = states[who]
-        for i, l in enumerate(states["layers"][: X.shape[1] if X.ndim == 3 else 0]):
-            out.append((who, f"{who} layer {l}", X[:, i]))
-    return out
-
-def run_probes(train: dict, test: dict, progress: bool = False) -> dict:
-    "Held-out accuracy of every (feature set, target) probe, with the chance level per target."
-    rows, targets = [], {}
-    for t in ("var", "value"):
-        ktr = [i for i, v in enumerate(train[t]) if v is not None]
-        kte = [i for i, v in enumerate(test[t]) if v is not None]
-        targets[t] = (ktr, kte)
-    tr_sets, te_sets = feature_sets(train), feature_sets(test)
-    meta = {}
-    for (group, name, Xtr), (_, _, Xte) in tqdm(list(zip(tr_sets, te_sets)), desc="probes", disable=not progress):
-        row = {"group": group, "features": name}
-        for t, (ktr, kte) in targets.items():
-            a, m = fit_probe(Xtr[ktr], [train[t][i] for i in ktr], Xte[kte], [test[t][i] for i in kte])
-            row[t] = a
-            row[f"{t}_lam"] = m["lam"]
-            meta[t] = m
-        rows.append(row)
-    tinfo = {t: {k: v for k, v in m.items() if k != "lam"} for t, m in meta.items()}
-    for t, (ktr, kte) in targets.items():
-        if t not in tinfo:
-            tinfo[t] = {
-                "chance": fit_probe(
-                    np.zeros((len(ktr), 1)), [train[t][i] for i in ktr], np.zeros((len(kte), 1)),
-                    [test[t][i] for i in kte],
-                )[1]["chance"],
-                "n_train": len(ktr),
-                "n_test": len(kte),
-            }
-    best = {}
-    for t in targets:
-        for g in ("latent", "student", "teacher"):
-            cand = [r for r in rows if r["group"] == g and r.get(t) is not None]
-            if cand:
-                r = max(cand, key=lambda r: r[t])
-                best.setdefault(t, {})[g] = {"features": r["features"], "accuracy": r[t]}
-    return {"rows": rows, "targets": tinfo, "best": best, "layers": list(train["layers"]),
-            "n_spans": {"train": len(train["var"]), "test": len(test["var"])}}
-
-# %% ../nbs/22_diagnose.ipynb #3890aa6b
-class LatentBank:
-    "The latents a student fed on each program (`[n_blocks, latent_steps, H]` per program), for counterfactual runs."
-    def __init__(self, latents: list, seed: int = 0):
-        self.per_row, self.seed = [torch.as_tensor(z).float() for z in latents], seed
-        self.K = max((z.shape[0] for z in self.per_row), default=0)
-        ref = next((z for z in self.per_row if z.shape[0]), None)
-        if ref is None: raise ValueError("LatentBank: no program ran a latent block (is this a latent student?)")
-        self.S, self.H = ref.shape[1], ref.shape[2]
-        allz = torch.cat([z for z in self.per_row if z.shape[0]])                    # [N_blocks, S, H]
-        self.mean, self.std = allz.mean(0), allz.std(0)                              # [S, H] each
-        self.donor = self._derangement()                                             # [N_rows, K] donor row per block
-
-    def _derangement(self) -> torch.Tensor:
-        "For each (program, block k): another program that also ran block k (the next one in a fixed shuffled order)."
-        n, g = len(self.per_row), torch.Generator().manual_seed(self.seed)
-        D = torch.full((n, self.K), -1, dtype=torch.long)
-        for k in range(self.K):
-            have = [i for i, z in enumerate(self.per_row) if z.shape[0] > k]
-            if len(have) < 2: continue
-            order = torch.tensor(have)[torch.randperm(len(have), generator=g)]
-            D[order, k] = order.roll(1)                                               # each takes its predecessor's
-            D[D[:, k] < 0, k] = order[0]                                              # programs without block k
-        return D
-
-    def table(self, rows: list[int], kind: str, gen: torch.Generator | None = None) -> torch.Tensor:
-        "`[len(rows), K + 1, S, H]`: the vector each row is fed at (block, step); the last block index repeats."
-        B, K = len(rows), self.K + 1
-        if kind == "zero": return torch.zeros(B, K, self.S, self.H)
-        if kind == "mean": return self.mean.expand(B, K, self.S, self.H).clone()
-        if kind == "noise": return self.mean + self.std * torch.randn(B, K, self.S, self.H, generator=gen)
-        if kind != "shuffle": raise ValueError(f"unknown counterfactual {kind!r}: shuffle, zero, mean or noise")
-        out = self.mean.expand(B, K, self.S, self.H).clone()
-        for b, i in enumerate(rows):
-            for k in range(self.K):
-                d = int(self.donor[i, k])
-                if d >= 0: out[b, k] = self.per_row[d][k]
-            out[b, self.K] = out[b, self.K - 1]
-        return out
-
-    def fn(self, rows: list[int], kind: str, seed: int = 0):
-        "The `latent_fn(z, block, step)` of `generate_latent` for a batch of `rows` (indices into the bank)."
-        tab = self.table(rows, kind, torch.Generator().manual_seed(self.seed * 1_000_003 + seed))
-        def latent_fn(z, block, step):                                               # z [B, H], block/step [B]
-            k = block.clamp(0, tab.shape[1] - 1).cpu()
-            j = step.clamp(0, self.S - 1).cpu()
-            return tab[torch.arange(len(rows)), k, j].to(device=z.device, dtype=z.dtype)
-        return latent_fn
-
-# %% ../nbs/22_diagnose.ipynb #8cfd2ea8
-USAGE_VARIANTS = ("shuffle", "zero", "mean", "noise", "explicit_last", "explicit_last2")
-
-def explicit_prefix(trace: str, j: int) -> str:
-    """The true trace up to and including its j-th last LINE frame's `<|line_sep|>` (the blocks from there on stay
-    latent)."""
-    cuts = [m.end() for m in re.finditer(re.escape(LINE_SEP), trace)]
-    return trace[:cuts[-j]] if len(cuts) >= j else ""
-
-def latent_collapse(latents: list) -> list[dict]:
-    "Per block position: mean cosine similarity between different programs' latents (1.0 = one constant vector)."
-    out, K = [], max((z.shape[0] for z in latents), default=0)
-    for k in range(K):
-        Z = torch.stack([torch.as_tensor(z[k]).float().flatten() for z in latents if z.shape[0] > k])   # [n, S·H]
-        n = len(Z)
-        if n < 2: continue
-        s = torch.nn.functional.normalize(Z, dim=-1).sum(0)
-        out.append({"block": k, "n": n, "cos": float((s @ s - n) / (n * (n - 1)))})
-    return out
-
-# %% ../nbs/22_diagnose.ipynb #508a8591
-def _decode_rows(generate, tok, rows, prefixes, fn_for, batch_size, desc, progress, return_latents=False):
-    "Correctness of every row (and, optionally, the latents it fed) when decoding from prompt + prefix."
-    order = sorted(range(len(rows)), key=lambda i: (len(rows[i]["code"]), len(prefixes[i])))
-    correct, lat = [False] * len(rows), [None] * len(rows)
-    for s in tqdm(range(0, len(rows), batch_size), desc=desc, disable=not progress, leave=False):
-        idx = order[s:s + batch_size]
-        prompts = [encode(tok, row_prompt(rows[i]) + prefixes[i]) for i in idx]
-        ro = generate(prompts, latent_fn=fn_for(idx) if fn_for else None, return_latents=return_latents)
-        for k, i in enumerate(idx):
-            v = parse_trace(prefixes[i] + tok.decode(ro.completion_ids[k])).value
-            correct[i] = same_value(v, rows[i]["output"])
-            if return_latents: lat[i] = ro.latents[k]
-    return correct, lat
-
-def latent_usage(lm, tok, rows: list[dict], *, variants=USAGE_VARIANTS, batch_size: int = 32, max_new_tokens: int = 384,
-                 seed: int = 0, progress: bool = True, generate=None) -> dict:
-    """Accuracy of a latent student with its latents intact and under each counterfactual in `variants`, as paired
-    deltas with 95% bootstrap intervals; latent collapse per block; and a verdict in words. The intact run is a full
-    `evaluate` (its per-program `records` come back too). `generate(prompts, latent_fn=, return_latents=) -> Rollout`
-    defaults to greedy `generate_latent` on `lm`."""
-    generate = generate or partial(generate_latent, lm, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                                   max_new_tokens=max_new_tokens)
-    none = [""] * len(rows)
-    ev = evaluate(None, tok, rows, batch_size=batch_size, progress=progress, desc="usage: intact",
-                  generate_fn=partial(generate, return_latents=True))
-    base, lat = [r["correct"] for r in ev["records"]], ev["latents"]
-    res = {
-        "n": len(rows), "accuracy": bootstrap_mean(base, seed=seed), "format_valid": ev["format_valid"], "variants": {},
-        "collapse": latent_collapse(lat), "records": ev["records"], "seconds": ev["seconds"],
-    }
-    if not any(z.shape[0] for z in lat):
-        return {
-            **res, "used": None,
-            "verdict": "the student ran no latent block on these programs: usage cannot be measured",
-        }
-    bank = LatentBank(lat, seed)
-    for v in variants:
-        if v.startswith("explicit_last"):
-            j = int(v[len("explicit_last"):] or 1)
-            c, _ = _decode_rows(generate, tok, rows, [explicit_prefix(r["trace"], j) for r in rows], None, batch_size,
-                                f"usage: {v}", progress)
-        else:
-            c, _ = _decode_rows(
-                generate, tok, rows, none, lambda idx, v=v: bank.fn(idx, v), batch_size, f"usage: {v}", progress
-            )
-        res["variants"][v] = {"accuracy": float(np.mean(c)), **paired_delta(base, c, seed=seed)}
-    res["used"], res["verdict"] = usage_verdict(res)
-    return res
-
-# %% ../nbs/22_diagnose.ipynb #98099290
-def usage_verdict(res: dict) -> tuple[bool | None, str]:
-    "Read the shuffle counterfactual: are the latents used? (None when no shuffle run exists.)"
-    sh = res["variants"].get("shuffle")
-    if sh is None: return None, "no shuffle counterfactual was run"
-    pts = lambda d: f"{100 * d['mean']:+.1f} points (95% CI {100 * d['lo']:+.1f} to {100 * d['hi']:+.1f})"
-    if within_noise(sh):
-        return False, (f"latents unused: replacing each program's latents with another program's changes accuracy by "
-                       f"{pts(sh)}, within noise; the answer does not depend on the latent blocks")
-    if sh["mean"] > 0: return False, f"shuffling the latents *helps* ({pts(sh)}): they carry misleading state"
-    return True, f"latents used: replacing each program's latents with another program's costs {pts(sh)}"
-
-# %% ../nbs/22_diagnose.ipynb #2d82ab3f
-_VARIANT_DESC = {"shuffle": "another program's latents (same block, same step)", "zero": "zero vectors",
-                 "mean": "the mean latent over programs", "noise": "Gaussian noise at the latents' own scale",
-                 "explicit_last": "true trace explicit, only the last block latent",
-                 "explicit_last2": "true trace explicit, only the last two blocks latent"}
-
-def usage_markdown(u: dict) -> list[str]:
-    "The latent-usage section of a report: the counterfactual table, collapse per block, the verdict."
-    a = u["accuracy"]
-    L = [f"**{u['verdict'][0].upper() + u['verdict'][1:]}.**", "",
-         f"Greedy decoding of the same {u['n']} programs with the latents intact ({100 * a['mean']:.1f}%, 95% CI "
-         f"{100 * a['lo']:.1f}–{100 * a['hi']:.1f}) and with each counterfactual; Δ is paired (bootstrap over programs).", "",
-         "| latents fed | accuracy | Δ (points) | 95% CI |", "|---|---:|---:|---:|",
-         f"| intact | {100 * a['mean']:.1f}% | — | — |"]
-    for v, d in u["variants"].items():
-        L.append(f"| {_VARIANT_DESC.get(v, v)} | {100 * d['accuracy']:.1f}% | {100 * d['mean']:+.1f} | "
-                 f"{100 * d['lo']:+.1f} to {100 * d['hi']:+.1f} |")
-    if u.get("collapse"):
-        L += [
-            "",
-            "Collapse: mean cosine similarity between different programs' latents at each block "
-            "(1.0 = the same vector for every program).",
-            "",
-            "| block | " + " | ".join(str(c["block"]) for c in u["collapse"]) + " |",
-            "|---|" + "---:|" * len(u["collapse"]),
-            "| cosine | " + " | ".join(f"{c['cos']:.2f}" for c in u["collapse"]) + " |",
-            "| programs | " + " | ".join(str(c["n"]) for c in u["collapse"]) + " |",
-        ]
-    return L + ["", "![latent usage](usage.png)", ""]
-
-def fig_usage(u: dict | None):
-    "Counterfactual deltas with their 95% intervals."
-    if not u or not u.get("variants"): return None
-    fig, axs = _fig(7, 0.9 + 0.45 * len(u["variants"]))
-    ax, names = axs[0], list(u["variants"])
-    d = [u["variants"][v] for v in names]
-    ax.barh(
-        range(len(names)),
-        [100 * x["mean"] for x in d],
-        color=["#d62728" if not within_noise(x) else "#bbbbbb" for x in d],
-    )
-    ax.errorbar([100 * x["mean"] for x in d], range(len(names)), xerr=[[100 * (x["mean"] - x["lo"]) for x in d],
-                [100 * (x["hi"] - x["mean"]) for x in d]], fmt="none", ecolor="k", capsize=3)
-    ax.axvline(0, c="k", lw=1)
-    ax.set_yticks(range(len(names)), [_VARIANT_DESC.get(v, v) for v in names], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("accuracy change vs intact latents (points, 95% CI)")
-    ax.set_title(f"latent usage ({u['n']} programs; grey: within noise)")
-    return fig
-
 # %% ../nbs/22_diagnose.ipynb #4fa949c6
 def smooth(values, window: int | None = None) -> list[float]:
     "Trailing moving average (`window` default: a tenth of the series, at least 1)."
@@ -546,6 +195,56 @@ def kd_floor(run) -> dict | None:
                     "steps": [s for s, _ in pts], "values": [v for _, v in pts], "plateau_step": st, **m,
                 }
     return out if (out["steps"] or out["losses"]) else None
+
+# %% ../nbs/22_diagnose.ipynb #2d82ab3f
+_VARIANT_DESC = {"shuffle": "another program's latents (same block, same step)", "zero": "zero vectors",
+                 "mean": "the mean latent over programs", "noise": "Gaussian noise at the latents' own scale",
+                 "explicit_last": "true trace explicit, only the last block latent",
+                 "explicit_last2": "true trace explicit, only the last two blocks latent"}
+
+def usage_markdown(u: dict) -> list[str]:
+    "The latent-usage section of a report: the counterfactual table, collapse per block, the verdict."
+    a = u["accuracy"]
+    L = [f"**{u['verdict'][0].upper() + u['verdict'][1:]}.**", "",
+         f"Greedy decoding of the same {u['n']} programs with the latents intact ({100 * a['mean']:.1f}%, 95% CI "
+         f"{100 * a['lo']:.1f}–{100 * a['hi']:.1f}) and with each counterfactual; Δ is paired (bootstrap over programs).", "",
+         "| latents fed | accuracy | Δ (points) | 95% CI |", "|---|---:|---:|---:|",
+         f"| intact | {100 * a['mean']:.1f}% | — | — |"]
+    for v, d in u["variants"].items():
+        L.append(f"| {_VARIANT_DESC.get(v, v)} | {100 * d['accuracy']:.1f}% | {100 * d['mean']:+.1f} | "
+                 f"{100 * d['lo']:+.1f} to {100 * d['hi']:+.1f} |")
+    if u.get("collapse"):
+        L += [
+            "",
+            "Collapse: mean cosine similarity between different programs' latents at each block "
+            "(1.0 = the same vector for every program).",
+            "",
+            "| block | " + " | ".join(str(c["block"]) for c in u["collapse"]) + " |",
+            "|---|" + "---:|" * len(u["collapse"]),
+            "| cosine | " + " | ".join(f"{c['cos']:.2f}" for c in u["collapse"]) + " |",
+            "| programs | " + " | ".join(str(c["n"]) for c in u["collapse"]) + " |",
+        ]
+    return L + ["", "![latent usage](usage.png)", ""]
+
+def fig_usage(u: dict | None):
+    "Counterfactual deltas with their 95% intervals."
+    if not u or not u.get("variants"): return None
+    fig, axs = _fig(7, 0.9 + 0.45 * len(u["variants"]))
+    ax, names = axs[0], list(u["variants"])
+    d = [u["variants"][v] for v in names]
+    ax.barh(
+        range(len(names)),
+        [100 * x["mean"] for x in d],
+        color=["#d62728" if not within_noise(x) else "#bbbbbb" for x in d],
+    )
+    ax.errorbar([100 * x["mean"] for x in d], range(len(names)), xerr=[[100 * (x["mean"] - x["lo"]) for x in d],
+                [100 * (x["hi"] - x["mean"]) for x in d]], fmt="none", ecolor="k", capsize=3)
+    ax.axvline(0, c="k", lw=1)
+    ax.set_yticks(range(len(names)), [_VARIANT_DESC.get(v, v) for v in names], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("accuracy change vs intact latents (points, 95% CI)")
+    ax.set_title(f"latent usage ({u['n']} programs; grey: within noise)")
+    return fig
 
 # %% ../nbs/22_diagnose.ipynb #73359f15
 MODE_COLORS = {"explicit": "#1f77b4", "latent": "#d62728", "no-trace": "#7f7f7f"}
@@ -831,9 +530,6 @@ def write_report(rep: dict, out) -> Path:
     return p
 
 # %% ../nbs/22_diagnose.ipynb #389046f3
-MODE_FILES = {"explicit": ("explicit", "teacher", "sft"), "latent": ("latent", "codi", "student"),
-              "no-trace": ("notrace", "no-trace", "no_trace", "answer")}
-
 def resolve_run(path) -> tuple[Path | None, Path]:
     "`(run_dir or None, latent model dir)` for a CODI run directory or a latent model directory."
     p = Path(path)
@@ -846,22 +542,6 @@ def resolve_run(path) -> tuple[Path | None, Path]:
         return None, p
     raise ValueError(f"latent-rl diagnose: {p} is neither a CODI run directory (with final/latent_spec.json) "
                      "nor a latent model directory (with latent_spec.json)")
-
-def _weights_mtime(model) -> float:
-    p = Path(model)
-    files = [f for f in p.glob("*") if f.suffix in (".safetensors", ".bin", ".pt")] if p.is_dir() else []
-    return max((f.stat().st_mtime for f in files), default=0.0)
-
-def find_records(mode: str, dirs, ids: list, model=None) -> tuple[list[dict], Path] | None:
-    "Reusable records of `mode` covering `ids` (in that order), newer than `model`'s weights; None if there are none."
-    newer = _weights_mtime(model) if model else 0.0
-    for d in dirs:
-        for stem in MODE_FILES[mode]:
-            p = Path(d) / f"{stem}.records.jsonl"
-            if not p.exists() or p.stat().st_mtime < newer: continue
-            byid = {r["id"]: r for r in load_records(p)}
-            if all(i in byid for i in ids): return [byid[i] for i in ids], p
-    return None
 
 def _device(device: str) -> str:
     if device != "auto": return device

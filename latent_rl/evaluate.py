@@ -20,8 +20,9 @@ from .latent import LatentModel
 from .models import load_model
 
 # %% auto #0
-__all__ = ['score', 'bootstrap_mean', 'paired_delta', 'within_noise', 'frame_json', 'frames_json', 'true_line_frames', 'evaluate',
-           'results_table', 'save_records', 'load_records', 'load_eval_rows', 'load_policy', 'evaluate_path']
+__all__ = ['MODE_FILES', 'score', 'bootstrap_mean', 'paired_delta', 'within_noise', 'frame_json', 'frames_json',
+           'true_line_frames', 'evaluate', 'results_table', 'save_records', 'load_records', 'find_records',
+           'load_eval_rows', 'load_policy', 'evaluate_path']
 
 # %% ../nbs/21_evaluate.ipynb #a1ba1f48
 def _score_parsed(p, truth: str) -> dict:
@@ -143,6 +144,27 @@ def load_records(path) -> list[dict]:
             if missing: raise ValueError(f"{path}:{n}: record lacks {missing}")
             out.append(r)
     return out
+
+# %% ../nbs/21_evaluate.ipynb #9a3c5e11
+MODE_FILES = {"explicit": ("explicit", "teacher", "sft"), "latent": ("latent", "codi", "student"),
+              "no-trace": ("notrace", "no-trace", "no_trace", "answer")}
+
+def _weights_mtime(model) -> float:
+    p = Path(model)
+    files = [f for f in p.glob("*") if f.suffix in (".safetensors", ".bin", ".pt")] if p.is_dir() else []
+    return max((f.stat().st_mtime for f in files), default=0.0)
+
+def find_records(mode: str, dirs, ids: list, model=None) -> tuple[list[dict], Path] | None:
+    """Reusable records of `mode` covering `ids` (in that order), newer than `model`'s weights, from the first of `dirs`
+    that has them (file names by mode: `MODE_FILES`); None if there are none."""
+    newer = _weights_mtime(model) if model else 0.0
+    for d in dirs:
+        for stem in MODE_FILES[mode]:
+            p = Path(d) / f"{stem}.records.jsonl"
+            if not p.exists() or p.stat().st_mtime < newer: continue
+            byid = {r["id"]: r for r in load_records(p)}
+            if all(i in byid for i in ids): return [byid[i] for i in ids], p
+    return None
 
 # %% ../nbs/21_evaluate.ipynb #9032edad
 def load_eval_rows(path, limit: int = 0, progress: bool = True) -> list[dict]:

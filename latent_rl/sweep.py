@@ -13,7 +13,7 @@ import numpy as np
 from .config import load_config_file, config_from_dict
 from .records import RunRecord
 from .evaluate import evaluate_path, load_eval_rows, paired_delta
-from .diagnose import latent_usage
+from .latent_probes import latent_usage
 from .latent import LatentModel
 
 # %% auto #0

@@ -69,45 +69,15 @@ def test_diagnose_refuses_what_is_not_a_run(tmp_path):
     with pytest.raises(SystemExit, match="--notrace"): main([tmp_path, "--notrace", tmp_path / "missing"])
 
 # ---------------------------------------------------------------- latent usage on students that provably do / do not use latents
-import re, torch
-from latent_rl.generate import Rollout
-from latent_rl.tokens import encode
-from latent_rl.trace import prompt_text
-
-class Oracle:
-    """Writes each program's true trace in the latent format; its answer is read back from its last fed latent (uses) or
-    not."""
-    def __init__(self, tok, rows, uses, H=16):
-        self.tok, self.uses = tok, uses
-        self.rows = {tuple(encode(tok, prompt_text(r["code"], r["input"]))): r for r in rows}
-        vals = sorted({r["output"] for r in rows})
-        self.code = dict(zip(vals, torch.randn(len(vals), H, generator=torch.Generator().manual_seed(0))))
-    def __call__(self, prompts, latent_fn=None, return_latents=False):
-        rs = [self.rows[tuple(p)] for p in prompts]
-        n = [r["n_line_frames"] for r in rs]
-        Z = torch.stack([self.code[r["output"]] for r in rs])[:, None].repeat(1, max(n), 1)     # [B, blocks, H]
-        if latent_fn:
-            Z = torch.stack([latent_fn(Z[:, k], torch.full((len(rs),), k), torch.zeros(len(rs), dtype=torch.long))
-                             for k in range(max(n))], 1)
-        comp, lats = [], []
-        for b, r in enumerate(rs):
-            z = Z[b, :n[b]]
-            said = min(self.code, key=lambda v: (self.code[v] - z[-1]).norm()) if self.uses else r["output"]
-            text = re.sub(r"<\|line_sep\|>\{[^}]*\}", "<|line_sep|>", r["trace"]).replace(
-                json.dumps(r["output"]), json.dumps(said)
-            )
-            comp.append(encode(self.tok, text))
-            lats.append(z[:, None])
-        return Rollout([list(p) for p in prompts], comp, [[0.0] * len(c) for c in comp], latents=lats)
-
 def test_latent_usage_tells_users_from_ignorers(tiny_data):
     from latent_rl.models import load_tokenizer
-    from latent_rl.diagnose import latent_usage, usage_markdown
+    from latent_rl.latent_probes import latent_usage, OracleStudent
+    from latent_rl.diagnose import usage_markdown
     tok = load_tokenizer(tiny_data / "tokenizer")
     rows = [json.loads(l) for l in (tiny_data / "corpus/train.jsonl").read_text().splitlines()][:120]
     res = {
         u: latent_usage(
-            None, tok, rows, variants=("shuffle", "zero", "mean", "noise"), generate=Oracle(tok, rows, u),
+            None, tok, rows, variants=("shuffle", "zero", "mean", "noise"), generate=OracleStudent(tok, rows, u),
             progress=False,
         )
         for u in (True, False)
