@@ -30,7 +30,8 @@ from .losses import group_advantages
 from .bench_trace import trace_bench
 from .bench_losses import losses_bench
 from .reference import ref_forward
-from .plan import MODEL_CONFIGS, STAGES, PlanConfig, ModelShape, model_shape, plan_memory
+from .config import STAGES
+from .plan import MODEL_CONFIGS, PlanConfig, ModelShape, model_shape, plan_memory
 
 # %% auto #0
 __all__ = ['ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'BENCHES', 'markdown_table', 'run_bench', 'codi_bench',

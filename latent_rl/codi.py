@@ -67,12 +67,6 @@ class CodiConfig(TrainConfig):
     def options(self) -> CodiOptions:
         "The `CodiOptions` of this run: every field the two share, by name (`kd_layers` parsed from its string)."
         layers = tuple(int(x) for x in self.kd_layers.split(",") if x.strip()) or None
-        if self.kd_target not in ("hidden", "logit"):
-            raise ValueError(f"CodiConfig.kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
-        if self.curriculum_from not in ("end", "start"):
-            raise ValueError(f"CodiConfig.curriculum_from must be 'end' or 'start', got {self.curriculum_from!r}")
-        if self.prj_init not in ("default", "embed"):
-            raise ValueError(f"CodiConfig.prj_init must be 'default' or 'embed', got {self.prj_init!r}")
         shared = {f.name for f in fields(CodiOptions)} & {f.name for f in fields(self)} - {"kd_layers"}
         return CodiOptions(**{n: getattr(self, n) for n in shared}, kd_layers=layers)
 

@@ -11,11 +11,13 @@ from pathlib import Path
 import torch
 
 from .recipes import RECIPES, recipe_fields
+from .losses import NORMS, KD_TARGETS
+from .latent import VALUE_KD_AT
 
 # %% auto #0
-__all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'CHOICES', 'STAGE_CONFIGS', 'ConfigError', 'check_field', 'config_from_dict',
-           'load_config_file', 'field_comments', 'parse_config', 'TrainConfig', 'VLLMConfig', 'check_precision',
-           'teacher_dtype']
+__all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'STAGES', 'CHOICES', 'STAGE_CONFIGS', 'ConfigError', 'check_field',
+           'config_from_dict', 'load_config_file', 'field_comments', 'parse_config', 'check_config', 'TrainConfig',
+           'VLLMConfig', 'check_precision', 'teacher_dtype']
 
 # %% ../nbs/14_config.ipynb #3e8955f4
 class ConfigError(ValueError):
@@ -24,20 +26,24 @@ class ConfigError(ValueError):
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 POSITIVE = {"steps", "batch_size", "grad_accum", "max_len", "latent_steps", "log_every", "group_size", "max_new_tokens",
             "steps_per_generation", "max_resample_rounds", "lora_alpha", "max_locals", "vllm_tensor_parallel_size",
-            "lr", "max_grad_norm", "kd_temp", "temperature", "http_timeout"}
+            "lr", "max_grad_norm", "kd_temp", "temperature", "http_timeout",
+            "gpus", "gpu_mem", "seq", "micro_batch", "pad_ratio"}
 NON_NEGATIVE = {
     "lora_r", "warmup", "save_every", "max_train", "max_spans", "anchor_every", "record_every", "topk", "weight_decay",
     "a", "b", "g", "value_kd", "answer_kd", "recon", "answer_weight", "sft_alpha", "http_retries", "http_backoff",
-    "vllm_max_model_len", "seed", "eps_low", "eps_high",
+    "vllm_max_model_len", "seed", "eps_low", "eps_high", "kl_beta", "latent_sigma", "dynamic_sampling",
+    "spans", "completion", "runtime_gb",
 }
 FRACTION = {"min_lr_frac", "ss_prob", "ss_ramp_frac", "latent_tf", "curriculum", "lmbda", "beta",
-            "vllm_gpu_memory_utilization"}
+            "vllm_gpu_memory_utilization", "latent_share", "rollout_share"}
+STAGES = ("sft", "codi", "gkd", "grpo")   # the training stages, in pipeline order
 CHOICES = {
+    "stage": STAGES, "attention": ("flash", "math"),
     "dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"), "precision": ("fp32", "bf16"),
-    "wandb": ("disabled", "offline", "online"), "kd_target": ("hidden", "logit"),
-    "value_kd_at": ("sequence", "predict", "tokens", "embed"), "curriculum_from": ("end", "start"),
+    "wandb": ("disabled", "offline", "online"), "kd_target": KD_TARGETS,
+    "value_kd_at": VALUE_KD_AT, "curriculum_from": ("end", "start"),
     "prj_init": ("default", "embed"), "mode": ("trace", "answer"), "adv_scale": ("group", "batch", "none"),
-    "norm": ("sequence", "token"), "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
+    "norm": NORMS, "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
     "replay": ("exact", "truncated"), "strategy": ("ddp", "fsdp"), "step_blocks": ("each", "one"),
 }
 
@@ -139,10 +145,12 @@ def field_comments(cls) -> dict[str, str]:
                 out[names[t.start[0]]] = t.string.lstrip("#").strip()
     return out
 
-def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_recipe: str | None = None):
+def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_recipe: str | None = None,
+                 description: str | None = None):
     """A `cls` from `--field value` flags over an optional `--config FILE` over an optional `--recipe NAME`
-    (`default_recipe` when none is given, said on stderr; `--recipe none`: the dataclass's own defaults)."""
-    ap = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    (`default_recipe` when none is given, said on stderr; `--recipe none`: the dataclass's own defaults);
+    `description` (default: the class's docstring) heads `--help`."""
+    ap = argparse.ArgumentParser(prog=prog, description=description or cls.__doc__)
     ap.add_argument("--config", default=None, help="TOML, YAML or JSON file of fields (command-line flags override it)")
     ap.add_argument(
         "--recipe",
@@ -180,6 +188,17 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
         d.update(fd)
     config_from_dict(cls, ns, where="command line")
     return config_from_dict(cls, {**d, **ns})
+
+# %% ../nbs/14_config.ipynb #b4c1d2e1
+def check_config(cfg, where: str | None = None):
+    """`cfg` (a config dataclass, however built) with every field checked as a flag is (`check_field`: type, range,
+    choices), or a `ConfigError` naming the first bad field. A `str` field may hold a path."""
+    where = where or type(cfg).__name__
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if str(f.type) == "str" and isinstance(v, os.PathLike): continue
+        check_field(f.name, f.type, v, where)
+    return cfg
 
 # %% ../nbs/14_config.ipynb #2daf934f
 @dataclass

@@ -367,8 +367,6 @@ def load_state(self: GKDStep, st: dict) -> None:
 # %% ../nbs/19_gkd.ipynb #84216c56
 def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     "GKD: returns `{out}/final` (a model directory of the student's kind)."
-    if cfg.truncation_strategy not in ("delete", "keep"):
-        raise ValueError(f"GKDConfig.truncation_strategy must be 'delete' or 'keep', got {cfg.truncation_strategy!r}")
     acc = setup(cfg.seed)
     write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))

@@ -16,7 +16,7 @@ from .trace import LATENT_START, LATENT_END, LINE_SEP, ACTION_SEP
 from .tokens import IGNORE_INDEX, trace_token_ids
 from .models import backbone, lm_head, lm_head_weight, cache_kw, out_cache, copy_cache, load_model
 from .logprobs import token_logprobs
-from .losses import state_kd_loss, embed_kd_loss, anchor_kd_loss
+from .losses import state_kd_loss, embed_kd_loss, anchor_kd_loss, KD_TARGETS
 
 # %% auto #0
 __all__ = ['VALUE_KD_AT', 'CALL_COST', 'LatentSpec', 'Projector', 'LatentModel', 'LatentNoise', 'pack_phases', 'CodiOptions',
@@ -181,8 +181,8 @@ class CodiOptions:
     latent_tf: float = 0.0              # latent teacher forcing: P(a block's steps ≥ 1 are fed the true tokens' embeddings)
 
     def __post_init__(self):
-        if self.kd_target not in ("hidden", "logit"):
-            raise ValueError(f"kd_target must be 'hidden' or 'logit', got {self.kd_target!r}")
+        if self.kd_target not in KD_TARGETS:
+            raise ValueError(f"kd_target must be one of {KD_TARGETS}, got {self.kd_target!r}")
         if self.value_kd_at not in VALUE_KD_AT:
             raise ValueError(f"value_kd_at must be one of {VALUE_KD_AT}, got {self.value_kd_at!r}")
     @property

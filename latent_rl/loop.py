@@ -17,7 +17,7 @@ from .corpus import load_rows, trace_and_fill
 from .steps import is_step_file, load_step_rows, to_trace_row
 from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale
 from .records import RunRecord, RECORD_FILES, trim_records
-from .config import ConfigError, check_precision
+from .config import ConfigError, check_precision, check_config
 from .engine import (Engine, make_engine, log0, peak_memory_mb, added_peak_mb, param_checksum, full_state_dict,
                               save_shards, load_shards, reduce_metrics, local_tensor)
 
@@ -193,7 +193,8 @@ def _prepare(cfg) -> None:
 # %% ../nbs/16_loop.ipynb #4c08854a
 def write_config(cfg, acc):
     """Check the run directory on rank 0 (lock, fresh / overwrite / resume) and save the resolved config; every rank
-    raises the same error."""
+    raises the same error. Every field is checked first (`check_config`), however the config was built."""
+    check_config(cfg)
     err = None
     if acc.is_main_process:
         try: _prepare(cfg)

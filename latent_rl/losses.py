@@ -13,8 +13,8 @@ from latent_rl.logprobs import (IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, _co
     _raw_logits)
 
 # %% auto #0
-__all__ = ['group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput', 'generalized_jsd', 'generalized_jsd_from_hidden',
-           'anchor_kd_loss', 'state_kd_loss', 'embed_kd_loss']
+__all__ = ['NORMS', 'KD_TARGETS', 'group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput', 'generalized_jsd',
+           'generalized_jsd_from_hidden', 'anchor_kd_loss', 'state_kd_loss', 'embed_kd_loss']
 
 # %% ../nbs/06_losses.ipynb #76fb23d0
 def _floats(d: dict) -> dict:
@@ -57,6 +57,8 @@ def _masked_mean(x, m):
     return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp_min(1)
 
 # %% ../nbs/06_losses.ipynb #71104518
+NORMS = ("sequence", "token")   # grpo_loss: mean over each sequence, then over sequences (seed) | over every token
+
 # Long on purpose: the seed's GRPO objective and every one of its diagnostics from the same tensors in one pass
 # (one device sync for the metrics); most lines are the documented parameters and the metrics dict.
 def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token logprobs (0 at unscored positions)
@@ -80,7 +82,7 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
         raise ValueError("grpo_loss needs the rollout engine's logprobs (logp_inf) for the importance ratio; "
                          "got None. Make the generator return per-token logprobs of the sampled tokens "
                          "(latent_rl generators do; for vLLM request logprobs and use processed logprobs).")
-    if norm not in ("sequence", "token"): raise ValueError(f"norm must be 'sequence' or 'token', got {norm!r}")
+    if norm not in NORMS: raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if logp.shape != mask.shape or logp_inf.shape != logp.shape:
         raise ValueError(
             f"shape mismatch: logp {tuple(logp.shape)}, logp_inf {tuple(logp_inf.shape)}, mask {tuple(mask.shape)}"
@@ -544,6 +546,8 @@ def generalized_jsd_from_hidden(student_hidden: torch.Tensor,  # [B, S, H]
     return _finish_topk(_topk_terms(zk, lse, tl, float(beta), float(temperature), tail), tl, rows.shape[0], cd)
 
 # %% ../nbs/06_losses.ipynb #1f3afb69
+KD_TARGETS = ("hidden", "logit")   # anchor_kd_loss: distil hidden states (CODI) | the logits they give
+
 def anchor_kd_loss(student: torch.Tensor,   # [B, K, L, H] states at each anchor and layer ("logit": [B, K, V] logits)
                    teacher: torch.Tensor,   # the same shape, detached
                    valid: torch.Tensor,     # [B, K] real anchors
@@ -553,8 +557,7 @@ def anchor_kd_loss(student: torch.Tensor,   # [B, K, L, H] states at each anchor
                    eps: float = 1e-6,
                   ) -> tuple[torch.Tensor, dict]:
     "CODI's KD per example `[B]` (mean over its real anchors); metrics: `dist` `[B, K, L]` per anchor (detached)."
-    if target not in ("hidden", "logit"):
-        raise ValueError(f"anchor_kd_loss: target must be 'hidden' or 'logit', got {target!r}")
+    if target not in KD_TARGETS: raise ValueError(f"anchor_kd_loss: target must be one of {KD_TARGETS}, got {target!r}")
     if student.shape != teacher.shape:
         raise ValueError(f"student {tuple(student.shape)} vs teacher {tuple(teacher.shape)}")
     teacher, vf = teacher.detach(), valid.float()                                     # [B, K]

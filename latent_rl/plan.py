@@ -4,15 +4,16 @@
 
 # %% ../nbs/26_plan.ipynb #bb7f3ae9
 from __future__ import annotations
-import argparse, json
-from dataclasses import dataclass, asdict, fields, replace
+import json, sys
+from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 import torch
 from .engine import decoder_layers
+from .config import parse_config
 
 # %% auto #0
-__all__ = ['MODEL_CONFIGS', 'STAGES', 'LOGIT_ROWS', 'CHANGES', 'model_config', 'ModelShape', 'model_shape', 'PlanConfig',
-           'layer_act_bytes', 'pass_tokens', 'plan_memory', 'plan', 'format_plan', 'plan_command']
+__all__ = ['MODEL_CONFIGS', 'LOGIT_ROWS', 'CHANGES', 'model_config', 'ModelShape', 'model_shape', 'PlanConfig', 'layer_act_bytes',
+           'pass_tokens', 'plan_memory', 'plan', 'format_plan', 'plan_command']
 
 # %% ../nbs/26_plan.ipynb #8cbf334a
 _QWEN = dict(model_type="qwen2", hidden_act="silu", rope_theta=1e6, max_position_embeddings=32768)
@@ -87,8 +88,6 @@ def model_shape(config) -> ModelShape:
     )
 
 # %% ../nbs/26_plan.ipynb #eead937b
-STAGES = ("sft", "codi", "gkd", "grpo")
-
 @dataclass
 class PlanConfig:
     "What to plan: a model, a stage and the GPUs it runs on (`latent-rl plan`). Shapes are per GPU and micro-batch."
@@ -247,18 +246,19 @@ def format_plan(pc: PlanConfig, res: dict) -> str:
         )
     return "\n".join(lines)
 
+def _underscored(arg: str) -> str:
+    "`--gpu-mem` as `--gpu_mem` (a flag's dashes as its field's underscores); values unchanged."
+    if not arg.startswith("--"): return arg
+    name, eq, value = arg[2:].partition("=")
+    return "--" + name.replace("-", "_") + eq + value
+
 def plan_command(argv: list[str] | None = None) -> dict:
-    "`latent-rl plan`: flags are PlanConfig's fields (`--gpu-mem` and `--gpu_mem` both work)."
-    ap = argparse.ArgumentParser(prog="latent-rl plan", description=PlanConfig.__doc__)
-    for f in fields(PlanConfig):
-        kw = dict(type=(lambda v: v.lower() in ("1", "true", "yes")) if f.type in (bool, "bool") else
-                  {"int": int, "float": float}.get(str(f.type), str), default=f.default)
-        ap.add_argument(f"--{f.name}", *([f"--{f.name.replace('_', '-')}"] if "_" in f.name else []), dest=f.name, **kw)
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    a = vars(ap.parse_args(argv))
-    as_json = a.pop("json")
-    pc = PlanConfig(**a)
-    if pc.stage not in STAGES: raise ValueError(f"--stage must be one of {', '.join(STAGES)}, got {pc.stage!r}")
+    """`latent-rl plan`: flags are PlanConfig's fields, parsed and checked as every stage's are (`--gpu-mem` and
+    `--gpu_mem` both work, `--config FILE` reads them from a file); `--json` prints the plan as JSON."""
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    as_json = "--json" in argv
+    pc = parse_config(PlanConfig, [_underscored(a) for a in argv if a != "--json"], prog="latent-rl plan",
+                      description=f"{PlanConfig.__doc__} --json prints the plan as JSON.")
     res = plan(pc)
     print(json.dumps({"config": asdict(pc), **res}, indent=1) if as_json else format_plan(pc, res))
     return res

@@ -116,8 +116,6 @@ def sft_examples(cfg: SFTConfig, tok, acc, progress: bool = True) -> tuple[list[
 
 def run_sft(cfg: SFTConfig, progress: bool = True) -> Path:
     "Train; returns the path of the final model directory (`{out}/final`)."
-    if cfg.mode not in ("trace", "answer"):
-        raise ValueError(f"SFTConfig.mode must be 'trace' or 'answer', got {cfg.mode!r}")
     acc = setup(cfg.seed)
     write_config(cfg, acc)
     model, tok = build_or_load(cfg)

@@ -300,7 +300,7 @@ def test_plan_prints_parts_and_a_fix():
     out = json.loads(p.stdout)
     assert out["fits"] and out["config"]["gpu_mem"] == 141 and out["parts_gb"]["activations"] > 0
     p = run_cli("plan", "--stage", "ppo", check=False)
-    assert p.returncode == 2 and "--stage must be one of" in p.stderr
+    assert p.returncode == 2 and "field 'stage' must be one of sft, codi, gkd, grpo" in p.stderr
 
 
 @pytest.mark.parametrize("stage", ["sft", "codi", "gkd", "grpo"])
