@@ -33,9 +33,9 @@ class CodiConfig(TrainConfig):
     val: str = "data/corpus/val.jsonl"   # validation rows for the held-out losses ("" = none)
     out: str = "runs/codi"
     latent_steps: int = 1                # latent vectors per block (each the projected last hidden state)
-    a: float = 1.0                      # teacher CE
-    b: float = 1.0                      # student CE
-    g: float = 1.0                      # KD
+    teacher_ce: float = 1.0             # teacher CE weight (α in CODI; was `a`)
+    student_ce: float = 1.0             # student CE weight (β in CODI; was `b`)
+    anchor_kd: float = 1.0              # KD weight at the <|action_sep|> anchors (γ in CODI; was `g`)
     kd_target: str = "hidden"           # hidden | logit
     kd_layers: str = ""                 # comma-separated hidden_states indices; "" = default
     kd_temp: float = 2.0                 # temperature of logit KD (kd_target = logit; the loss is ×T²)
@@ -43,7 +43,7 @@ class CodiConfig(TrainConfig):
     single_anchor: bool = False          # distil at the last span's anchor only
     ss_prob: float = 0.0                 # scheduled sampling: final probability of feeding the student's own argmax after a block
     ss_ramp_frac: float = 0.5            # scheduled sampling: share of the steps over which ss_prob ramps up from 0
-    grad_ckpt: bool = False             # gradient checkpointing of the teacher forward
+    teacher_checkpointing: bool = False  # gradient checkpointing of the shared-weight teacher forward (was `grad_ckpt`)
     value_kd: float = 0.0               # distil each block's latent states to the teacher's at the value it replaced
     value_kd_at: str = "sequence"       # sequence | predict | tokens | embed: which teacher states each latent step matches
     answer_kd: float = 0.0              # distil the states predicting the RETURN value
@@ -95,7 +95,7 @@ def load_frozen_teacher(cfg: CodiConfig, lm: LatentModel, tok, device) -> nn.Mod
             f"tokens; first differences {diff}): distillation needs one tokenizer"
         )
     hs, ht = lm.model.config.hidden_size, teacher.config.hidden_size
-    if hs != ht and (cfg.kd_target == "hidden" and cfg.g or cfg.value_kd or cfg.answer_kd):
+    if hs != ht and (cfg.kd_target == "hidden" and cfg.anchor_kd or cfg.value_kd or cfg.answer_kd):
         raise ValueError(
             f"teacher {cfg.teacher} has hidden size {ht}, student {cfg.model} {hs}: state distillation needs "
             "equal widths (use --kd_target logit with --value_kd 0 --answer_kd 0, or a teacher of the same width)"

@@ -15,9 +15,9 @@ from .losses import NORMS, KD_TARGETS
 from .latent import VALUE_KD_AT
 
 # %% auto #0
-__all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'STAGES', 'CHOICES', 'STAGE_CONFIGS', 'ConfigError', 'check_field',
-           'config_from_dict', 'load_config_file', 'field_comments', 'parse_config', 'check_config', 'TrainConfig',
-           'VLLMConfig', 'check_precision', 'teacher_dtype']
+__all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'STAGES', 'CHOICES', 'STAGE_CONFIGS', 'RENAMED', 'ConfigError', 'check_field',
+           'upgrade_keys', 'config_from_dict', 'load_config_file', 'field_comments', 'parse_config', 'check_config',
+           'TrainConfig', 'VLLMConfig', 'check_precision', 'teacher_dtype']
 
 # %% ../nbs/14_config.ipynb #3e8955f4
 class ConfigError(ValueError):
@@ -30,7 +30,8 @@ POSITIVE = {"steps", "batch_size", "grad_accum", "max_len", "latent_steps", "log
             "gpus", "gpu_mem", "seq", "micro_batch", "pad_ratio"}
 NON_NEGATIVE = {
     "lora_r", "warmup", "save_every", "max_train", "max_spans", "anchor_every", "record_every", "topk", "weight_decay",
-    "a", "b", "g", "value_kd", "answer_kd", "recon", "answer_weight", "sft_alpha", "http_retries", "http_backoff",
+    "teacher_ce", "student_ce", "anchor_kd", "value_kd", "answer_kd", "recon", "answer_weight", "sft_alpha",
+    "http_retries", "http_backoff",
     "vllm_max_model_len", "seed", "eps_low", "eps_high", "kl_beta", "latent_sigma", "dynamic_sampling",
     "spans", "completion", "runtime_gb",
 }
@@ -91,8 +92,25 @@ def check_field(name: str, tp: str, v, where: str = "config"):
 # %% ../nbs/14_config.ipynb #45961ec7
 STAGE_CONFIGS = ("SFTConfig", "CodiConfig", "GKDConfig", "GRPOConfig")   # the sections of a whole-pipeline file
 
+RENAMED = {"a": "teacher_ce", "b": "student_ce", "g": "anchor_kd", "grad_ckpt": "teacher_checkpointing"}  # old -> new
+
+def upgrade_keys(d: dict, cls=None, where: str = "config", warn: bool = True) -> dict:
+    """`d` with each old field name of `RENAMED` under its new one (for `cls`: where `cls` has the new name), said on
+    stderr: old config files, recipes, grids and flags keep working for one release. Both names at once is an error."""
+    have = {f.name for f in fields(cls)} if cls is not None else None
+    out = dict(d)
+    for old, new in RENAMED.items():
+        if old not in out or (have is not None and (new not in have or old in have)): continue
+        if new in out:
+            raise ConfigError(f"{where}: '{old}' is the old name of '{new}' and both are given: keep '{new}'")
+        out[new] = out.pop(old)
+        if warn and os.environ.get("RANK", "0") == "0":
+            print(f"{where}: field '{old}' is now '{new}' (the old name still works in this release)", file=sys.stderr)
+    return out
+
 def config_from_dict(cls, d: dict, where: str = "config"):
-    "A `cls` from a dict of fields, each checked; unknown fields are refused by name."
+    "A `cls` from a dict of fields, each checked; old names (`RENAMED`) moved, unknown fields refused by name."
+    d = upgrade_keys(d, cls, where)
     names = {f.name: f for f in fields(cls)}
     bad = [k for k in d if k not in names]
     if bad: raise ConfigError(f"{where}: unknown field(s) {bad} for {cls.__name__}; known: {sorted(names)}")
@@ -168,7 +186,12 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
                 f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})"
             )
         else: ap.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})")
-    ns = vars(ap.parse_args(argv))
+    kinds = {f.name: str(f.type) for f in fields(cls)}
+    for old, new in RENAMED.items():                                    # an old flag still works, hidden from --help
+        if new in kinds and old not in kinds:
+            kw = dict(nargs="?", const="true") if kinds[new] == "bool" else {}
+            ap.add_argument(f"--{old}", dest=old, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kw)
+    ns = upgrade_keys(vars(ap.parse_args(argv)), cls, "command line")
     path, given = ns.pop("config", None), ns.pop("recipe", None)
     recipe = given or default_recipe
     if given is None and default_recipe and os.environ.get("RANK", "0") == "0":
@@ -179,11 +202,11 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
         if recipe in RECIPES and cls.__name__ not in RECIPES[recipe]:
             has = sorted(n for n, p in RECIPES.items() if cls.__name__ in p)
             raise ConfigError(f"recipe {recipe} has no {cls.__name__} section; recipes for this stage: {has}")
-        pf = recipe_fields(recipe, cls)
+        pf = upgrade_keys(recipe_fields(recipe, cls), cls, f"recipe {recipe}")
         config_from_dict(cls, pf, f"recipe {recipe}")
         d.update(pf)
     if path:
-        fd = _file_fields(cls, path)
+        fd = upgrade_keys(_file_fields(cls, path), cls, str(path))
         config_from_dict(cls, fd, where=str(path))         # name the file when one of its fields is bad
         d.update(fd)
     config_from_dict(cls, ns, where="command line")

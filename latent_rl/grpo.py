@@ -366,6 +366,7 @@ def reward_rise(rows: list[dict], key: str = "reward_mean", frac: float = 0.1) -
     d, se = mean(b) - mean(a), (var(a) / k + var(b) / k) ** 0.5
     return {"first": mean(a), "last": mean(b), "delta": d, "lo": d - 1.96 * se, "hi": d + 1.96 * se, "steps_each": k}
 
+# %% ../nbs/20_grpo.ipynb #d7e1f005
 def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
     "The run's throughput figures (this process's tokens) and its first and last mean reward."
     cfg, acc = stage.cfg, stage.acc
@@ -387,6 +388,7 @@ def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
         **{f"reward_rise_{k}": v for k, v in reward_rise(hist).items()},
     }
 
+# %% ../nbs/20_grpo.ipynb #d7e1f006
 def stochastic_latents(cfg: GRPOConfig, policy: Policy) -> None:
     "Give a latent policy its noise scale (`latent_sigma`; a saved one is kept) and make σ trainable (`latent_sigma_learn`)."
     if policy.kind != "latent":

@@ -163,16 +163,16 @@ VALUE_KD_AT = ("sequence", "predict", "tokens", "embed")
 
 @dataclass
 class CodiOptions:
-    a: float = 1.0                      # teacher CE weight (shared weights only)
-    b: float = 1.0                      # student CE weight
-    g: float = 1.0                      # KD weight at the <|action_sep|> anchors (the seed's)
+    teacher_ce: float = 1.0             # teacher CE weight, α in CODI (shared weights only)
+    student_ce: float = 1.0             # student CE weight, β in CODI
+    anchor_kd: float = 1.0              # KD weight at the <|action_sep|> anchors, γ in CODI (the seed's)
     kd_target: str = "hidden"           # 'hidden' (smooth-L1) or 'logit' (KL on the head)
     kd_layers: tuple | None = None      # indices into hidden_states; None = all layers (frozen teacher: last)
     kd_temp: float = 2.0
     kd_norm_std: bool = False           # divide each layer by the teacher's std over the batch's anchors (CODI paper)
     single_anchor: bool = False         # KD at the last span only
     ss_p: float = 0.0                   # scheduled-sampling probability (per post-latent segment)
-    grad_ckpt: bool = False             # gradient checkpointing of the (shared-weight) teacher forward
+    teacher_checkpointing: bool = False  # gradient checkpointing of the (shared-weight) teacher forward
     value_kd: float = 0.0               # blocks' latent states → the teacher's states at the value each replaced
     value_kd_at: str = "sequence"       # 'sequence' | 'predict' | 'tokens' | 'embed' (see above)
     answer_kd: float = 0.0              # student states predicting the RETURN value → the teacher's
@@ -214,15 +214,15 @@ class TeacherPass:
 
 # %% ../nbs/07_latent.ipynb #7b659a2c
 def teacher_pass(lm: LatentModel, examples, layers, teacher=None, want_logits=False, chunk_size: int = 1024,
-                 grad_ckpt: bool = False, gather: dict | None = None) -> TeacherPass:
+                 checkpointing: bool = False, gather: dict | None = None) -> TeacherPass:
     """The teacher's CE, anchor states and any `gather = {name: (rows [M], positions [M])}` states, from one forward.
-    `grad_ckpt` recomputes the shared-weight teacher's layers in backward (the full-sequence pass is the memory
+    `checkpointing` recomputes the shared-weight teacher's layers in backward (the full-sequence pass is the memory
     peak)."""
     dev = lm.head_weight.device
     full = [list(e["prompt_ids"]) + list(e["trace_ids"]) for e in examples]
     ids, am = _pad(full, 0).to(dev), _pad([[1] * len(f) for f in full], 0).to(dev)  # [B, S] each
     model = teacher if teacher is not None else lm.model
-    ckpt = grad_ckpt and teacher is None and torch.is_grad_enabled() and model.training
+    ckpt = checkpointing and teacher is None and torch.is_grad_enabled() and model.training
     if ckpt: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         with torch.set_grad_enabled(teacher is None and torch.is_grad_enabled()):
@@ -645,7 +645,8 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     if tf_coins is None and opts.latent_tf > 0: tf_coins = torch.rand(B, K, generator=tf_generator) < opts.latent_tf
     plan = _objective_plan(examples, opts, lm.spec.latent_steps, dev, tf_coins)
     tp = teacher_pass(
-        lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.grad_ckpt, plan["gather"]
+        lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.teacher_checkpointing,
+        plan["gather"],
     )
     if ss_coins is None:
         ss_coins = (
@@ -669,7 +670,7 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     kd_ex, dist = _anchor_kd(opts, S, tp, valid, lm.head)
     L_t = tp.ce.mean() if tp.ce is not None else None
     L_s, L_kd = (sp.ce_sum / sp.ce_cnt.clamp_min(1)).mean(), kd_ex.mean()
-    loss = opts.b * L_s + opts.g * L_kd + (opts.a * L_t if L_t is not None else 0.0)
+    loss = opts.student_ce * L_s + opts.anchor_kd * L_kd + (opts.teacher_ce * L_t if L_t is not None else 0.0)
     metrics = {
         "teacher_loss": L_t.item() if L_t is not None else 0.0, "student_loss": L_s.item(), "kd_loss": L_kd.item(),
         "model_calls": sp.calls, "n_spans": int(n_sp.sum()), "n_tokens": sp.n_scored,

@@ -17,7 +17,7 @@ from .corpus import load_rows, trace_and_fill
 from .steps import is_step_file, load_step_rows, to_trace_row
 from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale
 from .records import RunRecord, RECORD_FILES, trim_records
-from .config import ConfigError, check_precision, check_config
+from .config import ConfigError, check_precision, check_config, upgrade_keys
 from .engine import (Engine, make_engine, log0, peak_memory_mb, added_peak_mb, param_checksum, full_state_dict,
                               save_shards, load_shards, reduce_metrics, local_tensor)
 
@@ -182,7 +182,8 @@ def _prepare(cfg) -> None:
             )
         for p in old: shutil.rmtree(p) if p.is_dir() else p.unlink()
     if cfg.resume and (out / "config.json").exists():
-        if ch := config_changes(json.loads((out / "config.json").read_text()), new):
+        saved = upgrade_keys(json.loads((out / "config.json").read_text()), type(cfg), warn=False)
+        if ch := config_changes(saved, new):
             if not getattr(cfg, "allow_config_change", False):
                 raise ConfigError(f"{out}: --resume with a config that differs from the run's: " +
                                   "; ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in ch.items()) +

@@ -14,8 +14,8 @@ RECIPES: dict[str, dict[str, dict]] = {
     "cpu-tiny": {
         "SFTConfig": dict(size="tiny", steps=2000, batch_size=32, lr=3e-3, warmup=30, max_len=384, save_every=500),
         "CodiConfig": dict(
-            model="data/teacher", steps=480, batch_size=16, lr=1e-3, warmup=20, latent_steps=3, g=0.0, value_kd=1.0,
-            value_kd_at="sequence", answer_weight=3.0, prj_init="embed", log_every=10, save_every=80,
+            model="data/teacher", steps=480, batch_size=16, lr=1e-3, warmup=20, latent_steps=3, anchor_kd=0.0,
+            value_kd=1.0, value_kd_at="sequence", answer_weight=3.0, prj_init="embed", log_every=10, save_every=80,
         ),
         "GKDConfig": dict(
             model="runs/demo/codi/final", teacher="data/teacher", steps=40, batch_size=16, lmbda=0.5, beta=0.5, lr=3e-5,
@@ -48,7 +48,7 @@ RECIPES: dict[str, dict[str, dict]] = {
         "CodiConfig": dict(
             model="runs/sft/final", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=3000,
             batch_size=64, grad_accum=4, lr=2e-5, warmup=100, latent_steps=6, kd_norm_std=True, max_len=2048,
-            save_every=500, grad_ckpt=True, wandb="online", out="runs/codi",
+            save_every=500, teacher_checkpointing=True, wandb="online", out="runs/codi",
         ),
         "GKDConfig": dict(
             model="runs/codi/final", teacher="runs/sft/final", precision="bf16", strategy="fsdp",
@@ -82,7 +82,7 @@ RECIPES["gpu-qwen2.5-coder-32b"] = {
     "SFTConfig": dict(_LORA32, model="Qwen/Qwen2.5-Coder-32B", steps=3000, batch_size=64,
                       grad_accum=8, lr=1e-4, warmup=100, save_every=500, log_every=10, out="runs/sft"),
     "CodiConfig": dict(_LORA32, model="runs/sft/final", steps=3000, batch_size=64, grad_accum=8, lr=1e-4, warmup=100,
-                       latent_steps=6, kd_norm_std=True, save_every=500, grad_ckpt=True, out="runs/codi"),
+                       latent_steps=6, kd_norm_std=True, save_every=500, teacher_checkpointing=True, out="runs/codi"),
     "GKDConfig": dict(_LORA32, model="runs/codi/final", teacher="base", steps=500, batch_size=64, grad_accum=8, lr=1e-5,
                       lmbda=1.0, beta=0.5, max_new_tokens=512, steps_per_generation=4, save_every=100, out="runs/gkd"),
     "GRPOConfig": dict(_LORA32, model="runs/gkd/final", steps=300, batch_size=64, group_size=8, grad_accum=8, lr=1e-5,
@@ -95,8 +95,8 @@ RECIPES["cpu-mult4"] = {   # `latent-rl mult --out runs/mult4` writes the lines;
     "SFTConfig": dict(_MULT4, size="tiny", steps=3000, batch_size=32, lr=3e-3, warmup=50, max_len=256, save_every=500,
                       log_every=50, out="runs/mult4/explicit"),
     "CodiConfig": dict(_MULT4, model="data/mult4/explicit", val="", steps=480, batch_size=16, lr=1e-3, warmup=20,
-                       latent_steps=3, g=0.0, value_kd=1.0, value_kd_at="sequence", answer_weight=3.0, prj_init="embed",
-                       max_len=256, log_every=10, save_every=80, out="runs/mult4/latent"),
+                       latent_steps=3, anchor_kd=0.0, value_kd=1.0, value_kd_at="sequence", answer_weight=3.0,
+                       prj_init="embed", max_len=256, log_every=10, save_every=80, out="runs/mult4/latent"),
 }
 _CODI_PAPER = dict(
     train="data/gsm8k_aug/train.txt", val="", lora_r=128, lora_alpha=32.0, batch_size=128, weight_decay=0.1,
@@ -107,8 +107,8 @@ _LLAMA1B = dict(model="meta-llama/Llama-3.2-1B-Instruct", lr=8e-4, steps=30_127,
 for _name, _m, _beta in (("gpt2", _GPT2, 1.0), ("llama3.2-1b", _LLAMA1B, 20.0)):
     RECIPES[f"gpu-{_name}-gsm8k-aug"] = {
         "SFTConfig": dict(_CODI_PAPER, **_m, out=f"runs/{_name}-gsm8k-aug/cot-sft"),       # --mode answer: no-CoT SFT
-        "CodiConfig": dict(_CODI_PAPER, **_m, teacher="", a=1.0, b=1.0, g=_beta, kd_norm_std=True, latent_steps=6,
-                           step_blocks="one", out=f"runs/{_name}-gsm8k-aug/codi"),
+        "CodiConfig": dict(_CODI_PAPER, **_m, teacher="", teacher_ce=1.0, student_ce=1.0, anchor_kd=_beta, kd_norm_std=True,
+                           latent_steps=6, step_blocks="one", out=f"runs/{_name}-gsm8k-aug/codi"),
     }
 for _d in (4, 5):
     _t = dict(

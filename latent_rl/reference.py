@@ -102,7 +102,7 @@ def ref_forward(lm, examples, opts, teacher=None, coins=None):
         sl = sl + s_ce
         kl = kl + k_loss
     n = len(examples)
-    loss = opts.a * tl / n + opts.b * sl / n + opts.g * kl / n
+    loss = opts.teacher_ce * tl / n + opts.student_ce * sl / n + opts.anchor_kd * kl / n
     f = lambda x: float(x.detach()) if torch.is_tensor(x) else float(x)
     return loss, {
         "student_loss": f(sl / n), "kd_loss": f(kl / n), "teacher_loss": f(tl / n) if teacher is None else 0.0,

@@ -332,3 +332,24 @@ def test_eval_reads_step_files(tmp_path):
         assert f"({4} programs)" in p.stdout and "| 4 |" in p.stdout, p.stdout
         recs = [json.loads(l) for l in (tmp_path / rows.stem / "teacher.records.jsonl").read_text().splitlines()]
         assert len(recs) == 4 and all(r["truth"] for r in recs)
+
+def test_old_field_names_still_work_with_a_warning(tmp_path):
+    """A renamed field's old name works in a config file and as a flag (a warning names the new one, `--help` shows
+    only the new), and a resumed run's config.json written under the old names is compared under the new ones."""
+    import contextlib, io
+    from dataclasses import asdict
+    from latent_rl.codi import CodiConfig
+    from latent_rl.config import parse_config, upgrade_keys
+    from latent_rl.loop import config_changes
+    f = tmp_path / "old.toml"
+    f.write_text("g = 0.0\ngrad_ckpt = true\n")
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        cfg = parse_config(CodiConfig, ["--config", str(f), "--a", "0.5"])
+    assert (cfg.anchor_kd, cfg.teacher_checkpointing, cfg.teacher_ce) == (0.0, True, 0.5)
+    assert f"{f}: field 'g' is now 'anchor_kd'" in err.getvalue()
+    assert f"{f}: field 'grad_ckpt' is now 'teacher_checkpointing'" in err.getvalue()
+    assert "command line: field 'a' is now 'teacher_ce'" in err.getvalue()
+    saved = {("g" if k == "anchor_kd" else k): v for k, v in asdict(CodiConfig(anchor_kd=0.0)).items()}
+    assert config_changes(upgrade_keys(saved, CodiConfig, warn=False), asdict(CodiConfig())) == {"anchor_kd": [0.0, 1.0]}
+    h = run_cli("codi", "--help").stdout
+    assert "--anchor_kd" in h and "--teacher_checkpointing" in h and "--grad_ckpt" not in h and "--g " not in h

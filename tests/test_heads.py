@@ -134,7 +134,7 @@ def test_codi_with_a_full_head_equals_the_reference(name, kd):
     base = qwen_with_bias() if name == "qwen2-bias" else model_with(name)
     check_head(base, name)
     lm = LatentModel(base, LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
-    opts, exs = CodiOptions(kd_target=kd, g=2.0), latent_batch(0)
+    opts, exs = CodiOptions(kd_target=kd, anchor_kd=2.0), latent_batch(0)
     out = codi_forward(lm, exs, opts)
     ref, ref_m = ref_forward(lm, exs, opts)
     assert abs(out.loss.item() - ref.item()) < 1e-4 * max(1.0, abs(ref.item())), (out.loss.item(), ref.item())

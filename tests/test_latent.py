@@ -60,7 +60,7 @@ def test_batched_equals_reference(case, call_cost):
     spec = LatentSpec(LS, LE, LSEP, ASEP, latent_steps=case["steps"])
     lm = LatentModel(base, spec)
     teacher = tiny(1).eval().requires_grad_(False) if case["frozen"] else None
-    opts = CodiOptions(kd_target=case["kd"], single_anchor=case["single"], g=2.0)
+    opts = CodiOptions(kd_target=case["kd"], single_anchor=case["single"], anchor_kd=2.0)
     exs = batch(0)
     out = codi_forward(lm, exs, opts, teacher=teacher, call_cost=call_cost)
     gb = torch.autograd.grad(out.loss, [p for p in lm.parameters()], allow_unused=True)
@@ -84,7 +84,7 @@ def test_batched_equals_reference(case, call_cost):
 def test_frozen_teacher_of_another_depth_is_distilled_at_its_own_layers(kd_layers, depths):
     lm = LatentModel(tiny(0, layers=depths[0]), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=1))
     teacher = tiny(1, layers=depths[1]).eval().requires_grad_(False)    # deeper than the student
-    opts, exs = CodiOptions(g=2.0, kd_layers=kd_layers), batch(0)
+    opts, exs = CodiOptions(anchor_kd=2.0, kd_layers=kd_layers), batch(0)
     out = codi_forward(lm, exs, opts, teacher=teacher, return_states=True)
     ref_loss, ref_m = ref_forward(lm, exs, opts, teacher)
     assert abs(out.loss.item() - ref_loss.item()) < 1e-5 and abs(out.metrics["kd_loss"] - ref_m["kd_loss"]) < 1e-5
@@ -199,7 +199,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     exs = batch(4)
     a = codi_forward(lm, exs, CodiOptions())
     ga = torch.autograd.grad(a.loss, list(lm.parameters()), allow_unused=True)
-    b = codi_forward(lm, exs, CodiOptions(grad_ckpt=True))
+    b = codi_forward(lm, exs, CodiOptions(teacher_checkpointing=True))
     gb = torch.autograd.grad(b.loss, list(lm.parameters()), allow_unused=True)
     assert abs(a.loss.item() - b.loss.item()) < 1e-6
     for x, y in zip(ga, gb):
@@ -337,14 +337,14 @@ def test_latent_teacher_forcing_equals_reference(steps, call_cost):
     import random
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps))
     exs = [with_targets(e, random.Random(5)) for e in batch(6)]
-    opts = CodiOptions(g=0.0, a=0.0, latent_tf=0.5, value_kd=1.0)
+    opts = CodiOptions(anchor_kd=0.0, teacher_ce=0.0, latent_tf=0.5, value_kd=1.0)
     out = codi_forward(lm, exs, opts, tf_generator=torch.Generator().manual_seed(3), call_cost=call_cost)
     coins = torch.rand(len(exs), max(len(e["spans"]) for e in exs), generator=torch.Generator().manual_seed(3)) < 0.5
     assert coins.any() and not coins.all()
     ref = ref_objectives(lm, exs, opts, coins=coins)
     for k in ("student_loss", "value_kd_loss"):
         assert abs(out.metrics[k] - ref[k].item()) < 1e-5 * max(1, abs(ref[k].item())), k
-    free = codi_forward(lm, exs, CodiOptions(g=0.0, a=0.0, value_kd=1.0))
+    free = codi_forward(lm, exs, CodiOptions(anchor_kd=0.0, teacher_ce=0.0, value_kd=1.0))
     # forcing changed what the text read
     assert abs(free.metrics["student_loss"] - out.metrics["student_loss"]) > 1e-4
 
@@ -356,7 +356,7 @@ def test_latent_objectives_equal_reference(obj, steps, call_cost):
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps))
     rng = random.Random(11)
     exs = [with_targets(e, rng) for e in batch(6)]
-    opts = CodiOptions(g=0.0, a=0.0, **obj)                                    # only the student CE and the new term
+    opts = CodiOptions(anchor_kd=0.0, teacher_ce=0.0, **obj)                                    # only the student CE and the new term
     out = codi_forward(lm, exs, opts, call_cost=call_cost)
     ref = ref_objectives(lm, exs, opts)
     name = next(k for k in ref if k != "student_loss") if len(ref) > 1 else "student_loss"
@@ -367,7 +367,7 @@ def test_latent_objectives_equal_reference(obj, steps, call_cost):
     )
     params = [p for p in lm.parameters()]
     ref_total = (
-        opts.b * ref["student_loss"]
+        opts.student_ce * ref["student_loss"]
         + (getattr(opts, name.replace("_loss", ""), 0.0) if name != "student_loss" else 0.0) * ref[name]
     )
     gb = torch.autograd.grad(out.loss, params, allow_unused=True)
@@ -393,7 +393,7 @@ def test_gpt2_codi_equals_reference():
         vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
     )
     lm = LatentModel(AutoModelForCausalLM.from_config(cfg).float(), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
-    exs, opts = batch(7), CodiOptions(g=2.0)
+    exs, opts = batch(7), CodiOptions(anchor_kd=2.0)
     ref_loss, _ = ref_forward(lm, exs, opts)
     for cc in (None, 0.0):
         assert abs(codi_forward(lm, exs, opts, call_cost=cc).loss.item() - ref_loss.item()) < 1e-5
