@@ -492,9 +492,8 @@ def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
 # %% ../nbs/16_loop.ipynb #4b1596f2
 def load_traced(path, limit: int = 0, progress: bool = True, step_blocks: str = "each") -> list[dict]:
     """CRUXEval-format rows with traces (a step-data file's rows come as traces, `latent_rl.steps`): rows without a
-    `trace`"""
-    "field are traced in the sandbox (failures dropped; "
-    "`SandboxUnavailable` where it cannot start, unless `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."
+    `trace` field are traced in the sandbox (failures dropped; `SandboxUnavailable` where it cannot start, unless
+    `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."""
     if is_step_file(path):                    # steps: traces already (a latent block per step, or one: `step_blocks`)
         rows = [to_trace_row(r, step_blocks) for r in load_step_rows(path, limit or None)]
     else: rows = load_rows(path, limit or None)
