@@ -17,8 +17,8 @@ from .latent import LatentModel, CodiOptions, codi_forward, CALL_COST
 from .records import RunRecord
 from .config import TrainConfig, teacher_dtype
 from .engine import setup, log0, shard_frozen
-from latent_rl.loop import (Stage, train_loop, finish_run, write_config, load_traced, bucket_groups, bucket_indices,
-    lora_student)
+from .loop import (Stage, train_loop, finish_run, write_config, load_traced, bucket_groups, bucket_indices,
+    lora_student, stage_summary, losses_line)
 
 # %% auto #0
 __all__ = ['SS_SALT', 'TF_SALT', 'CodiConfig', 'example_coins', 'load_frozen_teacher', 'latent_share', 'anchor_record',
@@ -41,16 +41,16 @@ class CodiConfig(TrainConfig):
     kd_temp: float = 2.0                 # temperature of logit KD (kd_target = logit; the loss is ×T²)
     kd_norm_std: bool = False            # divide the hidden-state KD by the teacher states' std (large models)
     single_anchor: bool = False          # distil at the last span's anchor only
-    ss_prob: float = 0.0                 # scheduled sampling: final probability of feeding the student's own argmax after a block
-    ss_ramp_frac: float = 0.5            # scheduled sampling: share of the steps over which ss_prob ramps up from 0
+    scheduled_sampling: float = 0.0      # scheduled sampling: final probability of feeding the student's own argmax after a block
+    scheduled_sampling_ramp: float = 0.5 # scheduled sampling: share of the steps over which scheduled_sampling ramps up from 0
     teacher_checkpointing: bool = False  # gradient checkpointing of the shared-weight teacher forward (was `grad_ckpt`)
     value_kd: float = 0.0               # distil each block's latent states to the teacher's at the value it replaced
     value_kd_at: str = "sequence"       # sequence | predict | tokens | embed: which teacher states each latent step matches
     answer_kd: float = 0.0              # distil the states predicting the RETURN value
     answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
     recon: float = 0.0                  # block-local reconstruction of each block's replaced state
-    latent_tf: float = 0.0              # latent teacher forcing probability per block (decays linearly to 0 with latent_tf_decay)
-    latent_tf_decay: bool = False        # latent_tf decays linearly to 0 over the run
+    latent_teacher_forcing: float = 0.0  # latent teacher forcing probability per block (decays linearly to 0 with latent_teacher_forcing_decay)
+    latent_teacher_forcing_decay: bool = False # latent_teacher_forcing decays linearly to 0 over the run
     curriculum: float = 0.0             # fraction of the steps over which the latent share of spans grows to all (0: off)
     curriculum_from: str = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
     prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
@@ -143,21 +143,23 @@ class CodiStep(Stage):
 
     def begin(self, step):   # linear ramp of the scheduled-sampling probability; decay of latent teacher forcing
         cfg, o = self.cfg, self.opts
-        o.ss_p = cfg.ss_prob * min(1.0, step / max(1.0, cfg.ss_ramp_frac * cfg.steps))
-        if cfg.latent_tf_decay: o.latent_tf = cfg.latent_tf * (1 - step / cfg.steps)
+        o.ss_p = cfg.scheduled_sampling * min(1.0, step / max(1.0, cfg.scheduled_sampling_ramp * cfg.steps))
+        if cfg.latent_teacher_forcing_decay:
+            o.latent_teacher_forcing = cfg.latent_teacher_forcing * (1 - step / cfg.steps)
 
     def micro_loss(self, step, part, idx):
         batch, cfg, o = latent_share([self.exs[i] for i in part], step, self.cfg), self.cfg, self.opts
         K = max(len(e["spans"]) for e in batch)
         ss = example_coins(cfg.seed, step, part, K + 1, o.ss_p, SS_SALT) if o.ss_p > 0 else None
-        tf = example_coins(cfg.seed, step, part, K, o.latent_tf, TF_SALT) if o.latent_tf > 0 else None
+        tf_p = o.latent_teacher_forcing
+        tf = example_coins(cfg.seed, step, part, K, tf_p, TF_SALT) if tf_p > 0 else None
         out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf,
                            call_cost=CALL_COST if self.cfg.phase_groups else None)
         # the step's first micro-batch
         if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in self.anchored:
             self.anchored.add(step)
             self.anchors.log(step=step, **anchor_record(batch, out))
-        m = dict(out.metrics, ss_p=o.ss_p, latent_tf=o.latent_tf,
+        m = dict(out.metrics, ss_p=o.ss_p, latent_teacher_forcing=o.latent_teacher_forcing,
                  latent_share=sum(len(e["spans"]) for e in batch) / sum(len(self.exs[i]["spans"]) for i in part))
         return out.loss * len(part) / len(idx), m
 
@@ -201,12 +203,6 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     )
     stage = CodiStep(cfg, acc, lm, tok, exs, opts, teacher)
     res = train_loop(stage, progress)
-    summary = {"steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"],
-               "examples": len(exs), **{f"final_{k}": v for k, v in res["last"].items()}}
-    final = finish_run(stage, summary, engine=res["engine"])
-    log0(
-        acc,
-        f"codi done in {res['train_seconds']:.0f}s: "
-        + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k),
-    )
+    final = finish_run(stage, stage_summary(res, steps=cfg.steps, examples=len(exs)), engine=res["engine"])
+    log0(acc, losses_line("codi", res))
     return final

@@ -35,8 +35,8 @@ NON_NEGATIVE = {
     "vllm_max_model_len", "seed", "eps_low", "eps_high", "kl_beta", "latent_sigma", "dynamic_sampling",
     "spans", "completion", "runtime_gb",
 }
-FRACTION = {"min_lr_frac", "ss_prob", "ss_ramp_frac", "latent_tf", "curriculum", "lmbda", "beta",
-            "vllm_gpu_memory_utilization", "latent_share", "rollout_share"}
+FRACTION = {"min_lr_frac", "scheduled_sampling", "scheduled_sampling_ramp", "latent_teacher_forcing", "curriculum",
+            "lmbda", "beta", "vllm_gpu_memory_utilization", "latent_share", "rollout_share"}
 STAGES = ("sft", "codi", "gkd", "grpo")   # the training stages, in pipeline order
 CHOICES = {
     "stage": STAGES, "attention": ("flash", "math"),
@@ -45,7 +45,8 @@ CHOICES = {
     "value_kd_at": VALUE_KD_AT, "curriculum_from": ("end", "start"),
     "prj_init": ("default", "embed"), "mode": ("trace", "answer"), "adv_scale": ("group", "batch", "none"),
     "norm": NORMS, "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
-    "replay": ("exact", "truncated"), "strategy": ("ddp", "fsdp"), "step_blocks": ("each", "one"),
+    "replay": ("exact", "truncated"), "teacher_locals": ("greedy", "true"), "strategy": ("ddp", "fsdp"),
+    "step_blocks": ("each", "one"),
 }
 
 # %% ../nbs/14_config.ipynb #7ff3fab6
@@ -92,7 +93,11 @@ def check_field(name: str, tp: str, v, where: str = "config"):
 # %% ../nbs/14_config.ipynb #45961ec7
 STAGE_CONFIGS = ("SFTConfig", "CodiConfig", "GKDConfig", "GRPOConfig")   # the sections of a whole-pipeline file
 
-RENAMED = {"a": "teacher_ce", "b": "student_ce", "g": "anchor_kd", "grad_ckpt": "teacher_checkpointing"}  # old -> new
+RENAMED = {  # old -> new
+    "a": "teacher_ce", "b": "student_ce", "g": "anchor_kd", "grad_ckpt": "teacher_checkpointing",
+    "ss_prob": "scheduled_sampling", "ss_ramp_frac": "scheduled_sampling_ramp",
+    "latent_tf": "latent_teacher_forcing", "latent_tf_decay": "latent_teacher_forcing_decay",
+}
 
 def upgrade_keys(d: dict, cls=None, where: str = "config", warn: bool = True) -> dict:
     """`d` with each old field name of `RENAMED` under its new one (for `cls`: where `cls` has the new name), said on

@@ -22,7 +22,7 @@ from .records import RunRecord
 from .config import ConfigError, VLLMConfig, teacher_dtype
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
 from .loop import (PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student,
-    generation_cycle, drain)
+    generation_cycle, drain, stage_summary, losses_line)
 from fastcore.basics import patch
 
 # %% auto #0
@@ -151,6 +151,7 @@ class GKDConfig(VLLMConfig):
     truncation_strategy: str = "delete"  # delete | keep
     max_resample_rounds: int = 10        # truncation_strategy delete: draws per over-long slot before an error
     max_locals: int = 48                 # explicit-trace teacher: longest locals it writes per block
+    teacher_locals: str = "greedy"       # explicit-trace teacher: each block's locals are its greedy guess | true (the row's real ones while the student follows the real trace)
     http_timeout: float = 60.0           # HTTP teacher: seconds per request
     http_retries: int = 3                # HTTP teacher: retries after a 5xx, 408, 429 or a dropped connection
     http_backoff: float = 1.0            # seconds before the first retry (doubling)
@@ -173,9 +174,12 @@ def make_teacher(cfg: GKDConfig, policy: Policy, acc=None) -> Teacher:
         return HTTPTeacher(cfg.teacher, topk=k, timeout=cfg.http_timeout, retries=cfg.http_retries,
                            backoff=cfg.http_backoff)
     if policy.kind == "latent":
-        t = ExplicitTraceTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device), cfg.max_locals)
+        t = ExplicitTraceTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device), cfg.max_locals,
+                                      cfg.teacher_locals)
         if acc is not None: shard_frozen(t.model, cfg, acc)
         return t
+    if cfg.teacher_locals != "greedy":
+        raise ConfigError("teacher_locals: only the explicit-trace teacher of a latent student writes locals")
     t = ModelTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device))
     if acc is not None: shard_frozen(t.policy.lm, cfg, acc)
     return t
@@ -231,7 +235,7 @@ class GKDStep(PolicyStage):
     policy: Policy
     teacher: Teacher
     data: list[dict]                    # `dataset_completion` items, one per training row
-    engine: object = None               # vLLM rollout engine (text students), else HF / latent decoding
+    rollout_engine: object = None       # vLLM rollout engine (text students), else HF / latent decoding
     buffer: dict = field(default_factory=dict)        # step -> (on_policy, this rank's items) of the generation cycle
     token_counts: dict = field(default_factory=dict)  # step -> the global batch's scored tokens
     calls: dict = field(default_factory=dict)         # step -> micro-batches taken so far
@@ -304,11 +308,11 @@ def sample(self: GKDStep, steps: list[int], mine: dict) -> None:
     mnt = max(1, min(cfg.max_new_tokens, cfg.max_len - max(map(len, P))))
     keys = [row_key(cfg.seed, s, it["idx"]) for s in steps for it in mine[s]]          # (seed, step, example)
     policy.module.eval()
-    if self.engine is not None:
+    if self.rollout_engine is not None:
         ts = time.time()
-        self.engine.sync(policy.lm)
+        self.rollout_engine.sync(policy.lm)
         self.timing["sync_s"] += time.time() - ts
-        ro = self.engine.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys)
+        ro = self.rollout_engine.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys)
     else:
         with gathered_weights(policy.module):
             ro = policy.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, keys=keys)
@@ -378,20 +382,13 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
     data = [dataset_completion(policy.tok, r, policy.kind) for r in rows]
     if not data: raise ValueError(f"{cfg.train}: no rows")
-    engine = make_rollout_engine(cfg, policy) if cfg.use_vllm and policy.kind == "text" else None
+    rollout_engine = make_rollout_engine(cfg, policy) if cfg.use_vllm and policy.kind == "text" else None
     log0(acc, f"gkd: {policy.kind} student {cfg.model} ({n_params(policy.module):,} params), teacher {cfg.teacher} "
               f"({type(teacher).__name__}), λ={cfg.lmbda}, β={cfg.beta}, {len(data)} rows, {cfg.steps} steps × {cfg.batch_size}")
-    stage = GKDStep(cfg, acc, policy, teacher, data, engine)
+    stage = GKDStep(cfg, acc, policy, teacher, data, rollout_engine)
     res = train_loop(stage, progress)
-    summary = {
-        "steps": cfg.steps, "train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"],
-        "rows": len(data), "teacher": cfg.teacher, "time_split_s": res["totals"], "generations": stage.generations,
-        **{f"final_{k}": v for k, v in res["last"].items()},
-    }
+    summary = stage_summary(res, steps=cfg.steps, rows=len(data), teacher=cfg.teacher, time_split_s=res["totals"],
+                            generations=stage.generations)
     final = finish_run(stage, summary, engine=res["engine"])
-    log0(
-        acc,
-        f"gkd done in {res['train_seconds']:.0f}s: "
-        + ", ".join(f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k),
-    )
+    log0(acc, losses_line("gkd", res))
     return final

@@ -21,7 +21,7 @@ from .config import ConfigError, VLLMConfig
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
 from latent_rl.loop import (
     PolicyStage, train_loop, finish_run, write_config, load_traced, lora_student, generation_cycle, drain,
-    batch_indices,
+    batch_indices, stage_summary,
 )
 from fastcore.basics import patch
 
@@ -121,7 +121,7 @@ class GRPOStep(PolicyStage):
     rows: list[dict]                    # traced training rows (the reward's truth)
     prompts: list[list[int]]            # their prompt ids
     reward_fn: object                   # `latent_rl.rewards.weighted(cfg.rewards)`
-    engine: object = None               # vLLM rollout engine (text policies), else HF / latent decoding
+    rollout_engine: object = None       # vLLM rollout engine (text policies), else HF / latent decoding
     ref: Policy | None = None           # the frozen starting policy (kl_beta > 0)
     buffer: dict = field(default_factory=dict)        # step -> this rank's samples of the generation cycle
     token_counts: dict = field(default_factory=dict)  # step -> the global batch's sampled tokens (norm = token)
@@ -203,14 +203,14 @@ def rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
     "Sample every (step, prompt, sample) of `flat` from the current weights, keyed by (seed, step, prompt, sample)."
     cfg, policy = self.cfg, self.policy
     keys, P = [row_key(cfg.seed, s, i, j) for s, i, j in flat], [self.prompts[i] for _, i, _ in flat]
-    if self.engine is not None and sync:
+    if self.rollout_engine is not None and sync:
         ts = time.time()
-        self.engine.sync(policy.lm)
+        self.rollout_engine.sync(policy.lm)
         self.timing["sync_s"] += time.time() - ts
     t0 = time.time()
-    if self.engine is not None:
+    if self.rollout_engine is not None:
         ro = (
-            self.engine.generate(
+            self.rollout_engine.generate(
                 P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys
             )
             if P
@@ -425,15 +425,14 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
         raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
     prompts = [encode(policy.tok, row_prompt(r)) for r in rows]
-    engine = make_rollout_engine(cfg, policy) if cfg.use_vllm else None
+    rollout_engine = make_rollout_engine(cfg, policy) if cfg.use_vllm else None
     log0(acc, f"grpo: {policy.kind} policy {cfg.model} ({n_params(policy.module):,} params), {len(rows)} prompts, "
               f"{cfg.steps} steps × {cfg.batch_size} prompts × {cfg.group_size} samples, rewards {reward_fn.weights}")
     ref = reference_policy(cfg, acc) if cfg.kl_beta else None
-    stage, t_start = GRPOStep(cfg, acc, policy, rows, prompts, reward_fn, engine, ref), time.time()
+    stage, t_start = GRPOStep(cfg, acc, policy, rows, prompts, reward_fn, rollout_engine, ref), time.time()
     res = train_loop(stage, progress)
     bench = throughput_summary(res, stage, time.time() - t_start)
-    summary = {"train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], "prompts": len(rows),
-               "benchmark": bench, **{f"final_{k}": v for k, v in res["last"].items()}}
+    summary = stage_summary(res, prompts=len(rows), benchmark=bench)
     final = finish_run(stage, summary, engine=res["engine"])
     log0(
         acc,

@@ -178,7 +178,7 @@ class CodiOptions:
     answer_kd: float = 0.0              # student states predicting the RETURN value → the teacher's
     answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
     recon: float = 0.0                  # block-local reconstruction of the replaced state (weight)
-    latent_tf: float = 0.0              # latent teacher forcing: P(a block's steps ≥ 1 are fed the true tokens' embeddings)
+    latent_teacher_forcing: float = 0.0  # latent teacher forcing: P(a block's steps ≥ 1 are fed the true tokens' embeddings)
 
     def __post_init__(self):
         if self.kd_target not in KD_TARGETS:
@@ -187,7 +187,8 @@ class CodiOptions:
             raise ValueError(f"value_kd_at must be one of {VALUE_KD_AT}, got {self.value_kd_at!r}")
     @property
     def needs_targets(self) -> bool:
-        return bool(self.value_kd or self.answer_kd or self.recon or self.latent_tf or self.answer_weight != 1.0)
+        return bool(self.value_kd or self.answer_kd or self.recon or self.latent_teacher_forcing
+                    or self.answer_weight != 1.0)
 
 def kd_layer_indices(opts: CodiOptions, n_layers: int, frozen: bool) -> list[int]:
     """`hidden_states` indices to distil for a model of `n_layers` layers, resolved on *that* model's depth (a frozen
@@ -642,7 +643,8 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     layers = kd_layer_indices(opts, n_layers, teacher is not None)                  # the student's
     # the teacher's own
     t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)
-    if tf_coins is None and opts.latent_tf > 0: tf_coins = torch.rand(B, K, generator=tf_generator) < opts.latent_tf
+    if tf_coins is None and opts.latent_teacher_forcing > 0:
+        tf_coins = torch.rand(B, K, generator=tf_generator) < opts.latent_teacher_forcing
     plan = _objective_plan(examples, opts, lm.spec.latent_steps, dev, tf_coins)
     tp = teacher_pass(
         lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.teacher_checkpointing,

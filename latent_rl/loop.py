@@ -26,8 +26,9 @@ __all__ = ['RESUME_MAY_CHANGE', 'lr_lambda', 'CheckpointError', 'rng_state', 'se
            'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state',
            'latest_checkpoint', 'RunDirBusy', 'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config',
            'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage', 'generation_cycle', 'drain',
-           'StopRequest', 'resume_run', 'write_checkpoint', 'train_step', 'step_record', 'make_optimizer', 'log_step',
-           'train_loop', 'finish_run', 'lora_student', 'load_traced', 'wandb_settings', 'wandb_run']
+           'StopRequest', 'lora_student', 'load_traced', 'wandb_settings', 'wandb_run', 'resume_run',
+           'write_checkpoint', 'train_step', 'step_record', 'make_optimizer', 'log_step', 'train_loop', 'finish_run',
+           'stage_summary', 'losses_line']
 
 # %% ../nbs/16_loop.ipynb #22ccd1d3
 def lr_lambda(step: int, warmup: int, total: int, min_lr_frac: float = 0.1) -> float:
@@ -317,6 +318,60 @@ class StopRequest:
         if acc.num_processes == 1: return self.flag
         return bool(acc.reduce(torch.tensor([float(self.flag)], device=acc.device), "max").item())
 
+# %% ../nbs/16_loop.ipynb #b3dae85b
+def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
+    """With `cfg.lora_r`: LoRA adapters in the HF `model` (inside the trained `module`), everything else in it frozen,
+    and
+    the trainable weights as fp32 masters. A bf16 base then needs bf16 compute (`--precision bf16`, autocast)."""
+    if not cfg.lora_r: return
+    if cfg.dtype not in ("fp32", "float32") and cfg.precision != "bf16":
+        raise ConfigError(
+            f"lora_r over a {cfg.dtype} base needs --precision bf16 (the fp32 adapters run under autocast)"
+        )
+    add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+    fp32_masters(module)
+
+# %% ../nbs/16_loop.ipynb #4b1596f2
+def load_traced(path, limit: int = 0, progress: bool = True, step_blocks: str = "each") -> list[dict]:
+    """CRUXEval-format rows with traces (a step-data file's rows come as traces, `latent_rl.steps`): rows without a
+    `trace` field are traced in the sandbox (failures dropped; `SandboxUnavailable` where it cannot start, unless
+    `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."""
+    if is_step_file(path):                    # steps: traces already (a latent block per step, or one: `step_blocks`)
+        rows = [to_trace_row(r, step_blocks) for r in load_step_rows(path, limit or None)]
+    else: rows = load_rows(path, limit or None)
+    if not rows: raise ValueError(f"{path}: no rows (the file is empty)")
+    need = [r for r in rows if "trace" not in r]
+    if need:
+        done, skipped = trace_and_fill(need, progress=progress, desc=f"trace {Path(path).name}")
+        byid = {r["id"]: r for r in done}
+        rows = [r if "trace" in r else byid.get(r["id"]) for r in rows]
+        rows = [r for r in rows if r is not None]
+        if not rows: raise ValueError(f"{path}: none of its {len(need)} programs could be traced (reasons: {skipped})")
+    return rows
+
+# %% ../nbs/16_loop.ipynb #0ba4bd17
+def wandb_settings(cfg, stage: str) -> dict | None:
+    """`wandb.init` arguments as a cluster expects them: `WANDB_MODE`, `WANDB_PROJECT`, `WANDB_ENTITY` and
+    `WANDB_RUN_GROUP`
+    win over the config; the run is named after its directory and grouped by the parent directory; its id is kept in
+    `OUT/wandb_id`, so `--resume` continues the same W&B run. None when W&B is off."""
+    mode = os.environ.get("WANDB_MODE") or cfg.wandb
+    if mode in ("disabled", "off", ""): return None
+    out = Path(cfg.out).resolve()
+    rid = (out / "wandb_id").read_text().strip() if cfg.resume and (out / "wandb_id").exists() else None
+    if rid is None:
+        rid = uuid.uuid4().hex[:12]
+        (out / "wandb_id").write_text(rid)
+    return dict(project=os.environ.get("WANDB_PROJECT") or "latent_rl", entity=os.environ.get("WANDB_ENTITY") or None,
+                group=os.environ.get("WANDB_RUN_GROUP") or out.parent.name, name=out.name, id=rid, resume="allow",
+                job_type=stage, config=asdict(cfg), mode=mode, dir=str(out))
+
+def wandb_run(cfg, stage: str, acc):
+    "A W&B run on rank 0 when W&B is on (wandb is imported only then: an optional dependency)."
+    if not acc.is_main_process or (kw := wandb_settings(cfg, stage)) is None: return None
+    import wandb
+    return wandb.init(**kw)
+
 # %% ../nbs/16_loop.ipynb #27b2a93a
 def resume_run(stage: Stage, eng: Engine, opt, sched) -> int:
     "Load the newest good checkpoint of `cfg.out` into the model, optimizer, schedule, RNGs and stage state; its step."
@@ -476,56 +531,13 @@ def finish_run(stage: Stage, summary: dict, engine: Engine | None = None) -> Pat
     release_run_dir(out)
     return final
 
-# %% ../nbs/16_loop.ipynb #b3dae85b
-def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
-    """With `cfg.lora_r`: LoRA adapters in the HF `model` (inside the trained `module`), everything else in it frozen,
-    and
-    the trainable weights as fp32 masters. A bf16 base then needs bf16 compute (`--precision bf16`, autocast)."""
-    if not cfg.lora_r: return
-    if cfg.dtype not in ("fp32", "float32") and cfg.precision != "bf16":
-        raise ConfigError(
-            f"lora_r over a {cfg.dtype} base needs --precision bf16 (the fp32 adapters run under autocast)"
-        )
-    add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
-    fp32_masters(module)
+def stage_summary(res: dict, **extra) -> dict:
+    """What a stage's `training_summary.json` holds: its training time and parameter checksums (from `train_loop`'s
+    `res`), the stage's own figures (`extra`), and the last logged metrics as `final_*`."""
+    return {"train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], **extra,
+            **{f"final_{k}": v for k, v in res["last"].items()}}
 
-# %% ../nbs/16_loop.ipynb #4b1596f2
-def load_traced(path, limit: int = 0, progress: bool = True, step_blocks: str = "each") -> list[dict]:
-    """CRUXEval-format rows with traces (a step-data file's rows come as traces, `latent_rl.steps`): rows without a
-    `trace` field are traced in the sandbox (failures dropped; `SandboxUnavailable` where it cannot start, unless
-    `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."""
-    if is_step_file(path):                    # steps: traces already (a latent block per step, or one: `step_blocks`)
-        rows = [to_trace_row(r, step_blocks) for r in load_step_rows(path, limit or None)]
-    else: rows = load_rows(path, limit or None)
-    if not rows: raise ValueError(f"{path}: no rows (the file is empty)")
-    need = [r for r in rows if "trace" not in r]
-    if need:
-        done, skipped = trace_and_fill(need, progress=progress, desc=f"trace {Path(path).name}")
-        byid = {r["id"]: r for r in done}
-        rows = [r if "trace" in r else byid.get(r["id"]) for r in rows]
-        rows = [r for r in rows if r is not None]
-        if not rows: raise ValueError(f"{path}: none of its {len(need)} programs could be traced (reasons: {skipped})")
-    return rows
-
-# %% ../nbs/16_loop.ipynb #0ba4bd17
-def wandb_settings(cfg, stage: str) -> dict | None:
-    """`wandb.init` arguments as a cluster expects them: `WANDB_MODE`, `WANDB_PROJECT`, `WANDB_ENTITY` and
-    `WANDB_RUN_GROUP`
-    win over the config; the run is named after its directory and grouped by the parent directory; its id is kept in
-    `OUT/wandb_id`, so `--resume` continues the same W&B run. None when W&B is off."""
-    mode = os.environ.get("WANDB_MODE") or cfg.wandb
-    if mode in ("disabled", "off", ""): return None
-    out = Path(cfg.out).resolve()
-    rid = (out / "wandb_id").read_text().strip() if cfg.resume and (out / "wandb_id").exists() else None
-    if rid is None:
-        rid = uuid.uuid4().hex[:12]
-        (out / "wandb_id").write_text(rid)
-    return dict(project=os.environ.get("WANDB_PROJECT") or "latent_rl", entity=os.environ.get("WANDB_ENTITY") or None,
-                group=os.environ.get("WANDB_RUN_GROUP") or out.parent.name, name=out.name, id=rid, resume="allow",
-                job_type=stage, config=asdict(cfg), mode=mode, dir=str(out))
-
-def wandb_run(cfg, stage: str, acc):
-    "A W&B run on rank 0 when W&B is on (wandb is imported only then: an optional dependency)."
-    if not acc.is_main_process or (kw := wandb_settings(cfg, stage)) is None: return None
-    import wandb
-    return wandb.init(**kw)
+def losses_line(name: str, res: dict) -> str:
+    "`NAME done in Ns: loss=…` with the last logged losses: a stage's closing log line."
+    return f"{name} done in {res['train_seconds']:.0f}s: " + ", ".join(
+        f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k)

@@ -14,11 +14,12 @@ from latent_rl.models import (Head, backbone, lm_head, lm_head_weight, load_mode
 from .losses import TeacherOutput
 from .latent import LatentSpec
 from .policy import Policy, completion_labels
-from .tokens import left_pad
+from .tokens import left_pad, encode
 
 # %% auto #0
 __all__ = ['ScoreBatch', 'Teacher', 'check_vocab', 'hidden_to_output', 'ModelTeacher', 'SelfTeacher', 'AdapterOffTeacher',
-           'PrivilegedTeacher', 'explicit_fill', 'ExplicitTraceTeacher', 'TeacherUnavailable', 'HTTPTeacher']
+           'PrivilegedTeacher', 'true_locals', 'given_locals', 'explicit_fill', 'ExplicitTraceTeacher',
+           'TeacherUnavailable', 'HTTPTeacher']
 
 # %% ../nbs/11_teachers.ipynb #19999cde
 @dataclass
@@ -130,10 +131,43 @@ class PrivilegedTeacher(Teacher):
         _check_counts("PrivilegedTeacher", batch, real & batch.mask)
         return hidden_to_output(h, self.policy.head, batch.mask, self.topk)
 
+# %% ../nbs/11_teachers.ipynb #000e75fb
+def true_locals(completion: list[int], latent_at: list[int], trace: list[int], line_sep_id: int,
+                action_sep_id: int) -> list[list[int] | None]:
+    """The real locals of each block of a latent `completion` (ids between `<|line_sep|>` and `<|action_sep|>` in the
+    row's `trace`) while the completion's text so far is the trace's with its locals taken out; None from the first
+    block after the two part ways (the student took another path: the teacher guesses those locals itself)."""
+    out, j, prev = [], 0, 0
+    for p in latent_at:
+        seg = completion[prev:p + 1]                                     # text since the last block, up to <|line_sep|>
+        if (out and out[-1] is None) or trace[j:j + len(seg)] != seg:
+            out.append(None)                                             # parted ways: the teacher guesses from here
+            continue
+        j += len(seg)
+        e = j
+        while e < len(trace) and trace[e] != action_sep_id: e += 1     # the real locals end at <|action_sep|>
+        out.append(trace[j:e] if e < len(trace) else None)
+        j, prev = e, p + 1
+    return out
+
+def given_locals(given: list[list[list[int] | None]] | None, B: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    "`given` as padded tensors: ids `[B, K, L]` and lengths `[B, K]` (-1 where the teacher guesses; K, L ≥ 1)."
+    K = max([len(g) for g in given or []] + [1])
+    L = max([len(x) for g in given or [] for x in g if x is not None] + [1])
+    G = torch.zeros(B, K, L, dtype=torch.long)
+    GL = torch.full((B, K), -1, dtype=torch.long)
+    for b, g in enumerate(given or []):
+        for k, x in enumerate(g):
+            if x is not None: G[b, k, :len(x)], GL[b, k] = torch.tensor(x, dtype=torch.long), len(x)
+    return G.to(device), GL.to(device)
+
+
 # %% ../nbs/11_teachers.ipynb #a156887b
 @torch.no_grad()
-def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, pad_id: int, max_locals: int = 48):
-    "(`[B, N, H]` teacher hidden before each completion token, filled explicit sequences as lists of ids)."
+def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, pad_id: int, max_locals: int = 48,
+                  given: list[list[list[int] | None]] | None = None):
+    """(`[B, N, H]` teacher hidden before each completion token, filled explicit sequences as lists of ids). Each block's
+    locals are the teacher's greedy guess, or `given[b][k]` (the ids of example b's k-th block) where that is not None."""
     body, head = backbone(model), lm_head(model)
     W, dev, B = head.weight, head.weight.device, len(prompts)
     N = max(1, max(map(len, completions)))
@@ -152,19 +186,26 @@ def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, p
         torch.zeros(B, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
         torch.arange(B, device=dev),
     )
+    G, GL = given_locals(given, B, dev)                       # [B, K, L] ids, [B, K] lengths (-1: the teacher's guess)
+    blk = torch.full((B,), -1, dtype=torch.long, device=dev)  # [B] the block each example is in (or last was in)
     fed = []
     while True:
         live = n < clen
         if not live.any(): break
         # [B] (only in blocks)
         am = head.logits(h).argmax(-1) if free.any() else torch.zeros_like(n)
-        stop = free & ((am == spec.action_sep_id) | (nfree >= max_locals))
+        k = blk.clamp(0, GL.shape[1] - 1)
+        glen = torch.where(blk < GL.shape[1], GL[bi, k], -1)                                           # [B]
+        told = free & (glen >= 0)                                                                      # given locals
+        am = torch.where(told, G[bi, k, nfree.clamp(max=G.shape[2] - 1)], am)
+        stop = free & torch.where(told, nfree >= glen, (am == spec.action_sep_id) | (nfree >= max_locals))
         use_free = free & ~stop & live
         student = live & ~use_free
         # h predicts token n
         pred[bi[student], n[student]] = h[student]
         tok = torch.where(use_free, am, C.gather(1, n[:, None]).squeeze(1))
-        free = use_free | (student & block.gather(1, n[:, None]).squeeze(1))
+        enter = student & block.gather(1, n[:, None]).squeeze(1)                                       # a block opens
+        free, blk = use_free | enter, blk + enter.long()
         nfree = torch.where(use_free, nfree + 1, torch.zeros_like(nfree))
         n = n + student.long()
         fed.append(torch.where(live, tok, torch.full_like(tok, -1)))
@@ -179,20 +220,32 @@ def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, p
 # %% ../nbs/11_teachers.ipynb #174af86c
 class ExplicitTraceTeacher(Teacher):
     """Privileged teacher of a latent student: the explicit-trace model reading the student's trace with locals written
-    in."""
-    def __init__(self, model, tok, spec: LatentSpec | None = None, topk: int | None = None, max_locals: int = 48):
+    in — its own greedy guess (`locals = "greedy"`), or the row's real locals while the student follows the real trace
+    (`"true"`: `true_locals`; the batch must carry its rows)."""
+    def __init__(self, model, tok, spec: LatentSpec | None = None, topk: int | None = None, max_locals: int = 48,
+                 locals: str = "greedy"):
+        if locals not in ("greedy", "true"): raise ValueError(f"locals must be 'greedy' or 'true'; got {locals!r}")
         model.eval().requires_grad_(False)
-        self.model, self.tok, self.topk, self.max_locals = model, tok, topk, max_locals
+        self.model, self.tok, self.topk, self.max_locals, self.locals = model, tok, topk, max_locals, locals
         self.spec = spec or LatentSpec.from_tokenizer(tok)
     @classmethod
-    def load(cls, path, topk=None, dtype="fp32", device="cpu", max_locals: int = 48):
+    def load(cls, path, topk=None, dtype="fp32", device="cpu", max_locals: int = 48, locals: str = "greedy"):
         m, tok = load_model(path, dtype=dtype, device=device)
-        return cls(m, tok, topk=topk, max_locals=max_locals)
+        return cls(m, tok, topk=topk, max_locals=max_locals, locals=locals)
+    def given(self, batch: ScoreBatch) -> list[list[list[int] | None]] | None:
+        "Each block's real locals (`locals = 'true'`), from the batch's rows."
+        if self.locals == "greedy": return None
+        if batch.rows is None or any(r is None or "trace" not in r for r in batch.rows):
+            raise ValueError("ExplicitTraceTeacher(locals='true') needs the batch's traced rows (ScoreBatch.rows)")
+        s = self.spec
+        return [true_locals(c, la, encode(self.tok, r["trace"]), s.line_sep_id, s.action_sep_id)
+                for c, la, r in zip(batch.completions, batch.latent_at or [[]] * len(batch.rows), batch.rows)]
     def vocab(self): return self.tok.get_vocab()
     def n_logits(self): return lm_head_weight(self.model).shape[0]
     def score(self, batch):
         h, _ = explicit_fill(self.model, self.spec, batch.prompts, batch.completions, batch.latent_at,
-                             pad_id=self.tok.pad_token_id, max_locals=self.max_locals)
+                             pad_id=self.tok.pad_token_id, max_locals=self.max_locals,
+                             given=self.given(batch))
         real = completion_labels(batch.completions, h.shape[1], h.device) != IGNORE_INDEX
         _check_counts("ExplicitTraceTeacher", batch, real & batch.mask)
         return hidden_to_output(h, lm_head(self.model), batch.mask.to(h.device), self.topk)

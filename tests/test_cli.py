@@ -342,10 +342,13 @@ def test_old_field_names_still_work_with_a_warning(tmp_path):
     from latent_rl.config import parse_config, upgrade_keys
     from latent_rl.loop import config_changes
     f = tmp_path / "old.toml"
-    f.write_text("g = 0.0\ngrad_ckpt = true\n")
+    f.write_text("g = 0.0\ngrad_ckpt = true\nss_prob = 0.25\nlatent_tf_decay = true\n")
     with contextlib.redirect_stderr(io.StringIO()) as err:
-        cfg = parse_config(CodiConfig, ["--config", str(f), "--a", "0.5"])
+        cfg = parse_config(CodiConfig, ["--config", str(f), "--a", "0.5", "--latent_tf", "0.1", "--ss_ramp_frac", "0.3"])
     assert (cfg.anchor_kd, cfg.teacher_checkpointing, cfg.teacher_ce) == (0.0, True, 0.5)
+    assert (cfg.scheduled_sampling, cfg.scheduled_sampling_ramp) == (0.25, 0.3)
+    assert (cfg.latent_teacher_forcing, cfg.latent_teacher_forcing_decay) == (0.1, True)
+    assert "command line: field 'latent_tf' is now 'latent_teacher_forcing'" in err.getvalue()
     assert f"{f}: field 'g' is now 'anchor_kd'" in err.getvalue()
     assert f"{f}: field 'grad_ckpt' is now 'teacher_checkpointing'" in err.getvalue()
     assert "command line: field 'a' is now 'teacher_ce'" in err.getvalue()
@@ -353,3 +356,4 @@ def test_old_field_names_still_work_with_a_warning(tmp_path):
     assert config_changes(upgrade_keys(saved, CodiConfig, warn=False), asdict(CodiConfig())) == {"anchor_kd": [0.0, 1.0]}
     h = run_cli("codi", "--help").stdout
     assert "--anchor_kd" in h and "--teacher_checkpointing" in h and "--grad_ckpt" not in h and "--g " not in h
+    assert "--scheduled_sampling " in h and "--latent_teacher_forcing " in h and "--ss_prob" not in h and "--latent_tf " not in h

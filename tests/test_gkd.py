@@ -250,3 +250,42 @@ def test_value_weighted_jsd_equals_a_per_token_reference():
             abs(m["jsd_value"] - per[vm & mask].mean().item()) < 1e-5 and m["value_tokens"] == (vm & mask).sum().item()
         )
         assert abs(m["jsd_rest"] - per[mask & ~vm].mean().item()) < 1e-5
+
+
+def test_true_locals_teacher_reads_the_real_state_and_trains(tmp_path, latent_student):
+    """teacher_locals = true: on dataset completions the explicit-trace teacher reads the real trace token for token (its
+    hidden states equal one plain forward over prompt + trace), and GKD on it lowers its own JSD; refused for a text
+    student (no blocks to fill)."""
+    from latent_rl.teachers import ExplicitTraceTeacher, ScoreBatch, explicit_fill
+    from latent_rl.gkd import dataset_completion
+    from latent_rl.models import load_model, backbone
+    from latent_rl.tokens import encode
+    m, tok = load_model(TEACHER)
+    rows = rows_of(ROWS)[:3]
+    items = [dataset_completion(tok, r, "latent") for r in rows]
+    P, C, LA = ([x[k] for x in items] for k in ("prompt", "completion", "latent_at"))
+    t = ExplicitTraceTeacher(m, tok, locals="true")
+    h, seqs = explicit_fill(m, t.spec, P, C, LA, pad_id=tok.pad_token_id,
+                            given=t.given(ScoreBatch(P, C, None, LA, rows)))
+    for b, (p, r) in enumerate(zip(P, rows)):
+        trace = encode(tok, r["trace"])
+        assert seqs[b] == p + trace
+        with torch.no_grad(): full = backbone(m)(input_ids=torch.tensor([seqs[b]])).last_hidden_state[0]   # [L, H]
+        keep = [len(p) - 1 + j for j in range(len(trace)) if j not in _locals_at(trace, t.spec)]    # before each kept token
+        assert len(keep) == len(C[b]) and (h[b, :len(C[b])] - full[keep]).abs().max() < 1e-4
+    gkd(tmp_path, "--model", latent_student, "--steps", 12, "--lmbda", 0, "--lr", 1e-3, "--warmup", 0,
+        "--teacher_locals", "true", "--batch_size", 4)
+    jsd = [r["jsd_loss"] for r in steps_of(tmp_path)]
+    assert sum(jsd[-3:]) < 0.7 * sum(jsd[:3]), jsd
+    r = gkd(tmp_path / "text", "--teacher_locals", "true", "--steps", 1, check=False)
+    assert r.returncode != 0 and "teacher_locals" in r.stderr
+
+
+def _locals_at(trace: list[int], spec) -> set[int]:
+    "Positions of the locals tokens of each LINE frame (after <|line_sep|>, before the next <|action_sep|>)."
+    out, inside = set(), False
+    for j, x in enumerate(trace):
+        if x == spec.action_sep_id: inside = False
+        elif inside: out.add(j)
+        if x == spec.line_sep_id: inside = True
+    return out

@@ -337,7 +337,7 @@ def test_latent_teacher_forcing_equals_reference(steps, call_cost):
     import random
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps))
     exs = [with_targets(e, random.Random(5)) for e in batch(6)]
-    opts = CodiOptions(anchor_kd=0.0, teacher_ce=0.0, latent_tf=0.5, value_kd=1.0)
+    opts = CodiOptions(anchor_kd=0.0, teacher_ce=0.0, latent_teacher_forcing=0.5, value_kd=1.0)
     out = codi_forward(lm, exs, opts, tf_generator=torch.Generator().manual_seed(3), call_cost=call_cost)
     coins = torch.rand(len(exs), max(len(e["spans"]) for e in exs), generator=torch.Generator().manual_seed(3)) < 0.5
     assert coins.any() and not coins.all()
