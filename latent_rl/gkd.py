@@ -312,7 +312,8 @@ def sample(self: GKDStep, steps: list[int], mine: dict) -> None:
         ts = time.time()
         self.rollout_engine.sync(policy.lm)
         self.timing["sync_s"] += time.time() - ts
-        ro = self.rollout_engine.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys)
+        ro = self.rollout_engine.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, eos_id=policy.eos_id,
+                                          seeds=keys)
     else:
         with gathered_weights(policy.module):
             ro = policy.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, keys=keys)

@@ -14,7 +14,7 @@ from latent_rl.models import (Head, backbone, lm_head, lm_head_weight, load_mode
 from .losses import TeacherOutput
 from .latent import LatentSpec
 from .policy import Policy, completion_labels
-from .tokens import left_pad, encode
+from .tokens import left_pad, encode, find_spans
 
 # %% auto #0
 __all__ = ['ScoreBatch', 'Teacher', 'check_vocab', 'hidden_to_output', 'ModelTeacher', 'SelfTeacher', 'AdapterOffTeacher',
@@ -137,17 +137,16 @@ def true_locals(completion: list[int], latent_at: list[int], trace: list[int], l
     """The real locals of each block of a latent `completion` (ids between `<|line_sep|>` and `<|action_sep|>` in the
     row's `trace`) while the completion's text so far is the trace's with its locals taken out; None from the first
     block after the two part ways (the student took another path: the teacher guesses those locals itself)."""
+    spans = find_spans(trace, line_sep_id, action_sep_id)                 # the trace's blocks
     out, j, prev = [], 0, 0
-    for p in latent_at:
+    for k, p in enumerate(latent_at):
         seg = completion[prev:p + 1]                                     # text since the last block, up to <|line_sep|>
-        if (out and out[-1] is None) or trace[j:j + len(seg)] != seg:
+        if (out and out[-1] is None) or k >= len(spans) or trace[j:spans[k][0] + 1] != seg:
             out.append(None)                                             # parted ways: the teacher guesses from here
             continue
-        j += len(seg)
-        e = j
-        while e < len(trace) and trace[e] != action_sep_id: e += 1     # the real locals end at <|action_sep|>
-        out.append(trace[j:e] if e < len(trace) else None)
-        j, prev = e, p + 1
+        i, j = spans[k]
+        out.append(trace[i + 1:j])                                       # the real locals
+        prev = p + 1
     return out
 
 def given_locals(given: list[list[list[int] | None]] | None, B: int, device) -> tuple[torch.Tensor, torch.Tensor]:
