@@ -34,8 +34,9 @@ from .config import STAGES
 from .plan import MODEL_CONFIGS, PlanConfig, ModelShape, model_shape, plan_memory
 
 # %% auto #0
-__all__ = ['ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'BENCHES', 'markdown_table', 'run_bench', 'codi_bench',
-           'grpo_bench', 'stages_bench', 'engine_rows', 'main', 'ckpt_bench', 'measure_step_peak', 'plan_bench']
+__all__ = ['CODI_SETTINGS', 'ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'BENCHES', 'markdown_table', 'run_bench',
+           'codi_bench', 'grpo_bench', 'stages_bench', 'engine_rows', 'main', 'ckpt_bench', 'measure_step_peak',
+           'plan_bench']
 
 # %% ../nbs/27_bench.ipynb #029202da
 def markdown_table(rows: list[dict]) -> str:
@@ -99,39 +100,46 @@ def _time_batches(lm, fn, batches, calls) -> dict:
     return {"examples_per_s": sum(map(len, batches)) / dt, "model_calls_per_batch": calls["n"] / len(batches),
             "mean_loss": sum(losses) / len(losses), "pad_ratio": sum(pads) / len(pads) if pads else None}
 
-# %% ../nbs/27_bench.ipynb #7f4ea1f4
-def codi_bench(
-    quick: bool = False, batch_size: int = 8, latent_steps: int = 1, size: str = "tiny", device: str = "cpu"
-) -> dict:
-    """Examples/s of the batched CODI forward+backward — one lockstep pass, and `phase_groups` (`call_cost=CALL_COST`)
-    — against the per-example reference on the same batches, for each kind of batch of `_bench_batches`."""
-    tok = load_tokenizer("data/tokenizer")
-    lm = LatentModel(build_tiny(tok, size, seed=0), LatentSpec.from_tokenizer(tok, latent_steps)).to(device)
-    calls, opts, rows = {"n": 0}, CodiOptions(), []
+# %% ../nbs/27_bench.ipynb #b1e4068b
+def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list[dict]:
+    "The bench rows of one setting: each implementation on each kind of batch, against the per-example reference."
+    calls, opts, rows, S = {"n": 0}, CodiOptions(), [], lm.spec.latent_steps
     hook = lm.body.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
-    impls = (("lockstep", lambda b: codi_forward(lm, b, opts)),
+    impls = (("one pass", lambda b: codi_forward(lm, b, opts)),
              ("phase groups", lambda b: codi_forward(lm, b, opts, call_cost=CALL_COST)),
              ("per-example reference", lambda b: ref_forward(lm, b, opts)[0]))
-    for kind, batches in _bench_batches(tok, batch_size, 2 if quick else 6).items():
+    for kind, batches in _bench_batches(tok, batch_size, n_batches).items():
         res = {name: _time_batches(lm, fn, batches, calls) for name, fn in impls}
         ref, spans = res["per-example reference"], [len(e["spans"]) for b in batches for e in b]
         for name, r in res.items():
-            rows.append(
-                {
-                    "batches": kind, "impl": name,
-                    "spans": f"{min(spans)}–{max(spans)} (mean {sum(spans) / len(spans):.1f})", **r,
-                    "speedup": r["examples_per_s"] / ref["examples_per_s"],
-                    "max_loss_diff": abs(r["mean_loss"] - ref["mean_loss"]),
-                }
-            )
+            rows.append({"setting": f"{batch_size} a batch, {S} latent step{'s' * (S > 1)} a block", "batches": kind,
+                         "impl": name, "spans": f"{min(spans)}–{max(spans)} (mean {sum(spans) / len(spans):.1f})", **r,
+                         "speedup": r["examples_per_s"] / ref["examples_per_s"],
+                         "max_loss_diff": abs(r["mean_loss"] - ref["mean_loss"])})
     hook.remove()
+    return rows
+
+
+# %% ../nbs/27_bench.ipynb #7f4ea1f4
+# (examples a batch, latent steps a block): small batches of one step; the cpu-tiny recipe's CODI (16 a batch, 3 steps)
+CODI_SETTINGS = ((8, 1), (16, 3))
+
+def codi_bench(quick: bool = False, settings=CODI_SETTINGS, size: str = "tiny", device: str = "cpu") -> dict:
+    """Examples/s of the batched CODI forward+backward — one pass (rows leave when done), and `phase_groups`
+    (`call_cost=CALL_COST`) — against the per-example reference on the same batches, for each kind of batch of
+    `_bench_batches` and each `(batch size, latent steps)` of `settings` (quick: the first only)."""
+    tok, rows = load_tokenizer("data/tokenizer"), []
+    for B, S in settings[:1] if quick else settings:
+        lm = LatentModel(build_tiny(tok, size, seed=0), LatentSpec.from_tokenizer(tok, S)).to(device)
+        rows += _codi_setting(lm, tok, B, 2 if quick else 6)
     return {
         "name": "codi",
         "rows": rows,
-        "notes": f"{batch_size} examples a batch, {2 if quick else 6} batches of each kind (the same batches for the three "
-        f"implementations), {size} model, {latent_steps} latent step(s) a block, fp32 on {device}, forward + "
-        "backward; model calls counted on the backbone (the reference's full-LM calls included).",
+        "notes": f"{2 if quick else 6} batches of each kind (the same batches for the three implementations), {size} "
+        f"model, fp32 on {device}, forward + backward; model calls counted on the backbone (the reference's full-LM "
+        "calls included).",
     }
+
 
 # %% ../nbs/27_bench.ipynb #6406444f
 def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:

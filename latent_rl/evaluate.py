@@ -21,8 +21,8 @@ from .models import load_model
 
 # %% auto #0
 __all__ = ['MODE_FILES', 'score', 'bootstrap_mean', 'paired_delta', 'within_noise', 'frame_json', 'frames_json',
-           'true_line_frames', 'evaluate', 'results_table', 'save_records', 'load_records', 'find_records',
-           'load_eval_rows', 'load_policy', 'evaluate_path']
+           'true_line_frames', 'steps_written', 'evaluate', 'results_table', 'save_records', 'load_records',
+           'find_records', 'load_eval_rows', 'load_policy', 'evaluate_path']
 
 # %% ../nbs/21_evaluate.ipynb #a1ba1f48
 def _score_parsed(p, truth: str) -> dict:
@@ -73,12 +73,22 @@ def true_line_frames(row: dict) -> int | None:
     if row.get("trace"): return sum(f.kind == "line" for f in parse_trace(row["trace"]).frames)
     return None
 
+# %% ../nbs/21_evaluate.ipynb #3303e2e5
+def steps_written(row: dict, frames: list[dict]) -> list[bool] | None:
+    """Whether each step of a step row (a LINE frame per step) was written exactly, from the parsed `frames`; None
+    for a row without steps, with one block for the whole chain, or a generation with no LINE frame (an answer-only
+    model's)."""
+    steps = row.get("steps")
+    lines = [(f.get("locals") or {}).get("step") for f in frames if f["kind"] == "line"]
+    if not steps or row.get("n_line_frames") != len(steps) or not lines: return None
+    return [k < len(lines) and lines[k] == s["latent"] for k, s in enumerate(steps)]
+
 # %% ../nbs/21_evaluate.ipynb #38af95ed
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_tokens: int = 384, progress: bool = True,
              desc: str = "eval", generate_fn=None) -> dict:
     """Greedy output prediction on `rows`; returns `{accuracy, ci, format_valid, n, seconds, records}` (+ `latents` per
-    row when the rollouts carry them)."""
+    row when the rollouts carry them, + `steps_written`, the share of rows writing each step exactly, on step rows)."""
     if model is not None: model.eval()
     gen = generate_fn or (
         lambda prompts: generate_text(
@@ -99,6 +109,8 @@ def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_toke
                 **_score_parsed(p, r["output"]), "parse_error": p.error, "frames": frames_json(p.frames),
             }
             if ro.latents is not None: lat[i] = ro.latents[k]
+            if not any(ro.latent_at) and (sw := steps_written(r, recs[i]["frames"])) is not None:   # a text policy's steps
+                recs[i]["steps_written"] = sw
     n, ci = len(rows), bootstrap_mean([r["correct"] for r in recs])
     out = {
         "accuracy": sum(r["correct"] for r in recs) / max(n, 1), "ci": [ci["lo"], ci["hi"]],
@@ -106,6 +118,9 @@ def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_toke
         "records": recs,
     }
     if any(z is not None for z in lat): out["latents"] = lat
+    written = [r["steps_written"] for r in recs if "steps_written" in r]
+    if written and len({len(x) for x in written}) == 1:                   # a row that wrote no step counts as wrong
+        out["steps_written"] = [sum(x[k] for x in written) / n for k in range(len(written[0]))]
     return out
 
 def results_table(results: dict[str, dict], title: str = "") -> str:
@@ -117,6 +132,9 @@ def results_table(results: dict[str, dict], title: str = "") -> str:
     for name, r in results.items():
         ci = r.get("ci") or [float("nan")] * 2
         lines.append(f"| {name} | {r['accuracy']:.1%} | {ci[0]:.1%}–{ci[1]:.1%} | {r['format_valid']:.1%} | {r['n']} | {r['seconds']:.1f} |")
+    for name, r in results.items():
+        if r.get("steps_written"):
+            lines.append(f"\n{name}: each step written exactly by " + ", ".join(f"{x:.1%}" for x in r["steps_written"]))
     return "\n".join(lines)
 
 # %% ../nbs/21_evaluate.ipynb #b8291feb

@@ -316,6 +316,20 @@ def _scheduled_input(body, head, call: tuple[dict, int], cache, ids, lens, coins
     repl = (col >= 2) & (col <= end[:, None]) & coins[:, None].to(ids.device)
     return torch.where(repl, torch.cat([am[:, :1], am[:, :-1]], 1), ids)              # argmax at p-1 feeds position p
 
+# %% ../nbs/07_latent.ipynb #646e48d9
+def _rows_of(x: torch.Tensor, bi: torch.Tensor, B: int) -> torch.Tensor:
+    "`x` [b, ...] of the rows `bi` placed in a zero `[B, ...]` (`x` itself while every row is in the batch)."
+    return x if len(bi) == B else x.new_zeros(B, *x.shape[1:]).index_copy(0, bi, x)
+
+def _leave(stay: torch.Tensor, cache, cols: list, pos, h, bi):
+    """The batch without the rows where `stay` [b] is False: the KV cache cut in place, the mask columns, positions,
+    states and row ids taken at the rows that stay."""
+    if bool(stay.all()): return cache, cols, pos, h, bi
+    keep = stay.nonzero()[:, 0]                                                       # [b']
+    cache.batch_select_indices(keep)
+    return cache, [c[keep] for c in cols], pos[keep], h[keep], bi[keep]
+
+
 # %% ../nbs/07_latent.ipynb #982eafaf
 # Long on purpose: the phases of the batched latent forward share the KV cache, positions and masks of one
 # batch; splitting them would thread that state through every call (see the phase diagram above).
@@ -329,7 +343,8 @@ def student_pass(
     `<|latent_end|>` + the text from `<|action_sep|>`; all examples in lockstep in one KV cache. `layers` (hidden_states
     indices) selects the anchor states to return (None: the last layer only, without `output_hidden_states`).
     `forced_latents [B, K, S]` token ids (-1: none) replace latent inputs with those tokens' embeddings (teacher
-    forcing)."""
+    forcing). A row leaves the batch (and the KV cache) after its last phase: rows that finished early cost nothing
+    in the phases of longer rows."""
     spec, body, head = lm.spec, lm.body, lm.head
     W, dev, B = head.weight, head.weight.device, len(examples)
     check_codi_model(lm.model)
@@ -348,16 +363,16 @@ def student_pass(
     # a block's last latent step, run with the next phase
     pend = None
     for k in range(K + 1):
-        ids, m, ti, lab, lens = _phase_batch([phases[k][b] for b in range(B)], dev)
-        r.n_real += sum(len(phases[k][b][0]) for b in range(B))
+        live = bi.tolist()                                                            # the rows still in the batch
+        ids, m, ti, lab, lens = _phase_batch([phases[k][b] for b in live], dev)
+        r.n_real += sum(len(phases[k][b][0]) for b in live)
         r.n_run += ids.numel()
         p_ids = pos[:, None] + torch.arange(ids.shape[1], device=dev)[None]          # [B, L]
         inp = ids
-        if k >= 1 and ss_coins[:, k].any():
-            final = torch.tensor([k == len(e["spans"]) for e in examples], device=dev)
-            inp = _scheduled_input(
-                body, head, _phase_call(lm, ids, m, p_ids, cols, pend), cache, ids, lens, ss_coins[:, k], final
-            )
+        coins = ss_coins[bi.to(ss_coins.device), k]                                   # [b]
+        if k >= 1 and coins.any():
+            final = torch.tensor([k == len(examples[b]["spans"]) for b in live], device=dev)
+            inp = _scheduled_input(body, head, _phase_call(lm, ids, m, p_ids, cols, pend), cache, ids, lens, coins, final)
         # [B, L] trace index each position predicts
         tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)
         sel = lab != IGNORE_INDEX                                                     # [B, L]
@@ -373,7 +388,7 @@ def student_pass(
         cache, hid = out_cache(out), out.last_hidden_state[:, off:]                   # [B, L, H]
         hs = [x[:, off:] for x in out.hidden_states] if need_hs else None             # per layer [B, L, H]
         if pend is not None:
-            if latent_states: lat_hs.append(torch.stack([x[:, 0] for x in out.hidden_states], 1))   # [B, L+1, H]
+            if latent_states: lat_hs.append(_rows_of(torch.stack([x[:, 0] for x in out.hidden_states], 1), bi, B))
             cols.append(pend[2])
             pend = None
         cols.append(m)
@@ -382,8 +397,8 @@ def student_pass(
         if ce or return_logprobs:
             lp = token_logprobs(hid, head, lab, 1.0, chunk_size)                      # [B, L]
             w = sel.float() if token_weight is None else token_weight[bi[:, None], tgt.clamp(min=0)] * sel  # [B, L]
-            r.ce_sum = r.ce_sum - (lp * w).sum(1)
-            r.ce_cnt = r.ce_cnt + w.sum(1)
+            r.ce_sum = r.ce_sum.index_add(0, bi, -(lp * w).sum(1))
+            r.ce_cnt = r.ce_cnt.index_add(0, bi, w.sum(1))
             r.n_scored += int(sel.sum())
             if return_logprobs: r.trace_lp[rows_b, rows_t] = lp.detach()[sel]
         if return_hidden: pred_parts.append((rows_b, rows_t, hid[sel]))
@@ -391,18 +406,20 @@ def student_pass(
             at_parts.append((bi[:, None].expand_as(tgt)[at], tgt[at], torch.stack([h[at] for h in hs], 1)))
         # anchor: <|action_sep|> at position 1
         if k >= 1:
-            r.anchors.append(torch.stack([hs[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2])
+            a = torch.stack([hs[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2]
+            r.anchors.append(_rows_of(a, bi, B))
         pos = pos + lens
         if k == K: break
-        has = (n_sp > k).long()[:, None]                                              # [B, 1] rows with latent block k
-        r.n_real += S * sum(len(e["spans"]) > k for e in examples)
-        r.n_run += S * B
-        h = hid[bi, (lens - 1).clamp(min=0)]                                          # [B, H] state at <|latent_start|>
+        h = hid[torch.arange(len(live), device=dev), (lens - 1).clamp(min=0)]        # [b, H] state at <|latent_start|>
+        cache, cols, pos, h, bi = _leave(n_sp[bi] > k, cache, cols, pos, h, bi)       # rows without block k leave
+        has = torch.ones(len(bi), 1, dtype=torch.long, device=dev)                    # [b, 1]
+        r.n_real += S * len(bi)
+        r.n_run += S * len(bi)
         for j in range(S):
-            z = lm.prj(h)                                                             # [B, H]
-            if forced_latents is not None and (f := forced_latents[:, k, j].to(dev)).ge(0).any():
+            z = lm.prj(h)                                                             # [b, H]
+            if forced_latents is not None and (f := forced_latents[bi.to(forced_latents.device), k, j].to(dev)).ge(0).any():
                 z = torch.where(f.ge(0)[:, None], lm.embed(f.clamp(min=0)), z)
-            lat.append(z)
+            lat.append(_rows_of(z, bi, B))
             # its output feeds no latent: it runs as column 0 of the next phase's call
             if j == S - 1:
                 pend, pos = (z, pos, has), pos + has[:, 0]
@@ -411,7 +428,7 @@ def student_pass(
                        use_cache=True, output_hidden_states=latent_states, **cache_kw(body, cache))
             r.calls += 1
             cache, h = out_cache(out), out.last_hidden_state[:, 0]
-            if latent_states: lat_hs.append(torch.stack([x[:, 0] for x in out.hidden_states], 1))   # [B, L+1, H]
+            if latent_states: lat_hs.append(_rows_of(torch.stack([x[:, 0] for x in out.hidden_states], 1), bi, B))
             cols.append(has)
             pos = pos + has[:, 0]
     return _finish_pass(
@@ -447,10 +464,12 @@ def phase_groups(examples: list[dict], spec: LatentSpec, call_cost: float = CALL
     # best[j]: cost of order[:j]; cut[j]: its last group's start
     best, cut = [0.0] + [math.inf] * B, [0] * (B + 1)
     for i in range(B):
-        longest, Kg = [0] * (K[order[i]] + 1), K[order[i]]          # the group order[i:j] has Kg spans at most
+        Kg = K[order[i]]                                              # the group order[i:j] has Kg spans at most
+        longest, rows = [0] * (Kg + 1), [0] * (Kg + 1)                # per phase: its longest row, rows still in it
         for j in range(i + 1, B + 1):
-            for k, n in enumerate(L[order[j - 1]]): longest[k] = max(longest[k], n)
-            c = best[i] + (j - i) * (sum(longest) + S * Kg) + call_cost * (Kg * S + 1)
+            for k, n in enumerate(L[order[j - 1]]): longest[k], rows[k] = max(longest[k], n), rows[k] + 1
+            run = sum(r * n for r, n in zip(rows, longest)) + S * sum(rows[1:])   # finished rows have left
+            c = best[i] + run + call_cost * (Kg * S + 1)
             if c < best[j]: best[j], cut[j] = c, i
     groups, j = [], B
     while j:

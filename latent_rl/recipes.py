@@ -91,12 +91,13 @@ RECIPES["gpu-qwen2.5-coder-32b"] = {
 
 # %% ../nbs/13_recipes.ipynb #3f429e49
 _MULT4 = dict(train="runs/mult4/train.txt", val="runs/mult4/val.txt")
-RECIPES["cpu-mult4"] = {   # `latent-rl mult --out runs/mult4` writes the lines; the shipped models: data/mult4/*
-    "SFTConfig": dict(_MULT4, size="tiny", steps=3000, batch_size=32, lr=3e-3, warmup=50, max_len=256, save_every=500,
-                      log_every=50, out="runs/mult4/explicit"),
-    "CodiConfig": dict(_MULT4, model="data/mult4/explicit", val="", steps=480, batch_size=16, lr=1e-3, warmup=20,
+# `latent-rl mult --out runs/mult4` writes the lines; the shipped models: data/mult4/* (30_mult4 says how each was made)
+RECIPES["cpu-mult4"] = {
+    "SFTConfig": dict(_MULT4, size="tiny", steps=12_000, batch_size=32, lr=3e-3, warmup=100, max_len=256,
+                      save_every=1000, log_every=200, out="runs/mult4/explicit"),
+    "CodiConfig": dict(_MULT4, model="data/mult4/explicit", val="", steps=1920, batch_size=16, lr=1e-3, warmup=20,
                        latent_steps=3, anchor_kd=0.0, value_kd=1.0, value_kd_at="sequence", answer_weight=3.0,
-                       prj_init="embed", max_len=256, log_every=10, save_every=80, out="runs/mult4/latent"),
+                       prj_init="embed", max_len=256, log_every=20, save_every=320, out="runs/mult4/latent"),
 }
 _CODI_PAPER = dict(
     train="data/gsm8k_aug/train.txt", val="", lora_r=128, lora_alpha=32.0, batch_size=128, weight_decay=0.1,
