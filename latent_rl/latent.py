@@ -397,8 +397,8 @@ def student_pass(
         if ce or return_logprobs:
             lp = token_logprobs(hid, head, lab, 1.0, chunk_size)                      # [B, L]
             w = sel.float() if token_weight is None else token_weight[bi[:, None], tgt.clamp(min=0)] * sel  # [B, L]
-            r.ce_sum = r.ce_sum.index_add(0, bi, -(lp * w).sum(1))
-            r.ce_cnt = r.ce_cnt.index_add(0, bi, w.sum(1))
+            r.ce_sum = r.ce_sum - _rows_of((lp * w).sum(1), bi, B)                    # [B]
+            r.ce_cnt = r.ce_cnt + _rows_of(w.sum(1), bi, B)
             r.n_scored += int(sel.sum())
             if return_logprobs: r.trace_lp[rows_b, rows_t] = lp.detach()[sel]
         if return_hidden: pred_parts.append((rows_b, rows_t, hid[sel]))
