@@ -107,6 +107,7 @@ def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list
     hook = lm.body.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
     impls = (("one pass", lambda b: codi_forward(lm, b, opts)),
              ("phase groups", lambda b: codi_forward(lm, b, opts, call_cost=CALL_COST)),
+             ("tails apart", lambda b: codi_forward(lm, b, opts, tail_cost=CALL_COST)),
              ("per-example reference", lambda b: ref_forward(lm, b, opts)[0]))
     for kind, batches in _bench_batches(tok, batch_size, n_batches).items():
         res = {name: _time_batches(lm, fn, batches, calls) for name, fn in impls}
@@ -125,8 +126,9 @@ def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list
 CODI_SETTINGS = ((8, 1), (16, 3))
 
 def codi_bench(quick: bool = False, settings=CODI_SETTINGS, size: str = "tiny", device: str = "cpu") -> dict:
-    """Examples/s of the batched CODI forward+backward — one pass (rows leave when done), and `phase_groups`
-    (`call_cost=CALL_COST`) — against the per-example reference on the same batches, for each kind of batch of
+    """Examples/s of the batched CODI forward+backward — one pass (rows leave when done), `phase_groups`
+    (`call_cost=CALL_COST`), and one pass whose rows ending in a phase run their rest apart (`tail_cost=CALL_COST`) —
+    against the per-example reference on the same batches, for each kind of batch of
     `_bench_batches` and each `(batch size, latent steps)` of `settings` (quick: the first only)."""
     tok, rows = load_tokenizer("data/tokenizer"), []
     for B, S in settings[:1] if quick else settings:

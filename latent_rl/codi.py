@@ -56,6 +56,7 @@ class CodiConfig(TrainConfig):
     prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
     bucket: bool = False                # span-aware batching: each batch from examples of similar span count
     phase_groups: bool = False          # run each batch's student in phase groups (same result, less padding when span counts mix)
+    split_tails: bool = False           # rows whose last phase runs long finish it apart, in chunks (same result, less padding)
     steps: int = 300
     lr: float = 1e-3
     warmup: int = 20
@@ -154,7 +155,8 @@ class CodiStep(Stage):
         tf_p = o.latent_teacher_forcing
         tf = example_coins(cfg.seed, step, part, K, tf_p, TF_SALT) if tf_p > 0 else None
         out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf,
-                           call_cost=CALL_COST if self.cfg.phase_groups else None)
+                           call_cost=CALL_COST if self.cfg.phase_groups else None,
+                           tail_cost=CALL_COST if self.cfg.split_tails else None)
         # the step's first micro-batch
         if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in self.anchored:
             self.anchored.add(step)

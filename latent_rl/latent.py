@@ -21,7 +21,7 @@ from .losses import state_kd_loss, embed_kd_loss, anchor_kd_loss, KD_TARGETS
 # %% auto #0
 __all__ = ['VALUE_KD_AT', 'CALL_COST', 'LatentSpec', 'Projector', 'LatentModel', 'LatentNoise', 'pack_phases', 'CodiOptions',
            'kd_layer_indices', 'TeacherPass', 'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model',
-           'student_pass', 'phase_groups', 'grouped_student_pass', 'recon_loss', 'codi_forward']
+           'tail_cuts', 'student_pass', 'phase_groups', 'grouped_student_pass', 'recon_loss', 'codi_forward']
 
 # %% ../nbs/07_latent.ipynb #2440d8e2
 @dataclass
@@ -330,6 +330,46 @@ def _leave(stay: torch.Tensor, cache, cols: list, pos, h, bi):
     return cache, [c[keep] for c in cols], pos[keep], h[keep], bi[keep]
 
 
+# %% ../nbs/07_latent.ipynb #7aa6903a
+def tail_cuts(lengths: list[int], call_cost: float) -> list[tuple[int, int]]:
+    """The column chunks `(start, end)` in which tails of these `lengths` run, each row leaving when it ends: the
+    fewest positions run plus `call_cost` per call (a dynamic program over the distinct lengths)."""
+    ends = [0] + sorted(set(lengths))
+    alive = lambda e: sum(n > e for n in lengths)
+    best, prev = [0.0] + [math.inf] * (len(ends) - 1), [0] * len(ends)
+    for j in range(1, len(ends)):
+        for i in range(j):
+            c = best[i] + alive(ends[i]) * (ends[j] - ends[i]) + call_cost
+            if c < best[j]: best[j], prev[j] = c, i
+    out, j = [], len(ends) - 1
+    while j: out, j = [(ends[prev[j]], ends[j])] + out, prev[j]
+    return out
+
+def _cache_rows(cache, rows: torch.Tensor):
+    "A new `DynamicCache` of `rows` of `cache` (gradients reach the keys and values it was cut from)."
+    from transformers import DynamicCache
+    c = DynamicCache()
+    for i, ly in enumerate(cache.layers): c.update(ly.keys[rows], ly.values[rows], i)
+    return c
+
+def _run_tails(body, cache, cols: list, rows, chunks, phase, lens, score, need_hs: bool):
+    """Run the `chunks` of a phase's columns (`phase` = its inputs, mask and positions [b, L]) for `rows` (local) whose
+    phase goes on past the first call, in `cache` (theirs alone); rows leave it as they end. `score(rows, out, a,
+    b)` books each call's positions."""
+    inp, m, p_ids = phase
+    for a, b in chunks:
+        stay = lens[rows] > a
+        if not bool(stay.all()):
+            keep = stay.nonzero()[:, 0]
+            cache.batch_select_indices(keep)
+            cols, rows = [c[keep] for c in cols], rows[keep]
+        out = body(input_ids=inp[rows, a:b], attention_mask=torch.cat(cols + [m[rows, a:b]], 1),
+                   position_ids=p_ids[rows, a:b], use_cache=True, output_hidden_states=need_hs, **cache_kw(body, cache))
+        cache = out_cache(out)
+        cols.append(m[rows, a:b])
+        score(rows, out, a, b)
+
+
 # %% ../nbs/07_latent.ipynb #982eafaf
 # Long on purpose: the phases of the batched latent forward share the KV cache, positions and masks of one
 # batch; splitting them would thread that state through every call (see the phase diagram above).
@@ -338,13 +378,16 @@ def student_pass(
     chunk_size: int = 1024, ce: bool = True, return_logprobs: bool = False, return_hidden: bool = False,
     return_latents: bool = False, latent_states: bool = False, states_at: torch.Tensor | None = None,
     token_weight: torch.Tensor | None = None, forced_latents: torch.Tensor | None = None,
+    tail_cost: float | None = None,
 ) -> StudentPass:
     """The batched student: prompt, then per span text up to `<|line_sep|>` + `<|latent_start|>`, a latent block, and
     `<|latent_end|>` + the text from `<|action_sep|>`; all examples in lockstep in one KV cache. `layers` (hidden_states
     indices) selects the anchor states to return (None: the last layer only, without `output_hidden_states`).
     `forced_latents [B, K, S]` token ids (-1: none) replace latent inputs with those tokens' embeddings (teacher
     forcing). A row leaves the batch (and the KV cache) after its last phase: rows that finished early cost nothing
-    in the phases of longer rows."""
+    in the phases of longer rows. With `tail_cost` (positions a model call is worth), a phase that is some rows' last
+    runs as long as the rows that go on need; those rows' tails then run in their own copy of the cache, in chunks
+    that rows leave as they end (`tail_cuts`)."""
     spec, body, head = lm.spec, lm.body, lm.head
     W, dev, B = head.weight, head.weight.device, len(examples)
     check_codi_model(lm.model)
@@ -362,6 +405,22 @@ def student_pass(
     cache, cols, pos, bi = None, [], torch.zeros(B, dtype=torch.long, device=dev), torch.arange(B, device=dev)
     # a block's last latent step, run with the next phase
     pend = None
+
+    def score(rb, hid, hs, lab, tgt, sel, at):
+        "One call's positions (rows `rb` [n] of the batch): predicted tokens, CE, logprobs, states."
+        rows_b, rows_t = rb[:, None].expand_as(tgt)[sel], tgt[sel]
+        r.pred_mask[rows_b, rows_t] = True
+        if ce or return_logprobs:
+            lp = token_logprobs(hid, head, lab, 1.0, chunk_size)                      # [n, L]
+            w = sel.float() if token_weight is None else token_weight[rb[:, None], tgt.clamp(min=0)] * sel  # [n, L]
+            r.ce_sum = r.ce_sum - _rows_of((lp * w).sum(1), rb, B)                    # [B]
+            r.ce_cnt = r.ce_cnt + _rows_of(w.sum(1), rb, B)
+            r.n_scored += int(sel.sum())
+            if return_logprobs: r.trace_lp[rows_b, rows_t] = lp.detach()[sel]
+        if return_hidden: pred_parts.append((rows_b, rows_t, hid[sel]))
+        if at is not None and at.any():
+            at_parts.append((rb[:, None].expand_as(tgt)[at], tgt[at], torch.stack([h[at] for h in hs], 1)))
+
     for k in range(K + 1):
         live = bi.tolist()                                                            # the rows still in the batch
         ids, m, ti, lab, lens = _phase_batch([phases[k][b] for b in live], dev)
@@ -377,12 +436,16 @@ def student_pass(
         tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)
         sel = lab != IGNORE_INDEX                                                     # [B, L]
         at = sel & states_at[bi[:, None], tgt.clamp(min=0)] if states_at is not None else None  # [B, L]
+        fin, L = n_sp[bi] == k, ids.shape[1]                                          # [b] rows ending here
+        Lc = int(lens[~fin].max()) if tail_cost is not None and k < K else L          # what the others need
+        tails = [(0, L)] if Lc >= L else [(0, Lc)] + [(Lc + a, Lc + b) for a, b in tail_cuts(
+            (lens[fin & (lens > Lc)] - Lc).tolist(), tail_cost)]
         need_hs = (
             (k >= 1 and layers is not None)
-            or (at is not None and bool(at.any()))
+            or (at is not None and bool(at[:, :Lc].any()))
             or (pend is not None and latent_states)
         )
-        kw, off = _phase_call(lm, inp, m, p_ids, cols, pend)
+        kw, off = _phase_call(lm, inp[:, :Lc], m[:, :Lc], p_ids[:, :Lc], cols, pend)
         out = body(**kw, use_cache=True, output_hidden_states=need_hs, **cache_kw(body, cache))
         r.calls += 1
         cache, hid = out_cache(out), out.last_hidden_state[:, off:]                   # [B, L, H]
@@ -391,26 +454,24 @@ def student_pass(
             if latent_states: lat_hs.append(_rows_of(torch.stack([x[:, 0] for x in out.hidden_states], 1), bi, B))
             cols.append(pend[2])
             pend = None
-        cols.append(m)
-        rows_b, rows_t = bi[:, None].expand_as(tgt)[sel], tgt[sel]
-        r.pred_mask[rows_b, rows_t] = True
-        if ce or return_logprobs:
-            lp = token_logprobs(hid, head, lab, 1.0, chunk_size)                      # [B, L]
-            w = sel.float() if token_weight is None else token_weight[bi[:, None], tgt.clamp(min=0)] * sel  # [B, L]
-            r.ce_sum = r.ce_sum - _rows_of((lp * w).sum(1), bi, B)                    # [B]
-            r.ce_cnt = r.ce_cnt + _rows_of(w.sum(1), bi, B)
-            r.n_scored += int(sel.sum())
-            if return_logprobs: r.trace_lp[rows_b, rows_t] = lp.detach()[sel]
-        if return_hidden: pred_parts.append((rows_b, rows_t, hid[sel]))
-        if at is not None and at.any():
-            at_parts.append((bi[:, None].expand_as(tgt)[at], tgt[at], torch.stack([h[at] for h in hs], 1)))
+        cols.append(m[:, :Lc])
+        cut = lambda x, a, b: None if x is None else x[:, a:b]
+        score(bi, hid, hs, lab[:, :Lc], tgt[:, :Lc], sel[:, :Lc], cut(at, 0, Lc))
+        if len(tails) > 1:                                       # the rest of the rows ending here, in their own cache
+            t_rows = (fin & (lens > Lc)).nonzero()[:, 0]                              # [t] local rows
+            fn = lambda rows, o, a, b: score(bi[rows], o.last_hidden_state, o.hidden_states, lab[rows, a:b],
+                                             tgt[rows, a:b], sel[rows, a:b], None if at is None else at[rows, a:b])
+            _run_tails(body, _cache_rows(cache, t_rows), [c[t_rows] for c in cols], t_rows, tails[1:], (inp, m, p_ids),
+                       lens, fn, at is not None)
+            r.calls += len(tails) - 1
+            r.n_run += sum(int((lens[t_rows] > a).sum()) * (b - a) for a, b in tails[1:]) - len(live) * (L - Lc)
         # anchor: <|action_sep|> at position 1
         if k >= 1:
             a = torch.stack([hs[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2]
             r.anchors.append(_rows_of(a, bi, B))
         pos = pos + lens
         if k == K: break
-        h = hid[torch.arange(len(live), device=dev), (lens - 1).clamp(min=0)]        # [b, H] state at <|latent_start|>
+        h = hid[torch.arange(len(live), device=dev), (lens - 1).clamp(0, Lc - 1)]     # [b, H] state at <|latent_start|>
         cache, cols, pos, h, bi = _leave(n_sp[bi] > k, cache, cols, pos, h, bi)       # rows without block k leave
         has = torch.ones(len(bi), 1, dtype=torch.long, device=dev)                    # [b, 1]
         r.n_real += S * len(bi)
@@ -648,9 +709,10 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
                  ss_coins: torch.Tensor | None = None, chunk_size: int = 1024, return_logprobs: bool = False,
                  generator: torch.Generator | None = None, return_states: bool = False,
                  tf_coins: torch.Tensor | None = None, tf_generator: torch.Generator | None = None,
-                 call_cost: float | None = None) -> CodiOutput:
+                 call_cost: float | None = None, tail_cost: float | None = None) -> CodiOutput:
     """CODI losses for a batch of `{prompt_ids, trace_ids, spans}` examples, all spans of all examples in lockstep
-    (`call_cost`: the student runs in `phase_groups` at that price of a model call, with the same result).
+    (`call_cost`: the student runs in `phase_groups` at that price of a model call, with the same result;
+    `tail_cost`: the phases some rows end in run those rows' tails in chunks of their own, see `student_pass`).
     `ss_coins [B, K+1]` / `tf_coins [B, K]` fix scheduled sampling / latent teacher forcing per segment / block
     (else drawn with `generator` / `tf_generator`)."""
     dev, B = lm.head_weight.device, len(examples)
@@ -678,7 +740,7 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     run = student_pass if call_cost is None else partial(grouped_student_pass, call_cost=call_cost)
     sp = run(
         lm, examples, layers=layers if opts.kd_target == "hidden" else None, ss_coins=ss_coins, chunk_size=chunk_size,
-        return_logprobs=return_logprobs,
+        return_logprobs=return_logprobs, tail_cost=tail_cost,
         return_latents=return_states or bool(opts.recon) or (bool(opts.value_kd) and opts.value_kd_at == "embed"),
         latent_states=bool(opts.value_kd) and opts.value_kd_at != "embed",
         states_at=plan.get("answer_mask") if opts.answer_kd else None,

@@ -54,15 +54,15 @@ CASES = [
         f"steps{c['steps']}-{c['kd']}-{'frozen' if c['frozen'] else 'shared'}-{'single' if c['single'] else 'all'}"
     ),
 )
-@pytest.mark.parametrize("call_cost", [None, 0.0], ids=["lockstep", "groups"])
-def test_batched_equals_reference(case, call_cost):
+@pytest.mark.parametrize("call_cost,tail_cost", [(None, None), (0.0, None), (None, 0.0)], ids=["lockstep", "groups", "tails"])
+def test_batched_equals_reference(case, call_cost, tail_cost):
     base = tiny(0)
     spec = LatentSpec(LS, LE, LSEP, ASEP, latent_steps=case["steps"])
     lm = LatentModel(base, spec)
     teacher = tiny(1).eval().requires_grad_(False) if case["frozen"] else None
     opts = CodiOptions(kd_target=case["kd"], single_anchor=case["single"], anchor_kd=2.0)
     exs = batch(0)
-    out = codi_forward(lm, exs, opts, teacher=teacher, call_cost=call_cost)
+    out = codi_forward(lm, exs, opts, teacher=teacher, call_cost=call_cost, tail_cost=tail_cost)
     gb = torch.autograd.grad(out.loss, [p for p in lm.parameters()], allow_unused=True)
     ref_loss, ref_m = ref_forward(lm, exs, opts, teacher)
     gr = torch.autograd.grad(ref_loss, [p for p in lm.parameters()], allow_unused=True)
@@ -70,9 +70,14 @@ def test_batched_equals_reference(case, call_cost):
     for k in ("student_loss", "kd_loss", "teacher_loss"): assert abs(out.metrics[k] - ref_m[k]) < 1e-5, k
     K = max(len(e["spans"]) for e in exs)
     # the last step of a block rides in the next call
-    if call_cost is None: assert out.metrics["model_calls"] == K * case["steps"] + 1
+    if call_cost is None and tail_cost is None: assert out.metrics["model_calls"] == K * case["steps"] + 1
     # groups: no padding
-    else: assert out.metrics["model_calls"] > K * case["steps"] + 1 and out.metrics["pad_ratio"] < 1.01
+    elif call_cost is not None:
+        assert out.metrics["model_calls"] > K * case["steps"] + 1 and out.metrics["pad_ratio"] < 1.01
+    else:   # tails: the rows ending in a phase run their rest apart, in more calls and fewer positions
+        lock = codi_forward(lm, exs, opts, teacher=teacher)
+        assert out.metrics["model_calls"] >= lock.metrics["model_calls"]
+        assert out.metrics["pad_ratio"] <= lock.metrics["pad_ratio"]
     for a, b in zip(gb, gr):
         if a is None and b is None: continue
         a = torch.zeros_like(b) if a is None else a
@@ -109,8 +114,31 @@ def test_scheduled_sampling_equals_reference():
     assert abs(out.loss.item() - ref_loss.item()) < 1e-5
     grouped = codi_forward(lm, exs, opts, ss_coins=coins, call_cost=0.0)
     assert abs(grouped.loss.item() - ref_loss.item()) < 1e-5
+    tails = codi_forward(lm, exs, opts, ss_coins=coins, tail_cost=0.0)
+    assert abs(tails.loss.item() - ref_loss.item()) < 1e-5
     plain = codi_forward(lm, exs, CodiOptions())
     assert abs(plain.loss.item() - out.loss.item()) > 1e-6   # the coins did change the student's inputs
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_long_last_phases_run_apart_and_equal_reference(steps):
+    "A one-span row whose last phase is long (the rest of its trace): with `tail_cost` it runs that rest in calls of"
+    "its own, after the rows that go on have their latent block; the losses and gradients stay the reference's."
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps))
+    exs = batch(0)
+    exs[0] = {**exs[0], "trace_ids": exs[0]["trace_ids"][:-1] + [7] * 20 + [EOT]}
+    exs[3] = {**exs[3], "trace_ids": exs[3]["trace_ids"][:-1] + [9] * 9 + [EOT]}
+    opts = CodiOptions(anchor_kd=2.0)
+    lock, tails = codi_forward(lm, exs, opts), codi_forward(lm, exs, opts, tail_cost=0.0)
+    ref_loss, _ = ref_forward(lm, exs, opts, None)
+    assert abs(tails.loss.item() - ref_loss.item()) < 1e-5 and abs(lock.loss.item() - ref_loss.item()) < 1e-5
+    assert tails.metrics["model_calls"] == lock.metrics["model_calls"] + 2            # the two tails, one chunk each
+    assert tails.metrics["pad_ratio"] < lock.metrics["pad_ratio"]
+    params = list(lm.parameters())
+    gt = torch.autograd.grad(tails.loss, params, allow_unused=True)
+    gr = torch.autograd.grad(ref_loss, params, allow_unused=True)
+    for a, b in zip(gt, gr):
+        if a is None or b is None: continue
+        assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-8) + 1e-7
 
 def test_padding_does_not_change_an_example():
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
@@ -348,16 +376,16 @@ def test_latent_teacher_forcing_equals_reference(steps, call_cost):
     # forcing changed what the text read
     assert abs(free.metrics["student_loss"] - out.metrics["student_loss"]) > 1e-4
 
-@pytest.mark.parametrize("call_cost", [None, 0.0], ids=["lockstep", "groups"])
+@pytest.mark.parametrize("call_cost,tail_cost", [(None, None), (0.0, None), (None, 0.0)], ids=["lockstep", "groups", "tails"])
 @pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("obj", OBJ, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_latent_objectives_equal_reference(obj, steps, call_cost):
+def test_latent_objectives_equal_reference(obj, steps, call_cost, tail_cost):
     import random
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps))
     rng = random.Random(11)
     exs = [with_targets(e, rng) for e in batch(6)]
     opts = CodiOptions(anchor_kd=0.0, teacher_ce=0.0, **obj)                                    # only the student CE and the new term
-    out = codi_forward(lm, exs, opts, call_cost=call_cost)
+    out = codi_forward(lm, exs, opts, call_cost=call_cost, tail_cost=tail_cost)
     ref = ref_objectives(lm, exs, opts)
     name = next(k for k in ref if k != "student_loss") if len(ref) > 1 else "student_loss"
     assert abs(out.metrics["student_loss"] - ref["student_loss"].item()) < 1e-5
