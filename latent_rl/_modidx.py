@@ -402,7 +402,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.latent.TeacherPass': ('latent.html#teacherpass', 'latent_rl/latent.py'),
                                   'latent_rl.latent._anchor_kd': ('latent.html#_anchor_kd', 'latent_rl/latent.py'),
                                   'latent_rl.latent._answer_kd': ('latent.html#_answer_kd', 'latent_rl/latent.py'),
-                                  'latent_rl.latent._cache_rows': ('latent.html#_cache_rows', 'latent_rl/latent.py'),
                                   'latent_rl.latent._finish_pass': ('latent.html#_finish_pass', 'latent_rl/latent.py'),
                                   'latent_rl.latent._leave': ('latent.html#_leave', 'latent_rl/latent.py'),
                                   'latent_rl.latent._merge_passes': ('latent.html#_merge_passes', 'latent_rl/latent.py'),

@@ -345,13 +345,6 @@ def tail_cuts(lengths: list[int], call_cost: float) -> list[tuple[int, int]]:
     while j: out, j = [(ends[prev[j]], ends[j])] + out, prev[j]
     return out
 
-def _cache_rows(cache, rows: torch.Tensor):
-    "A new `DynamicCache` of `rows` of `cache` (gradients reach the keys and values it was cut from)."
-    from transformers import DynamicCache
-    c = DynamicCache()
-    for i, ly in enumerate(cache.layers): c.update(ly.keys[rows], ly.values[rows], i)
-    return c
-
 def _run_tails(body, cache, cols: list, rows, chunks, phase, lens, score, need_hs: bool):
     """Run the `chunks` of a phase's columns (`phase` = its inputs, mask and positions [b, L]) for `rows` (local) whose
     phase goes on past the first call, in `cache` (theirs alone); rows leave it as they end. `score(rows, out, a,
@@ -461,7 +454,7 @@ def student_pass(
             t_rows = (fin & (lens > Lc)).nonzero()[:, 0]                              # [t] local rows
             fn = lambda rows, o, a, b: score(bi[rows], o.last_hidden_state, o.hidden_states, lab[rows, a:b],
                                              tgt[rows, a:b], sel[rows, a:b], None if at is None else at[rows, a:b])
-            _run_tails(body, _cache_rows(cache, t_rows), [c[t_rows] for c in cols], t_rows, tails[1:], (inp, m, p_ids),
+            _run_tails(body, copy_cache(cache, t_rows, detach=False), [c[t_rows] for c in cols], t_rows, tails[1:], (inp, m, p_ids),
                        lens, fn, at is not None)
             r.calls += len(tails) - 1
             r.n_run += sum(int((lens[t_rows] > a).sum()) * (b - a) for a, b in tails[1:]) - len(live) * (L - Lc)
