@@ -81,36 +81,48 @@ def _bench_batches(tok, batch_size: int, n_batches: int) -> dict[str, list[list[
     return kinds
 
 # %% ../nbs/27_bench.ipynb #6da30a2e
-def _time_batches(lm, fn, batches, calls) -> dict:
-    "Examples/s, model calls per batch, mean loss and padding of `fn` (forward + backward) over `batches`."
-    def step(b):
-        out = fn(b)
-        if isinstance(out, CodiOutput):
-            pads.append(out.metrics["pad_ratio"])
-            out = out.loss
-        out.backward()
-        lm.zero_grad()
-        return out.item()
-    pads = []
-    step(batches[0])
-    pads.clear()                                                     # warm-up
-    calls["n"], t0 = 0, time.perf_counter()
-    losses = [step(b) for b in batches]
-    dt = time.perf_counter() - t0
-    return {"examples_per_s": sum(map(len, batches)) / dt, "model_calls_per_batch": calls["n"] / len(batches),
-            "mean_loss": sum(losses) / len(losses), "pad_ratio": sum(pads) / len(pads) if pads else None}
+def _codi_step(lm, fn, b) -> tuple[float, float | None]:
+    "One forward + backward of `fn` on batch `b`: its loss and padding (None for the reference)."
+    out = fn(b)
+    pad = out.metrics["pad_ratio"] if isinstance(out, CodiOutput) else None
+    loss = out.loss if isinstance(out, CodiOutput) else out
+    loss.backward()
+    lm.zero_grad()
+    return loss.item(), pad
+
+def _time_interleaved(lm, impls: dict, batches, calls) -> dict[str, dict]:
+    """Examples/s, model calls per batch, mean loss and padding of each of `impls` (name -> fn) over `batches`, timed
+    interleaved (batch 1 by each, then batch 2, …, each impl going first in turn) so that a change in the machine's
+    load falls on all of them."""
+    got = {name: {"t": 0.0, "calls": 0, "losses": [], "pads": []} for name in impls}
+    for fn in impls.values(): _codi_step(lm, fn, batches[0])                         # warm-up
+    names = list(impls)
+    for i, b in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            g, n0, t0 = got[name], calls["n"], time.perf_counter()
+            loss, pad = _codi_step(lm, impls[name], b)
+            g["t"] += time.perf_counter() - t0
+            g["calls"] += calls["n"] - n0
+            g["losses"].append(loss)
+            if pad is not None: g["pads"].append(pad)
+    n = sum(map(len, batches))
+    return {name: {"examples_per_s": n / g["t"], "model_calls_per_batch": g["calls"] / len(batches),
+                   "mean_loss": sum(g["losses"]) / len(batches),
+                   "pad_ratio": sum(g["pads"]) / len(g["pads"]) if g["pads"] else None} for name, g in got.items()}
 
 # %% ../nbs/27_bench.ipynb #b1e4068b
 def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list[dict]:
     "The bench rows of one setting: each implementation on each kind of batch, against the per-example reference."
     calls, opts, rows, S = {"n": 0}, CodiOptions(), [], lm.spec.latent_steps
     hook = lm.body.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
-    impls = (("one pass", lambda b: codi_forward(lm, b, opts)),
-             ("phase groups", lambda b: codi_forward(lm, b, opts, call_cost=CALL_COST)),
-             ("tails apart", lambda b: codi_forward(lm, b, opts, tail_cost=CALL_COST)),
-             ("per-example reference", lambda b: ref_forward(lm, b, opts)[0]))
+    impls = {"one pass": lambda b: codi_forward(lm, b, opts),
+             "phase groups": lambda b: codi_forward(lm, b, opts, call_cost=CALL_COST),
+             "tails apart": lambda b: codi_forward(lm, b, opts, tail_cost=CALL_COST),
+             "tails apart, phase 0 run again": lambda b: codi_forward(lm, b, opts, tail_cost=CALL_COST,
+                                                                      share_prefix=False),
+             "per-example reference": lambda b: ref_forward(lm, b, opts)[0]}
     for kind, batches in _bench_batches(tok, batch_size, n_batches).items():
-        res = {name: _time_batches(lm, fn, batches, calls) for name, fn in impls}
+        res = _time_interleaved(lm, impls, batches, calls)
         ref, spans = res["per-example reference"], [len(e["spans"]) for b in batches for e in b]
         for name, r in res.items():
             rows.append({"setting": f"{batch_size} a batch, {S} latent step{'s' * (S > 1)} a block", "batches": kind,
@@ -127,19 +139,21 @@ CODI_SETTINGS = ((8, 1), (16, 3))
 
 def codi_bench(quick: bool = False, settings=CODI_SETTINGS, size: str = "tiny", device: str = "cpu") -> dict:
     """Examples/s of the batched CODI forward+backward — one pass (rows leave when done), `phase_groups`
-    (`call_cost=CALL_COST`), and one pass whose rows ending in a phase run their rest apart (`tail_cost=CALL_COST`) —
-    against the per-example reference on the same batches, for each kind of batch of
+    (`call_cost=CALL_COST`), and one pass whose rows ending in a phase run their rest apart (`tail_cost=CALL_COST`),
+    the last also with the student's phase 0 run again instead of taken from the teacher's pass (`share_prefix=False`)
+    — against the per-example reference on the same batches, timed interleaved, for each kind of batch of
     `_bench_batches` and each `(batch size, latent steps)` of `settings` (quick: the first only)."""
     tok, rows = load_tokenizer("data/tokenizer"), []
     for B, S in settings[:1] if quick else settings:
         lm = LatentModel(build_tiny(tok, size, seed=0), LatentSpec.from_tokenizer(tok, S)).to(device)
-        rows += _codi_setting(lm, tok, B, 2 if quick else 6)
+        rows += _codi_setting(lm, tok, B, 2 if quick else 8)
     return {
         "name": "codi",
         "rows": rows,
-        "notes": f"{2 if quick else 6} batches of each kind (the same batches for the three implementations), {size} "
-        f"model, fp32 on {device}, forward + backward; model calls counted on the backbone (the reference's full-LM "
-        "calls included).",
+        "notes": f"{2 if quick else 8} batches of each kind (the same batches for every implementation, timed "
+        f"interleaved), {size} model, fp32 on {device}, forward + backward; model calls counted on the backbone (the "
+        "reference's full-LM calls included); pad_ratio = positions the student's own calls ran / real positions in "
+        "them (phase 0 taken from the teacher is in neither).",
     }
 
 

@@ -8,9 +8,11 @@ import json, math
 from dataclasses import dataclass, asdict, field
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .trace import LATENT_START, LATENT_END, LINE_SEP, ACTION_SEP
 from .tokens import IGNORE_INDEX, trace_token_ids
@@ -20,8 +22,9 @@ from .losses import state_kd_loss, embed_kd_loss, anchor_kd_loss, KD_TARGETS
 
 # %% auto #0
 __all__ = ['VALUE_KD_AT', 'CALL_COST', 'LatentSpec', 'Projector', 'LatentModel', 'LatentNoise', 'pack_phases', 'CodiOptions',
-           'kd_layer_indices', 'TeacherPass', 'teacher_pass', 'CodiOutput', 'StudentPass', 'check_codi_model',
-           'tail_cuts', 'student_pass', 'phase_groups', 'grouped_student_pass', 'recon_loss', 'codi_forward']
+           'kd_layer_indices', 'length_groups', 'TeacherPass', 'teacher_pass', 'CodiOutput', 'StudentPass',
+           'check_codi_model', 'tail_cuts', 'student_pass', 'phase_groups', 'grouped_student_pass', 'recon_loss',
+           'codi_forward']
 
 # %% ../nbs/07_latent.ipynb #2440d8e2
 @dataclass
@@ -201,6 +204,42 @@ def kd_layer_indices(opts: CodiOptions, n_layers: int, frozen: bool) -> list[int
         )
     return [l % (n_layers + 1) for l in opts.kd_layers]
 
+# %% ../nbs/07_latent.ipynb #d93b184e
+def length_groups(lengths: list[int], call_cost: float) -> list[list[int]]:
+    """Rows cut into groups of similar length, each run as its own call: the fewest padded positions plus `call_cost`
+    per call (a dynamic program over the rows sorted longest first). Returns row indices."""
+    order = sorted(range(len(lengths)), key=lambda b: (-lengths[b], b))
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j):                       # the group order[i:j] is padded to its first row's length
+            c = best[i] + (j - i) * lengths[order[i]] + call_cost
+            if c < best[j]: best[j], cut[j] = c, i
+    groups, j = [], len(order)
+    while j: groups, j = [order[cut[j]:j]] + groups, cut[j]
+    return groups
+
+# %% ../nbs/07_latent.ipynb #ef006af7
+def _grouped_forward(body, ids, am, groups: list[list[int]], **kw):
+    """`body(input_ids=ids, attention_mask=am, **kw)` run per group of rows (each cut to its own longest row), the
+    outputs put back in batch order, padded to the batch's length (zeros): last and per-layer states, KV cache."""
+    if len(groups) == 1: return body(input_ids=ids, attention_mask=am, **kw)
+    cut = [(g, int(am[g].sum(1).max())) for g in groups]                           # rows, their longest
+    outs = [body(input_ids=ids[g, :n], attention_mask=am[g, :n], **kw) for g, n in cut]
+    inv = torch.argsort(torch.tensor([b for g in groups for b in g], device=ids.device))
+    S = ids.shape[1]
+    merge = lambda xs, d: torch.cat([F.pad(x, (0, 0) * (x.dim() - 1 - d) + (0, S - x.shape[d])) for x in xs])[inv]
+    out = SimpleNamespace(last_hidden_state=merge([o.last_hidden_state for o in outs], 1), hidden_states=None,
+                          past_key_values=None)
+    if outs[0].hidden_states is not None:
+        out.hidden_states = [merge(hs, 1) for hs in zip(*[o.hidden_states for o in outs])]
+    if kw.get("use_cache"):
+        from transformers import DynamicCache
+        out.past_key_values, caches = DynamicCache(), [out_cache(o) for o in outs]
+        for i in range(len(caches[0].layers)):                                    # [B, kv heads, S, d] each
+            out.past_key_values.update(merge([c.layers[i].keys for c in caches], 2),
+                                       merge([c.layers[i].values for c in caches], 2), i)
+    return out
+
 # %% ../nbs/07_latent.ipynb #0a33ec35
 def _pad(seqs, fill):
     L = max(1, max(map(len, seqs)))
@@ -212,22 +251,28 @@ class TeacherPass:
     anchors: torch.Tensor                       # [B, K, L_sel, H] states at each span's <|action_sep|> (detached)
     logits: torch.Tensor | None = None          # [B, K, V] the head at the anchors (logit KD)
     states: dict = field(default_factory=dict)  # name -> [M, L+1, H] states at `gather[name]` (detached)
+    prefix: tuple | None = None                 # (KV cache, last [B, S, H], per layer [B, S, H]) with graph (keep_prefix)
 
 # %% ../nbs/07_latent.ipynb #7b659a2c
 def teacher_pass(lm: LatentModel, examples, layers, teacher=None, want_logits=False, chunk_size: int = 1024,
-                 checkpointing: bool = False, gather: dict | None = None) -> TeacherPass:
+                 checkpointing: bool = False, gather: dict | None = None, keep_prefix: bool = False,
+                 call_cost: float | None = None) -> TeacherPass:
     """The teacher's CE, anchor states and any `gather = {name: (rows [M], positions [M])}` states, from one forward.
     `checkpointing` recomputes the shared-weight teacher's layers in backward (the full-sequence pass is the memory
-    peak)."""
+    peak). `call_cost` (positions a model call is worth) runs the rows in `length_groups`. `keep_prefix` (shared
+    weights, no checkpointing) keeps the pass's KV cache and states, graph and all: the student's first phase is the
+    same tokens at the same positions (`student_pass(prefix=...)`)."""
     dev = lm.head_weight.device
     full = [list(e["prompt_ids"]) + list(e["trace_ids"]) for e in examples]
     ids, am = _pad(full, 0).to(dev), _pad([[1] * len(f) for f in full], 0).to(dev)  # [B, S] each
     model = teacher if teacher is not None else lm.model
     ckpt = checkpointing and teacher is None and torch.is_grad_enabled() and model.training
+    keep = keep_prefix and teacher is None and not ckpt
     if ckpt: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         with torch.set_grad_enabled(teacher is None and torch.is_grad_enabled()):
-            out = backbone(model)(input_ids=ids, attention_mask=am, output_hidden_states=True, use_cache=False)
+            groups = [list(range(len(full)))] if call_cost is None else length_groups(list(map(len, full)), call_cost)
+            out = _grouped_forward(backbone(model), ids, am, groups, output_hidden_states=True, use_cache=keep)
     finally:
         if ckpt: model.gradient_checkpointing_disable()
     K = max(len(e["spans"]) for e in examples)
@@ -236,6 +281,7 @@ def teacher_pass(lm: LatentModel, examples, layers, teacher=None, want_logits=Fa
     bi = torch.arange(len(examples), device=dev)[:, None]
     tp = TeacherPass(None, torch.stack([out.hidden_states[l][bi, pos] for l in layers], 2).detach())  # [B, K, L_sel, H]
     if want_logits: tp.logits = lm_head(model).logits(out.hidden_states[-1][bi, pos]).detach()        # [B, K, V]
+    if keep: tp.prefix = (out_cache(out), out.last_hidden_state, out.hidden_states)
     for name, (r, p) in (gather or {}).items():
         tp.states[name] = torch.stack([h[r.to(dev), p.to(dev)] for h in out.hidden_states], 1).detach()  # [M, L+1, H]
     if teacher is None:
@@ -363,6 +409,22 @@ def _run_tails(body, cache, cols: list, rows, chunks, phase, lens, score, need_h
         score(rows, out, a, b)
 
 
+# %% ../nbs/07_latent.ipynb #1cf80b3e
+def _prefix_phase(body, prefix, ids, m, lens, score):
+    """Phase 0 from the shared-weight teacher's pass (`TeacherPass.prefix`): its tokens before `<|latent_start|>` are
+    the teacher's first tokens at the same positions, so their cache and states are the teacher's, graph and all
+    (`score` books them); only `<|latent_start|>` runs. Returns the cache, its mask columns and the state there [B, H]."""
+    t_cache, t_last, t_hs = prefix
+    P, dev = int(lens.max()) - 1, ids.device
+    keep = (torch.arange(P, device=dev)[None] < (lens - 1)[:, None]).long()        # [B, P] each row's own tokens
+    score(t_last[:, :P], [x[:, :P] for x in t_hs], P)
+    cache, cols = copy_cache(t_cache, detach=False, cols=P), [keep, torch.ones_like(lens)[:, None]]
+    bi = torch.arange(len(lens), device=dev)
+    out = body(input_ids=ids[bi, lens - 1][:, None], attention_mask=torch.cat(cols, 1),
+               position_ids=(lens - 1)[:, None], use_cache=True, **cache_kw(body, cache))
+    return out_cache(out), cols, out.last_hidden_state[:, 0]                      # [B, H]
+
+
 # %% ../nbs/07_latent.ipynb #982eafaf
 # Long on purpose: the phases of the batched latent forward share the KV cache, positions and masks of one
 # batch; splitting them would thread that state through every call (see the phase diagram above).
@@ -371,7 +433,7 @@ def student_pass(
     chunk_size: int = 1024, ce: bool = True, return_logprobs: bool = False, return_hidden: bool = False,
     return_latents: bool = False, latent_states: bool = False, states_at: torch.Tensor | None = None,
     token_weight: torch.Tensor | None = None, forced_latents: torch.Tensor | None = None,
-    tail_cost: float | None = None,
+    tail_cost: float | None = None, prefix: tuple | None = None,
 ) -> StudentPass:
     """The batched student: prompt, then per span text up to `<|line_sep|>` + `<|latent_start|>`, a latent block, and
     `<|latent_end|>` + the text from `<|action_sep|>`; all examples in lockstep in one KV cache. `layers` (hidden_states
@@ -380,7 +442,8 @@ def student_pass(
     forcing). A row leaves the batch (and the KV cache) after its last phase: rows that finished early cost nothing
     in the phases of longer rows. With `tail_cost` (positions a model call is worth), a phase that is some rows' last
     runs as long as the rows that go on need; those rows' tails then run in their own copy of the cache, in chunks
-    that rows leave as they end (`tail_cuts`)."""
+    that rows leave as they end (`tail_cuts`). `prefix` (`teacher_pass(keep_prefix=True)` on these examples) gives
+    phase 0 from the teacher's pass (`_prefix_phase`): the same result, one phase fewer to run."""
     spec, body, head = lm.spec, lm.body, lm.head
     W, dev, B = head.weight, head.weight.device, len(examples)
     check_codi_model(lm.model)
@@ -388,6 +451,8 @@ def student_pass(
         if not e["prompt_ids"]: raise ValueError(f"example {e.get('id')}: empty prompt")
     n_sp = torch.tensor([len(e["spans"]) for e in examples], device=dev)            # [B]
     K, S = int(n_sp.max()), spec.latent_steps
+    if prefix is not None and not bool(n_sp.ge(1).all()):
+        raise ValueError("student_pass(prefix=...) needs every example to have a span (phase 0 ends in a block)")
     if ss_coins is None: ss_coins = torch.zeros(B, K + 1, dtype=torch.bool)
     phases = pack_phases(examples, spec, allow_empty=True)
     Tmax = max(1, max(len(e["trace_ids"]) for e in examples))
@@ -429,42 +494,48 @@ def student_pass(
         tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)
         sel = lab != IGNORE_INDEX                                                     # [B, L]
         at = sel & states_at[bi[:, None], tgt.clamp(min=0)] if states_at is not None else None  # [B, L]
-        fin, L = n_sp[bi] == k, ids.shape[1]                                          # [b] rows ending here
-        Lc = int(lens[~fin].max()) if tail_cost is not None and k < K else L          # what the others need
-        tails = [(0, L)] if Lc >= L else [(0, Lc)] + [(Lc + a, Lc + b) for a, b in tail_cuts(
-            (lens[fin & (lens > Lc)] - Lc).tolist(), tail_cost)]
-        need_hs = (
-            (k >= 1 and layers is not None)
-            or (at is not None and bool(at[:, :Lc].any()))
-            or (pend is not None and latent_states)
-        )
-        kw, off = _phase_call(lm, inp[:, :Lc], m[:, :Lc], p_ids[:, :Lc], cols, pend)
-        out = body(**kw, use_cache=True, output_hidden_states=need_hs, **cache_kw(body, cache))
-        r.calls += 1
-        cache, hid = out_cache(out), out.last_hidden_state[:, off:]                   # [B, L, H]
-        hs = [x[:, off:] for x in out.hidden_states] if need_hs else None             # per layer [B, L, H]
-        if pend is not None:
-            if latent_states: lat_hs.append(_rows_of(torch.stack([x[:, 0] for x in out.hidden_states], 1), bi, B))
-            cols.append(pend[2])
-            pend = None
-        cols.append(m[:, :Lc])
-        cut = lambda x, a, b: None if x is None else x[:, a:b]
-        score(bi, hid, hs, lab[:, :Lc], tgt[:, :Lc], sel[:, :Lc], cut(at, 0, Lc))
-        if len(tails) > 1:                                       # the rest of the rows ending here, in their own cache
-            t_rows = (fin & (lens > Lc)).nonzero()[:, 0]                              # [t] local rows
-            fn = lambda rows, o, a, b: score(bi[rows], o.last_hidden_state, o.hidden_states, lab[rows, a:b],
-                                             tgt[rows, a:b], sel[rows, a:b], None if at is None else at[rows, a:b])
-            _run_tails(body, copy_cache(cache, t_rows, detach=False), [c[t_rows] for c in cols], t_rows, tails[1:], (inp, m, p_ids),
-                       lens, fn, at is not None)
-            r.calls += len(tails) - 1
-            r.n_run += sum(int((lens[t_rows] > a).sum()) * (b - a) for a, b in tails[1:]) - len(live) * (L - Lc)
-        # anchor: <|action_sep|> at position 1
-        if k >= 1:
-            a = torch.stack([hs[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2]
-            r.anchors.append(_rows_of(a, bi, B))
+        if k == 0 and prefix is not None:                        # all rows have a block: phase 0 is the teacher's
+            cache, cols, h = _prefix_phase(body, prefix, ids, m, lens, lambda hd, hs, P: score(
+                bi, hd, hs, lab[:, :P], tgt[:, :P], sel[:, :P], None if at is None else at[:, :P]))
+            r.calls += 1
+            r.n_real, r.n_run = r.n_real - int(lens.sum()) + B, r.n_run - ids.numel() + B   # only <|latent_start|> ran
+        else:
+            fin, L = n_sp[bi] == k, ids.shape[1]                                          # [b] rows ending here
+            Lc = int(lens[~fin].max()) if tail_cost is not None and k < K else L          # what the others need
+            tails = [(0, L)] if Lc >= L else [(0, Lc)] + [(Lc + a, Lc + b) for a, b in tail_cuts(
+                (lens[fin & (lens > Lc)] - Lc).tolist(), tail_cost)]
+            need_hs = (
+                (k >= 1 and layers is not None)
+                or (at is not None and bool(at[:, :Lc].any()))
+                or (pend is not None and latent_states)
+            )
+            kw, off = _phase_call(lm, inp[:, :Lc], m[:, :Lc], p_ids[:, :Lc], cols, pend)
+            out = body(**kw, use_cache=True, output_hidden_states=need_hs, **cache_kw(body, cache))
+            r.calls += 1
+            cache, hid = out_cache(out), out.last_hidden_state[:, off:]                   # [B, L, H]
+            hs = [x[:, off:] for x in out.hidden_states] if need_hs else None             # per layer [B, L, H]
+            if pend is not None:
+                if latent_states: lat_hs.append(_rows_of(torch.stack([x[:, 0] for x in out.hidden_states], 1), bi, B))
+                cols.append(pend[2])
+                pend = None
+            cols.append(m[:, :Lc])
+            cut = lambda x, a, b: None if x is None else x[:, a:b]
+            score(bi, hid, hs, lab[:, :Lc], tgt[:, :Lc], sel[:, :Lc], cut(at, 0, Lc))
+            if len(tails) > 1:                                       # the rest of the rows ending here, in their own cache
+                t_rows = (fin & (lens > Lc)).nonzero()[:, 0]                              # [t] local rows
+                fn = lambda rows, o, a, b: score(bi[rows], o.last_hidden_state, o.hidden_states, lab[rows, a:b],
+                                                 tgt[rows, a:b], sel[rows, a:b], None if at is None else at[rows, a:b])
+                _run_tails(body, copy_cache(cache, t_rows, detach=False), [c[t_rows] for c in cols], t_rows, tails[1:],
+                           (inp, m, p_ids), lens, fn, at is not None)
+                r.calls += len(tails) - 1
+                r.n_run += sum(int((lens[t_rows] > a).sum()) * (b - a) for a, b in tails[1:]) - len(live) * (L - Lc)
+            # anchor: <|action_sep|> at position 1
+            if k >= 1:
+                a = torch.stack([hs[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2]
+                r.anchors.append(_rows_of(a, bi, B))
+            h = hid[torch.arange(len(live), device=dev), (lens - 1).clamp(0, Lc - 1)]  # [b, H] at <|latent_start|>
         pos = pos + lens
         if k == K: break
-        h = hid[torch.arange(len(live), device=dev), (lens - 1).clamp(0, Lc - 1)]     # [b, H] state at <|latent_start|>
         cache, cols, pos, h, bi = _leave(n_sp[bi] > k, cache, cols, pos, h, bi)       # rows without block k leave
         has = torch.ones(len(bi), 1, dtype=torch.long, device=dev)                    # [b, 1]
         r.n_real += S * len(bi)
@@ -542,6 +613,9 @@ def _slice_rows(kw: dict, g: list[int], K: int, T: int) -> dict:
     out = dict(kw)
     for name, width in (("ss_coins", K + 1), ("states_at", T), ("token_weight", T), ("forced_latents", K)):
         if kw.get(name) is not None: out[name] = kw[name][g][:, :width]
+    if kw.get("prefix") is not None:                                                 # the teacher's cache and states
+        (cache, last, hs), rows = kw["prefix"], torch.tensor(g, device=kw["prefix"][1].device)
+        out["prefix"] = (copy_cache(cache, rows, detach=False), last[rows], [h[rows] for h in hs])
     return out
 
 # %% ../nbs/07_latent.ipynb #e6088061
@@ -702,10 +776,13 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
                  ss_coins: torch.Tensor | None = None, chunk_size: int = 1024, return_logprobs: bool = False,
                  generator: torch.Generator | None = None, return_states: bool = False,
                  tf_coins: torch.Tensor | None = None, tf_generator: torch.Generator | None = None,
-                 call_cost: float | None = None, tail_cost: float | None = None) -> CodiOutput:
+                 call_cost: float | None = None, tail_cost: float | None = None, share_prefix: bool = True) -> CodiOutput:
     """CODI losses for a batch of `{prompt_ids, trace_ids, spans}` examples, all spans of all examples in lockstep
-    (`call_cost`: the student runs in `phase_groups` at that price of a model call, with the same result;
+    (`call_cost`: the student runs in `phase_groups` and the teacher in `length_groups` at that price of a model
+    call, with the same result;
     `tail_cost`: the phases some rows end in run those rows' tails in chunks of their own, see `student_pass`).
+    `share_prefix`: the student's phase 0 (the prompt and the text before the first block) is taken from the
+    shared-weight teacher's pass, the same tokens at the same positions, instead of run again (the same result).
     `ss_coins [B, K+1]` / `tf_coins [B, K]` fix scheduled sampling / latent teacher forcing per segment / block
     (else drawn with `generator` / `tf_generator`)."""
     dev, B = lm.head_weight.device, len(examples)
@@ -722,7 +799,7 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     plan = _objective_plan(examples, opts, lm.spec.latent_steps, dev, tf_coins)
     tp = teacher_pass(
         lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.teacher_checkpointing,
-        plan["gather"],
+        plan["gather"], keep_prefix=share_prefix, call_cost=call_cost if call_cost is not None else tail_cost,
     )
     if ss_coins is None:
         ss_coins = (
@@ -738,6 +815,7 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
         latent_states=bool(opts.value_kd) and opts.value_kd_at != "embed",
         states_at=plan.get("answer_mask") if opts.answer_kd else None,
         token_weight=plan["weight"] if opts.answer_weight != 1.0 else None, forced_latents=plan.get("forced"),
+        prefix=tp.prefix,
     )
     # ---- losses, each a per-example mean averaged over the batch
     S = torch.stack(sp.anchors, 1)                                                    # [B, K, L_sel, H]

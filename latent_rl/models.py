@@ -267,11 +267,13 @@ def out_cache(out):
     c = getattr(out, "cache", None)
     return c if c is not None else out.past_key_values
 
-def copy_cache(cache, rows: torch.Tensor | None = None, detach: bool = True):
-    """A copy of a `DynamicCache` (of its `rows` only, when given): detached, so a side pass cannot extend or backprop
-    into the original, or with `detach=False` a copy whose gradients reach the keys and values it was cut from."""
+def copy_cache(cache, rows: torch.Tensor | None = None, detach: bool = True, cols: int | None = None):
+    """A copy of a `DynamicCache` (of its `rows` and first `cols` columns only, when given): detached, so a side pass
+    cannot extend or backprop into the original, or with `detach=False` a copy whose gradients reach the keys and
+    values it was cut from."""
     from transformers import DynamicCache
-    c, pick = DynamicCache(), (lambda x: x) if rows is None else (lambda x: x[rows])
+    c = DynamicCache()
+    pick = lambda x: (x if rows is None else x[rows])[..., :cols, :]                 # [b, heads, cols, d]
     for i, ly in enumerate(cache.layers):
         k, v = pick(ly.keys), pick(ly.values)
         if detach: k, v = k.detach().clone(), v.detach().clone()

@@ -430,3 +430,36 @@ def test_gpt2_codi_equals_reference():
     assert trainable and all("lora_" in n for n in trainable)
     codi_forward(lm, exs, opts).loss.backward()
     assert all(p.grad is not None for n, p in lm.model.named_parameters() if p.requires_grad)
+
+@pytest.mark.parametrize("call_cost,tail_cost", [(None, None), (0.0, None), (None, 0.0)], ids=["lockstep", "groups", "tails"])
+@pytest.mark.parametrize("obj", [dict(), dict(answer_kd=1.0), dict(value_kd=1.0), dict(ss_p=0.5)], ids=str)
+def test_phase0_from_the_teacher_equals_running_it(obj, call_cost, tail_cost):
+    """`share_prefix` (the default): the student's phase 0 — the prompt and the text before the first block — is the
+    shared-weight teacher's, cache, states and graph; the loss and gradients are those of running it again, and only
+    `<|latent_start|>` runs (an answer token inside phase 0 exercises the states taken from the teacher)."""
+    import random
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
+    exs = [with_targets(e, random.Random(2)) for e in batch(3)]
+    exs = [{**e, "answer_tok": [0] + e["answer_tok"]} for e in exs]
+    opts, params = CodiOptions(**obj), list(lm.parameters())
+    coins = torch.rand(len(exs), 4, generator=torch.Generator().manual_seed(0)) < 0.5
+    run = lambda share: codi_forward(lm, exs, opts, call_cost=call_cost, tail_cost=tail_cost, share_prefix=share,
+                                     ss_coins=coins if opts.ss_p else None)
+    a, b = run(True), run(False)
+    assert abs(a.loss.item() - b.loss.item()) < 1e-5 and a.metrics["model_calls"] == b.metrics["model_calls"]
+    for k in a.metrics:
+        if k not in ("pad_ratio", "loss"): assert abs(a.metrics[k] - b.metrics[k]) < 1e-5, k
+    for x, y in zip(torch.autograd.grad(a.loss, params, allow_unused=True),
+                    torch.autograd.grad(b.loss, params, allow_unused=True)):
+        assert (x is None) == (y is None)
+        if x is not None: assert (x - y).norm() <= 1e-4 * max(y.norm(), 1e-8) + 1e-7, ((x - y).norm(), y.norm())
+
+def test_phase0_is_run_when_the_teacher_is_frozen_or_checkpointed():
+    """No shared pass to take phase 0 from (a frozen teacher, a recomputed one): the student runs it (same result:
+    test_batched_equals_reference, test_gradient_checkpointing_gives_the_same_loss_and_gradients)."""
+    lm, exs = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP)), batch(0)
+    from latent_rl.latent import teacher_pass
+    assert teacher_pass(lm, exs, [-1], keep_prefix=True).prefix is not None
+    assert teacher_pass(lm, exs, [-1], teacher=tiny(1).eval(), keep_prefix=True).prefix is None
+    lm.train()
+    assert teacher_pass(lm, exs, [-1], checkpointing=True, keep_prefix=True).prefix is None
