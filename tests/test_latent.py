@@ -463,3 +463,20 @@ def test_phase0_is_run_when_the_teacher_is_frozen_or_checkpointed():
     assert teacher_pass(lm, exs, [-1], teacher=tiny(1).eval(), keep_prefix=True).prefix is None
     lm.train()
     assert teacher_pass(lm, exs, [-1], checkpointing=True, keep_prefix=True).prefix is None
+
+@pytest.mark.parametrize("call_cost,tail_cost", [(None, None), (0.0, None), (None, 0.0)], ids=["lockstep", "groups", "tails"])
+def test_codi_steps_lower_the_codi_loss(call_cost, tail_cost):
+    """CODI trains, on every path: Adam steps on `codi_forward`'s loss (a batch mixing 1–3 spans, the phase 0 taken
+    from the teacher's pass) lower it; the same steps on the loss's negative raise it, so a wrong sign would show."""
+    def run(sign):
+        lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
+        opt, exs, losses = torch.optim.Adam(lm.parameters(), lr=3e-3), batch(0), []
+        for _ in range(12):
+            out = codi_forward(lm, exs, CodiOptions(), call_cost=call_cost, tail_cost=tail_cost)
+            (sign * out.loss).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+        return losses
+    down, up = run(1.0), run(-1.0)
+    assert down[-1] < 0.8 * down[0] and up[-1] > 1.2 * up[0], (down, up)

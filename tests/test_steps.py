@@ -27,7 +27,8 @@ def test_every_stage_runs_on_multiplication_steps(tmp_path):
     run_cli("sft", "--recipe", "none", *common, "--mode", "answer", "--out", tmp_path / "answer")
     run_cli(
         "codi", "--recipe", "none", "--model", tmp_path / "explicit" / "final", "--train", train, "--val", "",
-        "--steps", 2, "--batch_size", 4, "--save_every", 0, "--log_every", 1, "--out", tmp_path / "latent",
+        "--steps", 2, "--batch_size", 4, "--save_every", 0, "--log_every", 1, "--split_tails", "true",
+        "--out", tmp_path / "latent",
     )
     run_cli(
         "gkd", "--recipe", "none", "--model", tmp_path / "latent" / "final", "--teacher",
