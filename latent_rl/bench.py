@@ -500,9 +500,9 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
     elif stage == "codi":
         exs = [e for e in (codi_example(tok, r, max_len) for r in rows) if e][:micro_batch]
         seq, spans = max(len(e["prompt_ids"]) + len(e["trace_ids"]) for e in exs), max(len(e["spans"]) for e in exs)
-        share = sum(b - a for e in exs for a, b in e["spans"]) / sum(
-            len(e["prompt_ids"]) + len(e["trace_ids"]) for e in exs
-        )
+        total = sum(len(e["prompt_ids"]) + len(e["trace_ids"]) for e in exs)
+        share = sum(b - a for e in exs for a, b in e["spans"]) / total
+        prefix = sum(len(e["prompt_ids"]) + e["spans"][0][0] + 1 for e in exs) / total   # phase 0, from the teacher
     else:
         items = [
             x
@@ -514,6 +514,7 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
     comp = max(len(x["completion"]) for x in items) if stage == "gkd" else 0
     pc = PlanConfig(
         model="", stage=stage, completion=comp, latent_share=share if stage == "codi" else 0.35, gpus=1, seq=seq,
+        prefix_share=prefix if stage == "codi" else 0.3,
         micro_batch=micro_batch, latent_steps=latent_steps, spans=spans, latent=latent, strategy="ddp",
         precision=precision, runtime_gb=0.0 if device == "cuda" else CPU_RUNTIME_GB,
         attention="flash" if device == "cuda" else "math",

@@ -36,7 +36,7 @@ NON_NEGATIVE = {
     "spans", "completion", "runtime_gb",
 }
 FRACTION = {"min_lr_frac", "scheduled_sampling", "scheduled_sampling_ramp", "latent_teacher_forcing", "curriculum",
-            "lmbda", "beta", "vllm_gpu_memory_utilization", "latent_share", "rollout_share"}
+            "lmbda", "beta", "vllm_gpu_memory_utilization", "latent_share", "prefix_share", "rollout_share"}
 STAGES = ("sft", "codi", "gkd", "grpo")   # the training stages, in pipeline order
 CHOICES = {
     "stage": STAGES, "attention": ("flash", "math"),

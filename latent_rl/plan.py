@@ -100,6 +100,7 @@ class PlanConfig:
     latent_steps: int = 6               # CODI and latent GKD/GRPO
     spans: int = 8                      # latent blocks per sequence
     latent_share: float = 0.35          # codi: share of the sequence its latent blocks replace (the student reads the rest)
+    prefix_share: float = 0.3           # codi, shared weights: share before the first block, which the student takes from the teacher's pass
     latent: bool = True                 # gkd / grpo: a latent student (codi always is one)
     strategy: str = "fsdp"              # ddp | fsdp
     precision: str = "bf16"             # bf16 (fp32 master weights) | fp32
@@ -131,8 +132,8 @@ def pass_tokens(pc: PlanConfig) -> tuple[int, int, int]:
     extra = pc.micro_batch * pc.spans * pc.latent_steps if latent else 0
     calls = pc.spans * pc.latent_steps + 1 if latent else 0       # a block's last step rides in the next text call
     kv_prefix = pc.micro_batch * pc.seq // 2 * calls
-    if pc.stage == "codi":                                     # teacher: the whole sequence; student: what stays text
-        S = int(T * (1 - pc.latent_share)) + extra
+    if pc.stage == "codi":     # teacher: the whole sequence; student: what stays text, less the shared phase 0
+        S = int(T * max(0.0, 1 - pc.latent_share - (0 if pc.teacher else pc.prefix_share))) + extra
         return S + (0 if pc.teacher else T), (T if pc.teacher else 0), int(kv_prefix * (1 - pc.latent_share))
     # replays run in phase_groups (fitted on the CPU peaks: 1.0–1.05)
     if latent: T = int(T * pc.pad_ratio)

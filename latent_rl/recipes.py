@@ -64,7 +64,7 @@ RECIPES: dict[str, dict[str, dict]] = {
     },
 }
 
-# 7B: the same pipeline on Qwen2.5-Coder-7B; micro-batches of 2 × 2048 tokens on 8 GPUs (`latent-rl plan`: CODI 40 GB)
+# 7B: the same pipeline on Qwen2.5-Coder-7B; micro-batches of 2 × 2048 tokens on 8 GPUs (`latent-rl plan`: CODI 39 GB)
 RECIPES["gpu-qwen2.5-coder-7b"] = {
     k: dict(v, grad_accum=2 * v["grad_accum"]) for k, v in RECIPES["gpu-qwen2.5-coder-1.5b"].items()
 }
