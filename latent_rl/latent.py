@@ -486,10 +486,9 @@ def student_pass(
         r.n_run += ids.numel()
         p_ids = pos[:, None] + torch.arange(ids.shape[1], device=dev)[None]          # [B, L]
         inp = ids
-        coins = ss_coins[bi.to(ss_coins.device), k]                                   # [b]
+        coins, fin = ss_coins[bi.to(ss_coins.device), k], n_sp[bi] == k               # [b] each; fin: rows ending here
         if k >= 1 and coins.any():
-            final = torch.tensor([k == len(examples[b]["spans"]) for b in live], device=dev)
-            inp = _scheduled_input(body, head, _phase_call(lm, ids, m, p_ids, cols, pend), cache, ids, lens, coins, final)
+            inp = _scheduled_input(body, head, _phase_call(lm, ids, m, p_ids, cols, pend), cache, ids, lens, coins, fin)
         # [B, L] trace index each position predicts
         tgt = torch.cat([ti[:, 1:], torch.full_like(ti[:, :1], -1)], 1)
         sel = lab != IGNORE_INDEX                                                     # [B, L]
@@ -500,7 +499,7 @@ def student_pass(
             r.calls += 1
             r.n_real, r.n_run = r.n_real - int(lens.sum()) + B, r.n_run - ids.numel() + B   # only <|latent_start|> ran
         else:
-            fin, L = n_sp[bi] == k, ids.shape[1]                                          # [b] rows ending here
+            L = ids.shape[1]
             Lc = int(lens[~fin].max()) if tail_cost is not None and k < K else L          # what the others need
             tails = [(0, L)] if Lc >= L else [(0, Lc)] + [(Lc + a, Lc + b) for a, b in tail_cuts(
                 (lens[fin & (lens > Lc)] - Lc).tolist(), tail_cost)]
