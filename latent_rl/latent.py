@@ -367,13 +367,13 @@ def _rows_of(x: torch.Tensor, bi: torch.Tensor, B: int) -> torch.Tensor:
     "`x` [b, ...] of the rows `bi` placed in a zero `[B, ...]` (`x` itself while every row is in the batch)."
     return x if len(bi) == B else x.new_zeros(B, *x.shape[1:]).index_copy(0, bi, x)
 
-def _leave(stay: torch.Tensor, cache, cols: list, pos, h, bi):
-    """The batch without the rows where `stay` [b] is False: the KV cache cut in place, the mask columns, positions,
-    states and row ids taken at the rows that stay."""
-    if bool(stay.all()): return cache, cols, pos, h, bi
+def _leave(stay: torch.Tensor, cache, cols: list, *xs):
+    """The batch without the rows where `stay` [b] is False: the KV cache cut in place, the mask columns and each of
+    `xs` (positions, states, row ids: [b, ...]) taken at the rows that stay."""
+    if bool(stay.all()): return cache, cols, *xs
     keep = stay.nonzero()[:, 0]                                                       # [b']
     cache.batch_select_indices(keep)
-    return cache, [c[keep] for c in cols], pos[keep], h[keep], bi[keep]
+    return cache, [c[keep] for c in cols], *(x[keep] for x in xs)
 
 
 # %% ../nbs/07_latent.ipynb #7aa6903a
@@ -397,11 +397,7 @@ def _run_tails(body, cache, cols: list, rows, chunks, phase, lens, score, need_h
     b)` books each call's positions."""
     inp, m, p_ids = phase
     for a, b in chunks:
-        stay = lens[rows] > a
-        if not bool(stay.all()):
-            keep = stay.nonzero()[:, 0]
-            cache.batch_select_indices(keep)
-            cols, rows = [c[keep] for c in cols], rows[keep]
+        cache, cols, rows = _leave(lens[rows] > a, cache, cols, rows)
         out = body(input_ids=inp[rows, a:b], attention_mask=torch.cat(cols + [m[rows, a:b]], 1),
                    position_ids=p_ids[rows, a:b], use_cache=True, output_hidden_states=need_hs, **cache_kw(body, cache))
         cache = out_cache(out)
@@ -419,8 +415,7 @@ def _prefix_phase(body, prefix, ids, m, lens, score):
     keep = (torch.arange(P, device=dev)[None] < (lens - 1)[:, None]).long()        # [B, P] each row's own tokens
     score(t_last[:, :P], [x[:, :P] for x in t_hs], P)
     cache, cols = copy_cache(t_cache, detach=False, cols=P), [keep, torch.ones_like(lens)[:, None]]
-    bi = torch.arange(len(lens), device=dev)
-    out = body(input_ids=ids[bi, lens - 1][:, None], attention_mask=torch.cat(cols, 1),
+    out = body(input_ids=ids.gather(1, (lens - 1)[:, None]), attention_mask=torch.cat(cols, 1),
                position_ids=(lens - 1)[:, None], use_cache=True, **cache_kw(body, cache))
     return out_cache(out), cols, out.last_hidden_state[:, 0]                      # [B, H]
 
@@ -482,8 +477,6 @@ def student_pass(
     for k in range(K + 1):
         live = bi.tolist()                                                            # the rows still in the batch
         ids, m, ti, lab, lens = _phase_batch([phases[k][b] for b in live], dev)
-        r.n_real += sum(len(phases[k][b][0]) for b in live)
-        r.n_run += ids.numel()
         p_ids = pos[:, None] + torch.arange(ids.shape[1], device=dev)[None]          # [B, L]
         inp = ids
         coins, fin = ss_coins[bi.to(ss_coins.device), k], n_sp[bi] == k               # [b] each; fin: rows ending here
@@ -496,8 +489,7 @@ def student_pass(
         if k == 0 and prefix is not None:                        # all rows have a block: phase 0 is the teacher's
             cache, cols, h = _prefix_phase(body, prefix, ids, m, lens, lambda hd, hs, P: score(
                 bi, hd, hs, lab[:, :P], tgt[:, :P], sel[:, :P], None if at is None else at[:, :P]))
-            r.calls += 1
-            r.n_real, r.n_run = r.n_real - int(lens.sum()) + B, r.n_run - ids.numel() + B   # only <|latent_start|> ran
+            r.calls, r.n_real, r.n_run = r.calls + 1, r.n_real + B, r.n_run + B     # only <|latent_start|> ran
         else:
             L = ids.shape[1]
             Lc = int(lens[~fin].max()) if tail_cost is not None and k < K else L          # what the others need
@@ -510,7 +502,7 @@ def student_pass(
             )
             kw, off = _phase_call(lm, inp[:, :Lc], m[:, :Lc], p_ids[:, :Lc], cols, pend)
             out = body(**kw, use_cache=True, output_hidden_states=need_hs, **cache_kw(body, cache))
-            r.calls += 1
+            r.calls, r.n_real, r.n_run = r.calls + 1, r.n_real + int(lens.sum()), r.n_run + len(live) * Lc
             cache, hid = out_cache(out), out.last_hidden_state[:, off:]                   # [B, L, H]
             hs = [x[:, off:] for x in out.hidden_states] if need_hs else None             # per layer [B, L, H]
             if pend is not None:
@@ -518,8 +510,7 @@ def student_pass(
                 cols.append(pend[2])
                 pend = None
             cols.append(m[:, :Lc])
-            cut = lambda x, a, b: None if x is None else x[:, a:b]
-            score(bi, hid, hs, lab[:, :Lc], tgt[:, :Lc], sel[:, :Lc], cut(at, 0, Lc))
+            score(bi, hid, hs, lab[:, :Lc], tgt[:, :Lc], sel[:, :Lc], None if at is None else at[:, :Lc])
             if len(tails) > 1:                                       # the rest of the rows ending here, in their own cache
                 t_rows = (fin & (lens > Lc)).nonzero()[:, 0]                              # [t] local rows
                 fn = lambda rows, o, a, b: score(bi[rows], o.last_hidden_state, o.hidden_states, lab[rows, a:b],
@@ -527,7 +518,7 @@ def student_pass(
                 _run_tails(body, copy_cache(cache, t_rows, detach=False), [c[t_rows] for c in cols], t_rows, tails[1:],
                            (inp, m, p_ids), lens, fn, at is not None)
                 r.calls += len(tails) - 1
-                r.n_run += sum(int((lens[t_rows] > a).sum()) * (b - a) for a, b in tails[1:]) - len(live) * (L - Lc)
+                r.n_run += sum(int((lens[t_rows] > a).sum()) * (b - a) for a, b in tails[1:])
             # anchor: <|action_sep|> at position 1
             if k >= 1:
                 a = torch.stack([hs[l][:, 1] for l in layers], 1) if layers is not None else hid[:, 1:2]
@@ -778,8 +769,8 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
                  call_cost: float | None = None, tail_cost: float | None = None, share_prefix: bool = True) -> CodiOutput:
     """CODI losses for a batch of `{prompt_ids, trace_ids, spans}` examples, all spans of all examples in lockstep
     (`call_cost`: the student runs in `phase_groups` and the teacher in `length_groups` at that price of a model
-    call, with the same result;
-    `tail_cost`: the phases some rows end in run those rows' tails in chunks of their own, see `student_pass`).
+    call, with the same result; `tail_cost`: the phases some rows end in run those rows' tails in chunks of their own,
+    see `student_pass`, and the teacher in `length_groups` at that price).
     `share_prefix`: the student's phase 0 (the prompt and the text before the first block) is taken from the
     shared-weight teacher's pass, the same tokens at the same positions, instead of run again (the same result).
     `ss_coins [B, K+1]` / `tf_coins [B, K]` fix scheduled sampling / latent teacher forcing per segment / block
