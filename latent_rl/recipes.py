@@ -14,8 +14,8 @@ RECIPES: dict[str, dict[str, dict]] = {
     "cpu-tiny": {
         "SFTConfig": dict(size="tiny", steps=2000, batch_size=32, lr=3e-3, warmup=30, max_len=384, save_every=500),
         "CodiConfig": dict(
-            model="data/teacher", steps=480, batch_size=16, lr=1e-3, warmup=20, latent_steps=3, anchor_kd=0.0,
-            value_kd=1.0, value_kd_at="sequence", answer_weight=3.0, prj_init="embed", log_every=10, save_every=80,
+            model="data/teacher", steps=960, batch_size=16, lr=1e-3, warmup=20, latent_steps=3, anchor_kd=0.0,
+            value_kd=1.0, value_kd_at="sequence", answer_weight=3.0, prj_init="embed", log_every=10, save_every=160,
         ),
         "GKDConfig": dict(
             model="runs/demo/codi/final", teacher="data/teacher", steps=40, batch_size=16, lmbda=0.5, beta=0.5, lr=3e-5,

@@ -6,6 +6,7 @@ and completions as readable lines."""
 # %% ../nbs/12a_run_stats.ipynb #7d2e51a2
 from __future__ import annotations
 import math
+import re
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from .records import read_config, steps_of
 
 # %% auto #0
 __all__ = ['SHORT', 'token_arrays', 'leaks', 'alignment_stats', 'ratios', 'clip_stats', 'by_step', 'nearest', 'eps_of', 'detok',
-           'frame_lines', 'completion_lines', 'trace_lines', 'prompt_lines']
+           'frame_lines', 'completion_lines', 'trace_lines', 'prompt_lines', 'skeleton', 'group_diversity']
 
 # %% ../nbs/12a_run_stats.ipynb #3e50cd54
 def token_arrays(rows: list[dict]) -> dict[str, np.ndarray]:
@@ -151,3 +152,31 @@ def prompt_lines(prompt: str) -> list[str]:
     p = prompt.split("<|frame_sep|>")[0]
     for k, v in SHORT.items(): p = p.replace(k, v)
     return [l for l in p.split("\n") if l.strip()]
+
+# %% ../nbs/12a_run_stats.ipynb #556b251e
+_VALUES = re.compile(r"(<\|(?:call|line)_sep\|>).*?(<\|action_sep\|>)|(<\|arg_sep\|>).*?(<\|frame_sep\|>)", re.S)
+
+def skeleton(text: str) -> str:
+    "A trace text with its values blanked (`…`): each frame's locals and each return value. What is left is the path."
+    return _VALUES.sub(lambda m: (m[1] or m[3]) + "…" + (m[2] or m[4]), detok(text))
+
+# %% ../nbs/12a_run_stats.ipynb #71c1ea65
+def _answer(text: str) -> str | None:
+    v = re.findall(r"<\|arg_sep\|>(.*?)<\|frame_sep\|>", detok(text), re.S)
+    return v[-1] if v else None
+
+def group_diversity(rows: list[dict]) -> dict:
+    """Where the groups of `rollouts.jsonl` rows explore. Means over groups: distinct `completions`, `paths`
+    (`skeleton`s) and `answers`. Shares of groups: `mixed` (right and wrong answers both drawn), `one_path` (a single
+    path), `mixed_one_path` (of the mixed groups, those with a single path: a signal in the values only)."""
+    if not rows: raise ValueError("group_diversity: no rollout groups (is record_every > 0 in the GRPO run?)")
+    per = []
+    for r in rows:
+        texts = [s["text"] for s in r["samples"]]
+        right = {bool(s.get("correct")) for s in r["samples"]}
+        per.append((len(set(texts)), len(set(map(skeleton, texts))), len(set(map(_answer, texts))), len(right) == 2))
+    c, p, a, mixed = (np.array(x, dtype=float) for x in zip(*per))
+    one = p == 1
+    return {"groups": len(per), "completions": float(c.mean()), "paths": float(p.mean()), "answers": float(a.mean()),
+            "mixed": float(mixed.mean()), "one_path": float(one.mean()),
+            "mixed_one_path": float((one & (mixed == 1)).sum() / max(1, mixed.sum())), "n_mixed": int(mixed.sum())}
