@@ -8,7 +8,7 @@ from .trace import parse_trace, same_value
 from .pool import trace_rows
 
 # %% auto #0
-__all__ = ['REWARDS', 'correct_reward', 'format_reward', 'executed_reward', 'parse_weights', 'weighted']
+__all__ = ['REWARDS', 'correct_reward', 'format_reward', 'executed_reward', 'parse_weights', 'weighted', 'path_reward']
 
 # %% ../nbs/02_rewards.ipynb #1f01bb01
 def correct_reward(texts: list[str], rows: list[dict]) -> list[float]:
@@ -61,3 +61,19 @@ def weighted(spec):
         return [sum(w[k] * parts[k][i] for k in w) for i in range(len(texts))]
     fn.weights = w
     return fn
+
+# %% ../nbs/02_rewards.ipynb #ed952850
+def _path(text: str) -> list[tuple[str, str]]:
+    return [(f.kind, f.line.rstrip("\n")) for f in parse_trace(text).frames]
+
+def path_reward(texts: list[str], rows: list[dict]) -> list[float]:
+    "The share of the true path (`row['trace']`'s frames) the text follows before it leaves it, over the longer path."
+    out = []
+    for t, r in zip(texts, rows):
+        if "trace" not in r: raise ValueError(f"the path reward needs each row's `trace`; row {r.get('id', '?')} has none")
+        g, p = _path(t), _path(r["trace"])
+        k = next((i for i, (a, b) in enumerate(zip(g, p)) if a != b), min(len(g), len(p)))
+        out.append(k / max(len(g), len(p), 1))
+    return out
+
+REWARDS["path"] = path_reward
