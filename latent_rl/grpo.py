@@ -87,7 +87,7 @@ class GRPOConfig(VLLMConfig):
     "GRPO on output prediction for a text or latent policy."
     model: str = "runs/demo/gkd/final"   # text model or latent model directory
     out: str = "runs/grpo"
-    rewards: str = "correct:1,format:0.1"  # weighted sum of latent_rl.rewards (correct, format, executed)
+    rewards: str = "correct:1,format:0.1"  # weighted sum of latent_rl.rewards (correct, format, executed, path)
     group_size: int = 8                  # completions sampled per prompt (advantages compare them)
     batch_size: int = 8                  # prompts per optimizer step (× group_size completions)
     temperature: float = 1.0             # sampling temperature; the loss scores log_softmax(logits / T) of the same samples
