@@ -22,8 +22,8 @@ RECIPES: dict[str, dict[str, dict]] = {
             warmup=5, max_new_tokens=300, log_every=5, save_every=20, record_every=5,
         ),
         "GRPOConfig": dict(
-            model="runs/demo/gkd/final", steps=40, batch_size=8, group_size=16, lr=1e-4, warmup=3, temperature=1.0,
-            max_new_tokens=300, log_every=1, save_every=20, record_every=8,
+            model="runs/demo/gkd/final", steps=40, batch_size=8, group_size=16, lr=1e-4, warmup=3, temperature=0.5,
+            dynamic_sampling=2, max_new_tokens=300, log_every=1, save_every=20, record_every=8,
         ),
     },
     "cpu-smoke": {  # the demo's code path in about a minute (tests): a few steps per stage
