@@ -733,6 +733,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'latent_rl.records.trim_records': ('records.html#trim_records', 'latent_rl/records.py')},
             'latent_rl.reference': {'latent_rl.reference.ref_forward': ('reference.html#ref_forward', 'latent_rl/reference.py')},
             'latent_rl.rewards': { 'latent_rl.rewards._path': ('rewards.html#_path', 'latent_rl/rewards.py'),
+                                   'latent_rl.rewards.common_prefix': ('rewards.html#common_prefix', 'latent_rl/rewards.py'),
                                    'latent_rl.rewards.correct_reward': ('rewards.html#correct_reward', 'latent_rl/rewards.py'),
                                    'latent_rl.rewards.executed_reward': ('rewards.html#executed_reward', 'latent_rl/rewards.py'),
                                    'latent_rl.rewards.format_reward': ('rewards.html#format_reward', 'latent_rl/rewards.py'),

@@ -22,6 +22,7 @@ __all__ = ['BUCKETS', 'OUTCOMES', 'MODE_COLORS', 'record_frames', 'length_bucket
 
 # %% ../nbs/22_diagnose.ipynb #6568a70b
 from .trace import parse_trace
+from .rewards import common_prefix
 from .evaluate import (frames_json, true_line_frames, save_records, within_noise, evaluate,
                                 load_policy, MODE_FILES, find_records)
 # run records are read as a running job writes them (half-written last line skipped)
@@ -95,8 +96,8 @@ def compare_paths(generated, true) -> dict:
     "`{match, diverge_at, gen_len, true_len}` for two frame lists (or paths)."
     g = generated if generated and isinstance(generated[0], tuple) else frame_path(generated)
     t = true if true and isinstance(true[0], tuple) else frame_path(true)
-    d = next((i for i, (a, b) in enumerate(zip(g, t)) if a != b), None)
-    if d is None and len(g) != len(t): d = min(len(g), len(t))
+    k = common_prefix(g, t)
+    d = None if k == len(g) == len(t) else k
     return {"match": d is None, "diverge_at": d, "gen_len": len(g), "true_len": len(t)}
 
 OUTCOMES = ("correct", "correct, wrong path", "right path, wrong value", "wrong path")

@@ -8,7 +8,8 @@ from .trace import parse_trace, same_value
 from .pool import trace_rows
 
 # %% auto #0
-__all__ = ['REWARDS', 'correct_reward', 'format_reward', 'executed_reward', 'parse_weights', 'weighted', 'path_reward']
+__all__ = ['REWARDS', 'correct_reward', 'format_reward', 'executed_reward', 'parse_weights', 'weighted', 'common_prefix',
+           'path_reward']
 
 # %% ../nbs/02_rewards.ipynb #1f01bb01
 def correct_reward(texts: list[str], rows: list[dict]) -> list[float]:
@@ -66,14 +67,17 @@ def weighted(spec):
 def _path(text: str) -> list[tuple[str, str]]:
     return [(f.kind, f.line.rstrip("\n")) for f in parse_trace(text).frames]
 
+def common_prefix(a: list, b: list) -> int:
+    "How many leading items `a` and `b` share (the index where they diverge, or the shorter length)."
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
 def path_reward(texts: list[str], rows: list[dict]) -> list[float]:
     "The share of the true path (`row['trace']`'s frames) the text follows before it leaves it, over the longer path."
     out = []
     for t, r in zip(texts, rows):
         if "trace" not in r: raise ValueError(f"the path reward needs each row's `trace`; row {r.get('id', '?')} has none")
         g, p = _path(t), _path(r["trace"])
-        k = next((i for i, (a, b) in enumerate(zip(g, p)) if a != b), min(len(g), len(p)))
-        out.append(k / max(len(g), len(p), 1))
+        out.append(common_prefix(g, p) / max(len(g), len(p), 1))
     return out
 
 REWARDS["path"] = path_reward

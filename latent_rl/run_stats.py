@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 
+from .trace import parse_trace
 from .records import read_config, steps_of
 
 # %% auto #0
@@ -161,9 +162,7 @@ def skeleton(text: str) -> str:
     return _VALUES.sub(lambda m: (m[1] or m[3]) + "…" + (m[2] or m[4]), detok(text))
 
 # %% ../nbs/12a_run_stats.ipynb #71c1ea65
-def _answer(text: str) -> str | None:
-    v = re.findall(r"<\|arg_sep\|>(.*?)<\|frame_sep\|>", detok(text), re.S)
-    return v[-1] if v else None
+def _answer(text: str) -> str | None: return parse_trace(detok(text)).value
 
 def group_diversity(rows: list[dict]) -> dict:
     """Where the groups of `rollouts.jsonl` rows explore. Means over groups: distinct `completions`, `paths`
