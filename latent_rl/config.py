@@ -40,7 +40,7 @@ FRACTION = {"min_lr_frac", "scheduled_sampling", "scheduled_sampling_ramp", "lat
 STAGES = ("sft", "codi", "gkd", "grpo")   # the training stages, in pipeline order
 CHOICES = {
     "stage": STAGES, "attention": ("flash", "math"),
-    "dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"), "precision": ("fp32", "bf16"),
+    "dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64"), "precision": ("fp32", "bf16"),
     "wandb": ("disabled", "offline", "online"), "kd_target": KD_TARGETS,
     "value_kd_at": VALUE_KD_AT, "curriculum_from": ("end", "start"),
     "prj_init": ("default", "embed"), "mode": ("trace", "answer"), "adv_scale": ("group", "batch", "none"),

@@ -143,8 +143,9 @@ def make_engine(module: nn.Module, cfg, acc) -> Engine:
         )
     if strategy == "fsdp" and distributed():                   # also one process in a process group (the GPU bench)
         mesh = init_device_mesh(acc.device.type, (W,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if getattr(cfg, "precision", "fp32") == "bf16" else None,
-                                  reduce_dtype=torch.float32)
+        bf16 = getattr(cfg, "precision", "fp32") == "bf16"
+        # gradients reduced in fp32 under bf16 compute, else in the weights' own dtype (fp64 stays fp64)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None)
         gathered = hasattr(module, "prj")    # latent student: see `Engine.gathered`
         for layer in decoder_layers(module):
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not gathered)

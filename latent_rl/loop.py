@@ -324,7 +324,7 @@ def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
     and
     the trainable weights as fp32 masters. A bf16 base then needs bf16 compute (`--precision bf16`, autocast)."""
     if not cfg.lora_r: return
-    if cfg.dtype not in ("fp32", "float32") and cfg.precision != "bf16":
+    if cfg.dtype not in ("fp32", "float32", "fp64", "float64") and cfg.precision != "bf16":
         raise ConfigError(
             f"lora_r over a {cfg.dtype} base needs --precision bf16 (the fp32 adapters run under autocast)"
         )

@@ -14,14 +14,15 @@ import torch.nn.functional as F
 from .tokens import add_trace_tokens
 
 # %% auto #0
-__all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_SIZES', 'LORA_TARGETS', 'resolve_dtype', 'load_tokenizer', 'check_vocab',
-           'load_model', 'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'Head',
-           'lm_head', 'check_head', 'add_lora', 'fp32_masters', 'lora_scale', 'merge_lora', 'export_state', 'save_lora',
-           'load_lora', 'adapters_off', 'cache_kw', 'out_cache', 'copy_cache']
+__all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_SIZES', 'LORA_TARGETS', 'ROW_DELTA', 'resolve_dtype', 'load_tokenizer',
+           'check_vocab', 'load_model', 'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight',
+           'Head', 'lm_head', 'check_head', 'add_lora', 'fp32_masters', 'lora_scale', 'train_rows', 'head_rows',
+           'fold_rows', 'merge_lora', 'export_state', 'save_lora', 'load_lora', 'adapters_off', 'cache_kw', 'out_cache',
+           'copy_cache']
 
 # %% ../nbs/04_models.ipynb #43238021
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+          "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
 
 def resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype): return dtype
@@ -44,8 +45,7 @@ def load_tokenizer(name_or_path):
     # tokenizer is therefore loaded as exactly what was saved.
     cls = PreTrainedTokenizerFast if _generic_fast_tokenizer(name_or_path) else AutoTokenizer
     tok = cls.from_pretrained(str(name_or_path))
-    tok._latent_rl_added = add_trace_tokens(tok)              # how many trace tokens the saved tokenizer lacked
-    if tok.pad_token is None: tok.pad_token = tok.eos_token
+    tok._latent_rl_added = add_trace_tokens(tok)              # how many tokens (trace tokens, a pad) it lacked
     return tok
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -153,7 +153,7 @@ def lm_head(model) -> Head:
     # else: check_head judges
     num = lambda k: v if isinstance(v := getattr(cfg, k, None), (int, float)) and v else None
     scale, cap = (num("logit_scale") or 1.0) / (num("logits_scaling") or 1.0), num("final_logit_softcapping")
-    return Head(out.weight, getattr(out, "bias", None), float(scale), float(cap) if cap else None)
+    return Head(head_rows(m, out.weight), getattr(out, "bias", None), float(scale), float(cap) if cap else None)
 
 @torch.no_grad()
 def check_head(model, where: str = ""):
@@ -185,8 +185,9 @@ def add_lora(model: nn.Module, r: int, alpha: float = 16.0, targets: str = LORA_
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0), model)
+    if rows := getattr(model, "latent_rl_new_rows", None): train_rows(model, rows)
     for n, p in model.named_parameters():
-        p.requires_grad_("lora_" in n)
+        p.requires_grad_("lora_" in n or n.endswith(ROW_DELTA))
     model.latent_rl_lora = {"r": r, "alpha": alpha, "targets": targets}
     return model
 
@@ -194,23 +195,71 @@ def fp32_masters(module: nn.Module) -> None:
     """Every trainable weight of `module` in fp32: over a bf16 base, the adapters (and a latent projector) train as fp32
     masters."""
     for p in module.parameters():
-        if p.requires_grad and p.dtype != torch.float32: p.data = p.data.float()
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16): p.data = p.data.float()   # fp64 stays
 
 def lora_scale(module: nn.Module) -> float | None:
     "α / r of the LoRA adapters inside `module` (None: no adapters)."
     cfg = next((m.latent_rl_lora for m in module.modules() if hasattr(m, "latent_rl_lora")), None)
     return None if cfg is None else cfg["alpha"] / cfg["r"]
 
+# %% ../nbs/04_models.ipynb #a1b2c302
+ROW_DELTA = "latent_rl_delta"
+
+def train_rows(model: nn.Module, rows) -> None:
+    "Let the embedding `rows` of `model` (and its head's, untied) train as deltas beside frozen weights (see above)."
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = out is not None and out.weight is emb.weight
+    idx = torch.as_tensor(list(rows), device=emb.weight.device)
+    for m in [emb] if tied or out is None else [emb, out]:
+        m.register_parameter(ROW_DELTA, nn.Parameter(emb.weight.new_zeros(len(idx), emb.weight.shape[1]).float()))
+        m.register_buffer("latent_rl_rows", idx, persistent=False)
+    emb.register_forward_hook(_rows_in)
+    if out is not None: out.register_forward_hook(lambda m, a, z: _rows_out(emb if tied else m, a, z))
+
+# %% ../nbs/04_models.ipynb #a1b2c303
+def _on(m) -> bool: return hasattr(m, ROW_DELTA) and not getattr(m, "latent_rl_rows_off", False)
+
+def _rows_in(m, args, y):                                              # y: [..., H] embeddings of ids [...]
+    if not _on(m): return y
+    hit = (args[0][..., None] == m.latent_rl_rows).to(m.latent_rl_delta.dtype)          # [..., k]
+    return y + (hit @ m.latent_rl_delta).to(y.dtype)
+
+def _rows_out(src, args, z):                                           # z: [..., V] logits of hidden states [..., H]
+    if not _on(src): return z
+    return z.index_add(-1, src.latent_rl_rows, (args[0].to(src.latent_rl_delta.dtype) @ src.latent_rl_delta.T).to(z.dtype))
+
+# %% ../nbs/04_models.ipynb #a1b2c304
+def head_rows(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    "The head matrix `weight` with the trained rows' deltas added (itself when none train)."
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    src = out if hasattr(out, ROW_DELTA) else emb if out.weight is emb.weight else None
+    if src is None or not _on(src): return weight
+    return weight.index_add(0, src.latent_rl_rows, src.latent_rl_delta.to(weight.dtype))
+
+def fold_rows(module: nn.Module, sd: dict) -> dict:
+    "`sd` (a state dict of `module`) with each row delta added into its weight, a tied head's key included."
+    deltas = {n: m for n, m in module.named_modules() if hasattr(m, ROW_DELTA)}
+    tied = {n for n, m in module.named_modules() if isinstance(m, nn.Linear) and any(m.weight is d.weight for d in deltas.values())}
+    sd = dict(sd)
+    for n, m in deltas.items():
+        pre = f"{n}." if n else ""
+        w = sd[pre + "weight"].index_add(0, m.latent_rl_rows.to(sd[pre + "weight"].device), sd.pop(pre + ROW_DELTA).to(sd[pre + "weight"].dtype))
+        sd[pre + "weight"] = w
+        for t in tied - set(deltas): sd[f"{t}.weight"] = w
+    return sd
+
 # %% ../nbs/04_models.ipynb #899299c8
-def merge_lora(sd: dict, scale: float) -> dict:
-    "`sd` with each LoRA pair folded into its base weight (`W + scale · B A`) under the plain module names."
+def merge_lora(sd: dict, scale: float, transposed=frozenset()) -> dict:
+    """`sd` with each LoRA pair folded into its base weight (`W + scale · B A`, transposed for the modules named in
+    `transposed`: GPT-2's `Conv1D` stores `[in, out]`) under the plain module names."""
     out = {}
     for k, v in sd.items():
         if ".lora_A." in k or ".lora_B." in k: continue
         if k.endswith(".base_layer.weight"):
             pre = k[:-len(".base_layer.weight")]
             A, B = sd[f"{pre}.lora_A.default.weight"], sd[f"{pre}.lora_B.default.weight"]
-            out[f"{pre}.weight"] = (v.float() + scale * (B.float() @ A.float())).to(v.dtype)
+            d = B.float() @ A.float()                                                  # [out, in]
+            out[f"{pre}.weight"] = (v.float() + scale * (d.T if pre in transposed else d)).to(v.dtype)
         else: out[k.replace(".base_layer.", ".")] = v                      # biases of adapted layers, everything else
     return out
 
@@ -219,7 +268,9 @@ def export_state(module: nn.Module, state_dict: dict | None = None) -> dict | No
     own)."""
     scale = lora_scale(module)
     if scale is None: return state_dict
-    return merge_lora(state_dict if state_dict is not None else module.state_dict(), scale)
+    sd = state_dict if state_dict is not None else module.state_dict()
+    transposed = {n for n, m in module.named_modules() if getattr(m, "fan_in_fan_out", False)}
+    return fold_rows(module, merge_lora(sd, scale, transposed))
 
 def save_lora(module: nn.Module, path, state_dict: dict | None = None) -> None:
     "Beside a saved model, when it trains adapters: every weight that trains (the adapters, a latent projector)."
@@ -244,10 +295,13 @@ def adapters_off(module: nn.Module):
     "Run `module` as its base model: every LoRA adapter disabled for the block."
     from peft.tuners.tuners_utils import BaseTunerLayer
     layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    rows = [m for m in module.modules() if hasattr(m, ROW_DELTA)]
     for m in layers: m.enable_adapters(False)
+    for m in rows: m.latent_rl_rows_off = True                          # the new rows as the base has them too
     try: yield
     finally:
         for m in layers: m.enable_adapters(True)
+        for m in rows: m.latent_rl_rows_off = False
 
 # %% ../nbs/04_models.ipynb #81d6c20f
 import inspect

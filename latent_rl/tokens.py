@@ -15,22 +15,54 @@ from .pool import special_in_frames
 from .corpus import build_corpus, build_heldout, save_rows
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'DATA_DEFAULTS', 'add_trace_tokens', 'resize_embeddings', 'trace_token_ids',
-           'train_tokenizer', 'max_token_bytes', 'surely_too_long', 'encode', 'foreign_special', 'answer_text',
-           'sft_example', 'find_spans', 'codi_example', 'resolved_locals', 'trace_targets', 'latent_subset',
-           'pad_collate', 'left_pad', 'build_data']
+__all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'DATA_DEFAULTS', 'add_trace_tokens', 'stop_at_trace_end', 'resize_embeddings',
+           'trace_token_ids', 'train_tokenizer', 'max_token_bytes', 'surely_too_long', 'encode', 'foreign_special',
+           'answer_text', 'sft_example', 'find_spans', 'codi_example', 'resolved_locals', 'trace_targets',
+           'latent_subset', 'pad_collate', 'left_pad', 'build_data']
 
 # %% ../nbs/03_tokens.ipynb #dfebc108
 IGNORE_INDEX = -100
+PAD, UNK = "<|pad|>", "<|unk|>"
 
 def add_trace_tokens(tok, model=None) -> int:
-    """Add the trace tokens to `tok` (idempotent); resize `model`'s embeddings, new rows = mean of old rows. Returns
-    #added."""
+    """Add the trace tokens to `tok` (idempotent) and make `<|end_of_text|>` its eos; give it a pad token that is not
+    the trace's end; resize `model`'s embeddings (new rows = mean of old rows) and make its generation config stop at
+    the trace's end. Returns #added (the ids: `tok._latent_rl_new_ids`)."""
     vocab = tok.get_vocab()
     missing = [t for t in TRACE_TOKENS if t not in vocab]
     n = tok.add_tokens(missing, special_tokens=True) if missing else 0  # same call on transformers 4.x and 5.x
-    if model is not None: resize_embeddings(model, len(tok))
+    pad = _trace_pad(tok)
+    if tok.eos_token != END_OF_TEXT: tok.eos_token = END_OF_TEXT       # what every decoder stops at
+    new = set(getattr(tok, "_latent_rl_new_ids", ())) | set(tok.convert_tokens_to_ids(missing + [PAD] * pad))
+    tok._latent_rl_new_ids = sorted(new)                               # rows that start at the mean (LoRA trains them)
+    n += pad
+    if model is not None:
+        old = model.get_input_embeddings().weight.shape[0]
+        resize_embeddings(model, len(tok))
+        stop_at_trace_end(model, tok)
+        # the rows this call made (from the mean): under LoRA they train beside the adapters (models.train_rows)
+        if new_rows := [i for i in tok._latent_rl_new_ids if i >= old]: model.latent_rl_new_rows = new_rows
     return n
+
+def _trace_pad(tok) -> int:
+    "Pad with the tokenizer's own pad, else its own eos; a new `<|pad|>` where that is `<|end_of_text|>` (Llama-3 base)."
+    if tok.pad_token is not None and tok.pad_token != END_OF_TEXT: return 0
+    if tok.eos_token is not None and tok.eos_token != END_OF_TEXT:
+        tok.pad_token = tok.eos_token
+        return 0
+    n = 0 if PAD in tok.get_vocab() else tok.add_tokens([PAD], special_tokens=True)
+    tok.pad_token = PAD
+    return n
+
+def stop_at_trace_end(model, tok) -> None:
+    """`model`'s generation config stops at `<|end_of_text|>` first (its family's own eos ids kept after it), pads with
+    `tok`'s pad: `transformers` `generate` and vLLM, reading the saved `generation_config.json`, stop where a trace
+    ends."""
+    gc, end = getattr(model, "generation_config", None), tok.convert_tokens_to_ids(END_OF_TEXT)
+    if gc is None: return
+    old = gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id]
+    ids = [end] + [i for i in old if i is not None and i != end]
+    gc.eos_token_id, gc.pad_token_id = (ids if len(ids) > 1 else end), tok.pad_token_id
 
 @torch.no_grad()
 def resize_embeddings(model, n: int):
@@ -59,8 +91,6 @@ def trace_token_ids(tok) -> dict[str, int]:
     return ids
 
 # %% ../nbs/03_tokens.ipynb #1d036f7d
-PAD, UNK = "<|pad|>", "<|unk|>"
-
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, path=None, min_frequency: int = 2):
     "Train a byte-level BPE (single-digit tokens, trace tokens special) on `texts`; save to `path` if given."
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers

@@ -39,6 +39,13 @@ def weights(d):
         sd.update({f"prj.{k}": v for k, v in torch.load(Path(d) / "projector.pt").items()})
     return sd
 
+# Runs compared across process counts or launchers train in float64: fp32 reduction order differs between one process
+# and two (and between instruction sets: AVX2 vs AVX-512 kernels), and Adam's first steps turn a near-zero gradient's
+# ±1e-7 float noise into ±lr weight noise, so an fp32 tolerance holds on one CPU and not another. In fp64 the same
+# runs agree to ~1e-15; 1e-10 leaves margin and still fails on any real difference (a wrong shard, a lost step).
+EXACT = ["--dtype", "fp64"]
+EXACT_TOL = 1e-10
+
 def assert_close(a, b, tol=1e-5):
     assert a.keys() == b.keys()
     worst = max((x - b[k]).abs().max().item() for k, x in a.items())
@@ -101,7 +108,7 @@ STAGES["gkd"] = lambda data, latent: [
 @pytest.mark.parametrize("stage,strategies", [("sft", ["ddp", "fsdp"]), ("codi", ["ddp", "fsdp"]), ("gkd", ["fsdp"]),
                                               ("grpo", ["ddp", "fsdp"])])
 def test_two_processes_equal_one(stage, strategies, tiny_data, latent_dir, tmp_path):
-    args = STAGES[stage](tiny_data, latent_dir) if stage == "gkd" else STAGES[stage](tiny_data)
+    args = [*(STAGES[stage](tiny_data, latent_dir) if stage == "gkd" else STAGES[stage](tiny_data)), *EXACT]
     launch(1, *args, "--out", tmp_path / "one")
     a = weights(tmp_path / "one" / "final")
     for strategy in strategies:                 # torch DDP (replicated) and FSDP2 (sharded, gathered once at the end)
@@ -109,7 +116,7 @@ def test_two_processes_equal_one(stage, strategies, tiny_data, latent_dir, tmp_p
         s1, s2 = summary(tmp_path / "one"), summary(tmp_path / strategy)
         assert s1["processes"] == 1 and s2["processes"] == 2
         assert len(s2["param_checksums"]) == 2 and s2["param_checksums"][0] == s2["param_checksums"][1]
-        assert_close(a, weights(tmp_path / strategy / "final"), 1e-5)
+        assert_close(a, weights(tmp_path / strategy / "final"), EXACT_TOL)
     base = weights(latent_dir if stage == "gkd" else TEACHER) if stage != "sft" else None
     # training moved the weights
     if base is not None: assert max((a[k] - base[k]).abs().max().item() for k in base) > 1e-6
@@ -224,7 +231,7 @@ def test_corrupt_checkpoint_is_named_and_skipped(tiny_data, tmp_path):
 
 def test_accelerate_launch_two_processes(tiny_data, tmp_path):
     "The same script under `accelerate launch` (2 CPU processes, gloo, FSDP2) equals the 1-process run."
-    args = STAGES["sft"](tiny_data)
+    args = [*STAGES["sft"](tiny_data), *EXACT]
     launch(1, *args, "--out", tmp_path / "one")
     p = subprocess.run(
         [
@@ -242,7 +249,7 @@ def test_accelerate_launch_two_processes(tiny_data, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(tmp_path / "acc")
     assert s["processes"] == 2 and s["param_checksums"][0] == s["param_checksums"][1]
-    assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "acc" / "final"), 1e-5)
+    assert_close(weights(tmp_path / "one" / "final"), weights(tmp_path / "acc" / "final"), EXACT_TOL)
 
 def test_two_nodes_by_rendezvous(tiny_data, tmp_path):
     "Two 'nodes' (two torchrun agents, one process each) meet at a c10d rendezvous on localhost: equal to one process."

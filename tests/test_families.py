@@ -1,0 +1,81 @@
+"""First contact with real models: tiny models shaped like each hub family the recipes name (`latent_rl.fixtures`:
+GPT-2, Llama-3 base and Instruct, Qwen2.5 and Qwen3 base and Instruct; each family's tokenizer conventions, tied and
+untied heads), saved as Hugging Face directories and loaded by path through the same code as a hub name. Each stops
+where a trace ends — in latent_rl's decoder and in `transformers` `generate` on the saved model — and learns its
+trace tokens' rows under LoRA (GPT-2's Conv1D layers included)."""
+import json
+import pytest, torch
+from conftest import run_cli, ROOT, ONE, shared_dir, rows_of
+from latent_rl.fixtures import FAMILIES, build_fixture, fixture_texts
+from latent_rl.trace import END_OF_TEXT, TRACE_TOKENS, row_prompt
+
+ROWS = ROOT / "data" / "corpus" / "train.jsonl"
+# the trace tokens eight memorised programs contain (no latent markers, no exception)
+SEEN = [t for t in TRACE_TOKENS if t not in ("<|latent_start|>", "<|latent_end|>", "<|exception_sep|>")]
+LORA_TARGETS = {"gpt2": "c_attn,c_proj,c_fc"}            # GPT-2's Conv1D projections, as the CODI recipe names them
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory, worker_id):
+    "Every family's fixture, and eight training programs to memorise."
+    def build(d):
+        d.mkdir(parents=True, exist_ok=True)
+        lines = ROWS.read_text().splitlines()
+        texts = fixture_texts([json.loads(l) for l in lines[:200]])
+        for f in FAMILIES: build_fixture(f, d / f, texts)
+        (d / "eight.jsonl").write_text("".join(l + "\n" for l in lines[:8]))
+    return shared_dir(tmp_path_factory, worker_id, "families", build)
+
+def sft(families, family, out, *extra, steps=150, lr=3e-3):
+    run_cli(
+        "sft", "--recipe", "none", "--model", families / family, "--train", families / "eight.jsonl", "--val", "",
+        "--steps", steps, "--batch_size", 8, "--lr", lr, "--warmup", 5, "--save_every", 0, "--log_every", 50, "--out",
+        out, *extra, env=ONE,
+    )
+    return out / "final"
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loading_makes_the_trace_end_the_stop(families, family):
+    from latent_rl.models import load_model
+    saved = json.loads((families / family / "config.json").read_text())["vocab_size"]
+    model, tok = load_model(families / family)
+    end = tok.convert_tokens_to_ids(END_OF_TEXT)
+    assert tok.eos_token_id == end and tok.pad_token_id not in (None, end)
+    gen = model.generation_config.eos_token_id
+    assert (gen if isinstance(gen, list) else [gen])[0] == end               # transformers' generate stops there first
+    # the rows latent_rl added (at the mean): Llama-3's own <|end_of_text|> is not one of them
+    assert model.latent_rl_new_rows == list(range(saved, len(tok)))
+    assert (end in model.latent_rl_new_rows) == (family not in ("llama3", "llama3-instruct"))
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sft_model_stops_where_its_trace_ends(families, family, tmp_path):
+    "Full SFT memorising eight programs: every completion ends at <|end_of_text|>, in both engines (was: 0/8 stopped)."
+    from latent_rl.evaluate import evaluate_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    final = sft(families, family, tmp_path / "sft")
+    rows = rows_of(families / "eight.jsonl")
+    r = evaluate_path(final, rows, max_new_tokens=400, progress=False)
+    assert r["format_valid"] == 1.0 and r["accuracy"] >= 0.75, (r["format_valid"], r["accuracy"])   # memorised
+    assert all(x["generated"].endswith(END_OF_TEXT) and x["n_tokens"] < 400 for x in r["records"])
+    m, t = AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final)   # plain transformers
+    ids = torch.tensor([t.encode(row_prompt(rows[0]), add_special_tokens=False)])
+    new = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=400, do_sample=False)[0, ids.shape[1]:]
+    assert new[-1].item() == t.convert_tokens_to_ids(END_OF_TEXT) and len(new) < 400
+    assert t.decode(new) == r["records"][0]["generated"]                     # the same trace as latent_rl's decoder
+
+@pytest.mark.parametrize("family", ["gpt2", "llama3-instruct", "qwen2.5-instruct", "qwen3"])
+def test_lora_trains_the_trace_tokens_rows(families, family, tmp_path):
+    """LoRA SFT (GPT-2: its Conv1D projections, which crashed at export): the trace tokens' rows — new, at the mean —
+    train beside the adapters (tied heads: one row each; untied: input and output rows), and the merged export is a
+    plain model with the rows trained (was: all identical)."""
+    from latent_rl.models import load_model
+    from safetensors.torch import load_file
+    targets = LORA_TARGETS.get(family, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    final = sft(families, family, tmp_path / "lora", "--lora_r", 8, "--lora_targets", targets, steps=60, lr=1e-2)
+    assert not any("lora_" in k or "latent_rl" in k for k in load_file(str(final / "model.safetensors")))
+    model, tok = load_model(final)
+    ids = tok.convert_tokens_to_ids(SEEN)
+    for W in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        assert torch.pdist(W[ids].float()).min() > 1e-3                       # every trace token its own vector
+    base, _ = load_model(families / family)
+    frozen = [i for i in range(len(tok)) if i not in base.latent_rl_new_rows]
+    assert torch.equal(model.get_input_embeddings().weight[frozen], base.get_input_embeddings().weight[frozen])
