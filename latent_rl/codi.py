@@ -17,6 +17,7 @@ from .latent import LatentModel, CodiOptions, codi_forward, CALL_COST
 from .records import RunRecord
 from .config import TrainConfig, teacher_dtype
 from .engine import setup, log0, shard_frozen
+from .generate import seeded
 from .loop import (Stage, train_loop, finish_run, write_config, load_traced, bucket_groups, bucket_indices,
     lora_student, stage_summary, losses_line)
 
@@ -73,15 +74,12 @@ class CodiConfig(TrainConfig):
 
 
 # %% ../nbs/18_codi.ipynb #2ad13f50
-def example_coins(seed: int, step: int, part: list[int], n: int, p: float, salt: tuple[int, int]) -> torch.Tensor:
+def example_coins(seed: int, step: int, part: list[int], n: int, p: float, salt: str) -> torch.Tensor:
     """`[B, n]` coins that come up with probability `p`, one generator per (seed, step, example): the same on any number
-    of processes and after a resume. `salt` separates independent uses (scheduled sampling, latent teacher forcing)."""
-    a, b = salt
-    return (
-        torch.stack([torch.rand(n, generator=torch.Generator().manual_seed(seed * a + step * b + i)) for i in part]) < p
-    )
+    of processes and after a resume. `salt` names the stream (scheduled sampling, latent teacher forcing)."""
+    return torch.stack([torch.rand(n, generator=seeded(salt, seed, step, i)) for i in part]) < p
 
-SS_SALT, TF_SALT = (1_000_003, 100_003), (1_000_033, 100_019)
+SS_SALT, TF_SALT = "scheduled_sampling", "latent_teacher_forcing"
 
 # %% ../nbs/18_codi.ipynb #8d2abbbe
 def load_frozen_teacher(cfg: CodiConfig, lm: LatentModel, tok, device) -> nn.Module | None:

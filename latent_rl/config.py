@@ -168,6 +168,10 @@ def field_comments(cls) -> dict[str, str]:
                 out[names[t.start[0]]] = t.string.lstrip("#").strip()
     return out
 
+def _hub_name(model) -> bool:
+    "Is `model` a hub name (`gpt2`, `owner/name`) rather than a local directory?"
+    return bool(model) and not Path(model).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(model)) is not None
+
 def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_recipe: str | None = None,
                  description: str | None = None):
     """A `cls` from `--field value` flags over an optional `--config FILE` over an optional `--recipe NAME`
@@ -199,6 +203,13 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
     ns = upgrade_keys(vars(ap.parse_args(argv)), cls, "command line")
     path, given = ns.pop("config", None), ns.pop("recipe", None)
     recipe = given or default_recipe
+    if given is None and default_recipe and _hub_name(ns.get("model")):
+        has = sorted(n for n, p in RECIPES.items() if cls.__name__ in p and n != default_recipe)
+        raise ConfigError(
+            f"--model {ns['model']} is a hub name and no --recipe was given: the default recipe {default_recipe} is "
+            f"for the tiny CPU models (its steps, precision and sampling would apply silently). Pass --recipe NAME "
+            f"({cls.__name__}: {', '.join(has)}) or --recipe none for {cls.__name__}'s own defaults"
+        )
     if given is None and default_recipe and os.environ.get("RANK", "0") == "0":
         print(f"{prog or cls.__name__}: recipe {default_recipe} under your flags (`latent-rl recipes {default_recipe}` "
               f"shows it; --recipe none for {cls.__name__}'s bare defaults)", file=sys.stderr)

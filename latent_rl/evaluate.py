@@ -225,10 +225,11 @@ def load_policy(path, max_new_tokens: int = 384, dtype="fp32", device="cpu"):
     return tok, fn, "text"
 
 def evaluate_path(
-    path, rows, max_new_tokens: int = 384, batch_size: int = 32, desc: str = "eval", progress: bool = True
+    path, rows, max_new_tokens: int = 384, batch_size: int = 32, desc: str = "eval", progress: bool = True,
+    device: str = "cpu", dtype="fp32",
 ) -> dict:
-    "Evaluate the policy saved at `path` on `rows`."
-    tok, fn, kind = load_policy(path, max_new_tokens)
+    "Evaluate the policy saved at `path` on `rows` (batched greedy decoding on `device` in `dtype`)."
+    tok, fn, kind = load_policy(path, max_new_tokens, dtype=dtype, device=device)
     r = evaluate(None, tok, rows, batch_size=batch_size, desc=desc, progress=progress, generate_fn=fn)
     r["kind"] = kind
     return r

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_generate.ipynb #6dc56da6
 from __future__ import annotations
-import math
+import math, zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +13,7 @@ from .tokens import left_pad
 from .models import cache_kw, out_cache, backbone, lm_head
 
 # %% auto #0
-__all__ = ['Rollout', 'multinomial', 'row_key', 'keyed_sample', 'keyed_normal', 'generate_text', 'generate_latent']
+__all__ = ['Rollout', 'multinomial', 'row_key', 'seeded', 'keyed_sample', 'keyed_normal', 'generate_text', 'generate_latent']
 
 # %% ../nbs/08_generate.ipynb #b4147e06
 @dataclass
@@ -51,6 +51,12 @@ def row_key(*parts: int) -> int:
         k = ((k ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
         k ^= k >> 29
     return k & ((1 << 62) - 1)
+
+def seeded(stream: str, *parts: int) -> torch.Generator:
+    """The CPU generator of one seeded stream: `row_key` of the stream's name and its integers (seed, step, example…).
+    Every seeded stream of latent_rl draws from one, so two (stream, seed, step, example) tuples never share draws
+    (a linear mix like `seed·a + step·b + i` does: example b at step s is example 0 at step s+1)."""
+    return torch.Generator().manual_seed(row_key(zlib.crc32(stream.encode()), *parts))
 
 _VHASH: dict = {}
 

@@ -13,7 +13,7 @@ from .trace import LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, row_prompt
 from .tokens import encode, trace_token_ids, find_spans, IGNORE_INDEX
 from .losses import generalized_jsd_from_hidden, sft_loss
 from .logprobs import token_logprobs
-from .generate import row_key
+from .generate import row_key, seeded
 from .models import n_params
 from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
@@ -54,7 +54,7 @@ def resample_overlong(
 ) -> list[int]:
     "Replace indices `i` with `not fits(i)` from the stream seeded `seed + 1`; at most `max_rounds` draws per slot."
     if all(fits(i) for i in idx): return list(idx)
-    stream = torch.randperm(n, generator=torch.Generator().manual_seed((seed + 1) * 1_000_003 + step)).tolist()
+    stream = torch.randperm(n, generator=seeded("resample", seed + 1, step)).tolist()
     out, used, pos = [], set(idx), 0
     for i in idx:
         if fits(i):

@@ -87,7 +87,7 @@ class GRPOConfig(VLLMConfig):
     "GRPO on output prediction for a text or latent policy."
     model: str = "runs/demo/gkd/final"   # text model or latent model directory
     out: str = "runs/grpo"
-    rewards: str = "correct:1,format:0.1"  # weighted sum of latent_rl.rewards (correct, format, executed, path)
+    rewards: str = "correct:1,format:0.1"  # weighted sum of latent_rl.rewards (correct, format, executed, path) and your own module:function=w
     group_size: int = 8                  # completions sampled per prompt (advantages compare them)
     batch_size: int = 8                  # prompts per optimizer step (× group_size completions)
     temperature: float = 1.0             # sampling temperature; the loss scores log_softmax(logits / T) of the same samples
@@ -266,7 +266,7 @@ def resample(self: GRPOStep, steps: list[int], mine: dict, groups: list[list[dic
         short = {s: len(mine[s]) - len(kept[s]) for s in steps}
         if sum_over_ranks([sum(max(0, v) for v in short.values())], self.acc)[0] == 0: break   # every rank is full
         pairs = [(s, i) for s in steps if short[s] > 0
-                 for i in batch_indices(s, c.batch_size, self.n_examples, c.seed + 7919 * rnd)[rank::W]]
+                 for i in batch_indices(s, c.batch_size, self.n_examples, row_key(c.seed, rnd))[rank::W]]
         new, _ = self.sample_groups(pairs, rnd)
         drawn, rounds = drawn + len(new), rnd
         for g in new:

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 from .latent import codi_forward, CodiOptions
 from .tokens import codi_example, encode
-from .generate import generate_latent, Rollout
+from .generate import generate_latent, Rollout, seeded
 
 # %% auto #0
 __all__ = ['LAMBDAS', 'USAGE_VARIANTS', 'value_bucket', 'span_targets', 'fit_probe', 'collect_states', 'feature_sets',
@@ -230,7 +230,7 @@ class LatentBank:
 
     def fn(self, rows: list[int], kind: str, seed: int = 0):
         "The `latent_fn(z, block, step)` of `generate_latent` for a batch of `rows` (indices into the bank)."
-        tab = self.table(rows, kind, torch.Generator().manual_seed(self.seed * 1_000_003 + seed))
+        tab = self.table(rows, kind, seeded("probe", self.seed, seed))
         def latent_fn(z, block, step):                                               # z [B, H], block/step [B]
             k = block.clamp(0, tab.shape[1] - 1).cpu()
             j = step.clamp(0, self.S - 1).cpu()

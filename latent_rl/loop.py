@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from .corpus import load_rows, trace_and_fill
 from .steps import is_step_file, load_step_rows, to_trace_row
 from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale
+from .generate import seeded
 from .records import RunRecord, RECORD_FILES, trim_records
 from .config import ConfigError, check_precision, check_config, upgrade_keys
 from .engine import (Engine, make_engine, log0, peak_memory_mb, added_peak_mb, param_checksum, full_state_dict,
@@ -216,7 +217,7 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     for k in range(step * batch_size, (step + 1) * batch_size):
         ep, i = divmod(k, n)
         if ep not in perms:
-            perms[ep] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + ep)).tolist()
+            perms[ep] = torch.randperm(n, generator=seeded("epoch", seed, ep)).tolist()
         out.append(perms[ep][i])
     return out
 
@@ -238,7 +239,7 @@ def bucket_groups(keys: list[int], batch_size: int, min_batches: int = 4) -> lis
 
 def bucket_indices(step: int, batch_size: int, groups: list[list[int]], seed: int) -> list[int]:
     "The global batch of step `step`: `batch_size` indices of one group (chosen ∝ its size), a pure function of (seed, step)."
-    g = torch.Generator().manual_seed(seed * 1_000_081 + step)
+    g = seeded("bucket", seed, step)
     grp = groups[int(torch.multinomial(torch.tensor([float(len(x)) for x in groups]), 1, generator=g))]
     pick = (
         torch.randperm(len(grp), generator=g)[:batch_size]

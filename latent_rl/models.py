@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from .tokens import add_trace_tokens
 
 # %% auto #0
-__all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_SIZES', 'LORA_TARGETS', 'ROW_DELTA', 'resolve_dtype', 'load_tokenizer',
+__all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_SIZES', 'ROW_DELTA', 'LORA_TARGETS', 'resolve_dtype', 'load_tokenizer',
            'check_vocab', 'load_model', 'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight',
-           'Head', 'lm_head', 'check_head', 'add_lora', 'fp32_masters', 'lora_scale', 'train_rows', 'head_rows',
+           'Head', 'head_rows', 'lm_head', 'check_head', 'add_lora', 'fp32_masters', 'lora_scale', 'train_rows',
            'fold_rows', 'merge_lora', 'export_state', 'save_lora', 'load_lora', 'adapters_off', 'cache_kw', 'out_cache',
            'copy_cache']
 
@@ -145,6 +145,19 @@ class Head:
         if self.scale != 1.0: z = z * self.scale
         return torch.tanh(z / self.softcap) * self.softcap if self.softcap else z
 
+# %% ../nbs/04_models.ipynb #a1b2c300
+ROW_DELTA = "latent_rl_delta"   # a trained row delta's name (`train_rows`, under LoRA)
+
+def _on(m) -> bool: return hasattr(m, ROW_DELTA) and not getattr(m, "latent_rl_rows_off", False)
+
+def head_rows(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    "The head matrix `weight` with the trained rows' deltas added (itself when none train)."
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    src = out if hasattr(out, ROW_DELTA) else emb if out.weight is emb.weight else None
+    if src is None or not _on(src): return weight
+    return weight.index_add(0, src.latent_rl_rows, src.latent_rl_delta.to(weight.dtype))
+
+
 # %% ../nbs/04_models.ipynb #967170ca
 def lm_head(model) -> Head:
     "The `Head` of an HF causal LM (peft wrappers unwrapped): output matrix, bias, logit scale and soft cap."
@@ -203,8 +216,6 @@ def lora_scale(module: nn.Module) -> float | None:
     return None if cfg is None else cfg["alpha"] / cfg["r"]
 
 # %% ../nbs/04_models.ipynb #a1b2c302
-ROW_DELTA = "latent_rl_delta"
-
 def train_rows(model: nn.Module, rows) -> None:
     "Let the embedding `rows` of `model` (and its head's, untied) train as deltas beside frozen weights (see above)."
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
@@ -217,8 +228,6 @@ def train_rows(model: nn.Module, rows) -> None:
     if out is not None: out.register_forward_hook(lambda m, a, z: _rows_out(emb if tied else m, a, z))
 
 # %% ../nbs/04_models.ipynb #a1b2c303
-def _on(m) -> bool: return hasattr(m, ROW_DELTA) and not getattr(m, "latent_rl_rows_off", False)
-
 def _rows_in(m, args, y):                                              # y: [..., H] embeddings of ids [...]
     if not _on(m): return y
     hit = (args[0][..., None] == m.latent_rl_rows).to(m.latent_rl_delta.dtype)          # [..., k]
@@ -229,13 +238,6 @@ def _rows_out(src, args, z):                                           # z: [...
     return z.index_add(-1, src.latent_rl_rows, (args[0].to(src.latent_rl_delta.dtype) @ src.latent_rl_delta.T).to(z.dtype))
 
 # %% ../nbs/04_models.ipynb #a1b2c304
-def head_rows(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    "The head matrix `weight` with the trained rows' deltas added (itself when none train)."
-    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    src = out if hasattr(out, ROW_DELTA) else emb if out.weight is emb.weight else None
-    if src is None or not _on(src): return weight
-    return weight.index_add(0, src.latent_rl_rows, src.latent_rl_delta.to(weight.dtype))
-
 def fold_rows(module: nn.Module, sd: dict) -> dict:
     "`sd` (a state dict of `module`) with each row delta added into its weight, a tied head's key included."
     deltas = {n: m for n, m in module.named_modules() if hasattr(m, ROW_DELTA)}

@@ -4,12 +4,13 @@
 
 # %% ../nbs/02_rewards.ipynb #e2a70966
 from __future__ import annotations
+import math
 from .trace import parse_trace, same_value
 from .pool import trace_rows
 
 # %% auto #0
-__all__ = ['REWARDS', 'correct_reward', 'format_reward', 'executed_reward', 'parse_weights', 'weighted', 'common_prefix',
-           'path_reward']
+__all__ = ['REWARDS', 'correct_reward', 'format_reward', 'executed_reward', 'parse_weights', 'reward_function', 'weighted',
+           'common_prefix', 'path_reward']
 
 # %% ../nbs/02_rewards.ipynb #1f01bb01
 def correct_reward(texts: list[str], rows: list[dict]) -> list[float]:
@@ -40,28 +41,49 @@ def executed_reward(texts: list[str], rows: list[dict], timeout: float = 2.0) ->
 REWARDS = {"correct": correct_reward, "format": format_reward, "executed": executed_reward}
 
 def parse_weights(spec) -> dict[str, float]:
-    "`'correct:1,format:0.1'` or a dict → `{name: weight}`; unknown names are refused."
+    """`'correct:1,format:0.1'`, `'correct=1,mypkg.rewards:brevity=0.2'` (a plain function `fn(texts, rows) ->
+    list[float]` named `module:function`) or a dict → `{name: weight}`; unknown names are refused."""
     if isinstance(spec, dict): w = dict(spec)
     else:
         w = {}
         for part in str(spec).split(","):
             if not part.strip(): continue
-            name, _, val = part.partition(":")
+            name, _, val = part.rpartition("=") if "=" in part else part.partition(":")
             w[name.strip()] = float(val) if val.strip() else 1.0
-    bad = [k for k in w if k not in REWARDS]
-    if bad: raise ValueError(f"unknown reward(s) {bad}; choose from {sorted(REWARDS)} (e.g. 'correct:1,format:0.1')")
+    for k in w: reward_function(k)                                     # unknown names fail here, with the choices
     return w
+
+def reward_function(name: str):
+    "A registered reward (`REWARDS`) by name, or any importable `module:function`."
+    if name in REWARDS: return REWARDS[name]
+    mod, _, fn = name.partition(":")
+    if not fn: raise ValueError(f"unknown reward {name!r}; choose from {sorted(REWARDS)} or name a function "
+                                "as module:function (e.g. 'correct:1,format:0.1' or 'correct=1,mypkg.rewards:brevity=0.2')")
+    import importlib
+    try: f = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e: raise ValueError(f"reward {name!r}: cannot import it ({e})") from e
+    if not callable(f): raise ValueError(f"reward {name!r} is not a function fn(texts, rows) -> list[float]")
+    return f
 
 # %% ../nbs/02_rewards.ipynb #b76697c3
 def weighted(spec):
     "A reward function: the weighted sum of named rewards; also returns each part for logging (`fn.parts`)."
-    w = parse_weights(spec)
+    w = {getattr(spec, "__name__", "reward"): 1.0} if callable(spec) else parse_weights(spec)
+    fns = {k: spec if callable(spec) else reward_function(k) for k in w}
     def fn(texts, rows):
-        parts = {k: REWARDS[k](texts, rows) for k in w}
+        parts = {k: _checked(k, f(texts, rows), len(texts)) for k, f in fns.items()}
         fn.parts = parts
         return [sum(w[k] * parts[k][i] for k in w) for i in range(len(texts))]
     fn.weights = w
     return fn
+
+def _checked(name: str, values, n: int) -> list[float]:
+    "A reward's values as floats, refused unless there is one finite number per text."
+    try: out = [float(v) for v in values]
+    except (TypeError, ValueError) as e: raise ValueError(f"reward {name!r} must return numbers ({e})") from e
+    if len(out) != n or not all(math.isfinite(v) for v in out):
+        raise ValueError(f"reward {name!r} returned {len(out)} values (non-finite: {sum(not math.isfinite(v) for v in out)}) for {n} texts: one finite number per text")
+    return out
 
 # %% ../nbs/02_rewards.ipynb #ed952850
 def _path(text: str) -> list[tuple[str, str]]:

@@ -14,6 +14,7 @@ from .corpus import load_rows
 from .steps import multiplication_files
 from .sft import SFTConfig, run_sft
 from .config import parse_config
+from .models import DTYPES
 from .evaluate import evaluate_path, results_table, save_records, load_eval_rows
 from .codi import CodiConfig, run_codi
 from .bench import main as bench_main
@@ -152,13 +153,16 @@ def cmd_eval(argv):
     ap.add_argument("--batch_size", type=int, default=32)
     ap.add_argument("--max_new_tokens", type=int, default=384)
     ap.add_argument("--out", default="runs/eval", help="directory for per-example records (NAME.records.jsonl)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …: where the model decodes")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="the weights' dtype (bf16 on a GPU)")
     a = ap.parse_args(argv)
     rows = load_eval_rows(a.rows, a.limit)
     res = {}
     for spec in a.model:
         name, _, path = spec.rpartition("=")
         if not Path(path).exists(): raise SystemExit(f"latent-rl eval: model {path} does not exist")
-        res[name or path] = r = evaluate_path(path, rows, a.max_new_tokens, a.batch_size, desc=f"eval {name or path}")
+        res[name or path] = r = evaluate_path(path, rows, a.max_new_tokens, a.batch_size, desc=f"eval {name or path}",
+                                              device=a.device, dtype=a.dtype)
         if a.out: save_records(r, Path(a.out) / f"{(name or Path(path).name)}.records.jsonl")
     print(results_table(res, f"output prediction on {a.rows} ({len(rows)} programs)"))
     return res

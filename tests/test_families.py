@@ -79,3 +79,15 @@ def test_lora_trains_the_trace_tokens_rows(families, family, tmp_path):
     base, _ = load_model(families / family)
     frozen = [i for i in range(len(tok)) if i not in base.latent_rl_new_rows]
     assert torch.equal(model.get_input_embeddings().weight[frozen], base.get_input_embeddings().weight[frozen])
+
+def test_hub_name_without_recipe_is_refused():
+    "A hub name with no --recipe never silently trains on the tiny CPU recipe's settings: the error names the recipes."
+    for stage in ("sft", "codi", "gkd", "grpo"):
+        p = run_cli(stage, "--model", "Qwen/Qwen2.5-Coder-1.5B", check=False, env=ONE)
+        assert p.returncode != 0 and "--recipe" in p.stderr and "gpu-" in p.stderr, (stage, p.stderr[-500:])
+
+def test_eval_takes_a_device_and_dtype(families, tmp_path):
+    "`latent-rl eval --device --dtype`: the same batched decoding in another dtype (bf16 on a GPU; here the CPU)."
+    p = run_cli("eval", "--model", f"t={families / 'qwen2.5'}", "--rows", families / "eight.jsonl", "--limit", 2,
+                "--max_new_tokens", 8, "--device", "cpu", "--dtype", "bf16", "--out", tmp_path, env=ONE)
+    assert "| t |" in p.stdout and len(rows_of(tmp_path / "t.records.jsonl")) == 2
