@@ -102,6 +102,7 @@ RECIPES["cpu-mult4"] = {
 _CODI_PAPER = dict(
     train="data/gsm8k_aug/train.txt", val="", lora_r=128, lora_alpha=32.0, batch_size=128, weight_decay=0.1,
     max_grad_norm=2.0, precision="bf16", max_len=512, save_every=2000, log_every=10, wandb="online",
+    min_lr_frac=0.0, seed=11,                   # CODI's scripts: cosine decay to 0 (HF's schedule), seed 11
 )
 _GPT2 = dict(model="gpt2", lora_targets="c_attn,c_proj,c_fc", lr=3e-3, steps=120_506, warmup=3_615)      # 40 epochs
 _LLAMA1B = dict(model="meta-llama/Llama-3.2-1B-Instruct", lr=8e-4, steps=30_127, warmup=904)             # 10 epochs
