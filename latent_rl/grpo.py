@@ -26,8 +26,8 @@ from latent_rl.loop import (
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'GRPOStep', 'reward_rise', 'throughput_summary', 'stochastic_latents',
-           'reference_policy', 'run_grpo']
+__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'tis_cap', 'GRPOStep', 'reward_rise', 'throughput_summary',
+           'stochastic_latents', 'reference_policy', 'run_grpo']
 
 # %% ../nbs/20_grpo.ipynb #c9aec591
 def pad_to(rows: list[list[float]], N: int, fill: float) -> torch.Tensor:
@@ -36,7 +36,7 @@ def pad_to(rows: list[list[float]], N: int, fill: float) -> torch.Tensor:
 def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2, eps_high: float = 0.2,
                     norm: str = "sequence", token_count: float | None = None, temperature: float = 1.0,
                     ref: Policy | None = None, kl_beta: float = 0.0, latent_count: float | None = None,
-                    latent_pathwise: bool = False) -> tuple[torch.Tensor, dict]:
+                    latent_pathwise: bool = False, tis_cap: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Loss of a micro-batch of samples `{prompt, completion, latent_at, logp_inf, adv}` (mean over its sequences);
     with `kl_beta > 0` the frozen `ref` policy scores the same tokens for the KL penalty. Samples of a stochastic latent
     policy also carry `latents` (the fed z) and `latent_lp` (their rollout log-densities): the z enter the clipped loss
@@ -62,8 +62,10 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
             # [B, N] (the text tokens' KL)
             if SZ is not None: ref_lp = ref.sampled_logprobs(P, C, LA, Z, temperature)[0]
             else: ref_lp, _ = ref.logprobs(P, C, LA, temperature, latents=Z)           # [B, N]
+    # truncated IS (tis_cap > 0): the ratio against π_old, the trainer's logprobs at rollout time (`logp_old`)
+    lo = pad_to([s["logp_old"] for s in samples], N, 0.0).to(dev) if tis_cap > 0 else None           # [B, N]
     loss, m = grpo_loss(logp, li, A, mask, eps_low=eps_low, eps_high=eps_high, norm=norm, token_count=token_count,
-                        logp_ref=ref_lp, kl_beta=kl_beta)
+                        logp_ref=ref_lp, kl_beta=kl_beta, logp_old=lo, tis_cap=tis_cap if tis_cap > 0 else None)
     if SZ is not None:
         lat, lm_ = grpo_loss(ld, pad_to(SZ, ld.shape[1], 0.0).to(dev), A, lmask, eps_low=eps_low, eps_high=eps_high,
                              norm=norm, token_count=latent_count, densities=True)
@@ -100,6 +102,7 @@ class GRPOConfig(VLLMConfig):
     adv_scale: str = "group"             # group | batch | none
     dynamic_sampling: int = 0            # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
     kl_beta: float = 0.0                 # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
+    tis_cap: float = -1.0                # truncated importance sampling: ratio against the trainer's own π_old, tokens weighted by min(π_old/π_engine, cap); -1 = 2.0 with vLLM rollouts, off for exact engines; 0 = off
     latent_sigma: float = 0.0            # stochastic latents: z = μ + σ·ε, σ = this × the latents' scale per dim; 0 = off (a saved σ is kept)
     latent_sigma_learn: bool = False     # learn σ (log σ per dimension) with the policy; else σ stays fixed
     latent_pathwise: bool = False        # stochastic latents: the text tokens' gradient also reaches μ one hop (z = μ + σ·ε, ε held)
@@ -110,6 +113,9 @@ class GRPOConfig(VLLMConfig):
     log_every: int = 1
     record_every: int = 5                # steps between logprobs/rollouts records (0 = never)
 
+def tis_cap(cfg: GRPOConfig) -> float:
+    "The truncated-IS cap in force: `cfg.tis_cap`, or with -1 (auto) 2.0 for vLLM rollouts and 0 (off) otherwise."
+    return cfg.tis_cap if cfg.tis_cap >= 0 else (2.0 if cfg.use_vllm else 0.0)
 
 # %% ../nbs/20_grpo.ipynb #3e419025
 @dataclass
@@ -138,6 +144,9 @@ class GRPOStep(PolicyStage):
         self.stochastic = self.policy.kind == "latent" and self.policy.model.noise is not None
         # step -> the global batch's fed latent vectors (norm = token)
         self.latent_counts: dict = {}
+        self.tis_cap = tis_cap(self.cfg)
+        if self.tis_cap > 0 and (self.truncated or self.stochastic):
+            raise ConfigError("tis_cap needs an exact replay: set --tis_cap 0 with replay=truncated or latent_sigma")
         on = self.acc.is_main_process and self.cfg.record_every > 0
         self.rec_lp, self.rec_ro = (
             RunRecord(self.cfg.out, on, "logprobs.jsonl"),
@@ -152,7 +161,7 @@ class GRPOStep(PolicyStage):
                                   token_count=self.token_counts[step] if c.norm == "token" else None,
                                   temperature=c.temperature, ref=self.ref, kl_beta=c.kl_beta,
                                   latent_count=self.latent_counts.get(step) if c.norm == "token" else None,
-                                  latent_pathwise=c.latent_pathwise)
+                                  latent_pathwise=c.latent_pathwise, tis_cap=self.tis_cap)
         if c.norm == "sequence": loss = loss * len(part) / len(idx)       # mean over the global batch's sequences
         self.stats["train_tokens"] += int(m["mask"].sum())
         lp, mk = m.pop("logp"), m.pop("mask")
@@ -169,6 +178,7 @@ class GRPOStep(PolicyStage):
         groups, self.cycle_metrics = self.sample_groups([(s, i) for s in steps for i in mine[s]], 0)
         if self.cfg.dynamic_sampling: groups = self.resample(steps, mine, groups)
         self.keep(steps, groups)
+        if self.tis_cap > 0: self.old_logprobs(steps)
         if self.cfg.record_every and steps[0] % self.cfg.record_every == 0 and self.acc.is_main_process:
             self.record_rollouts(steps[0], groups)
 
@@ -317,6 +327,19 @@ def load_state(self: GRPOStep, st: dict) -> None:
     for name in ("buffer", "token_counts", "latent_counts"):
         getattr(self, name).clear()
         getattr(self, name).update(st.get(name, {}))
+
+# %% ../nbs/20_grpo.ipynb #c1d2e302
+@patch
+def old_logprobs(self: GRPOStep, steps: list[int]) -> None:
+    "Score the cycle's samples in the trainer before any update (`logp_old` of each, for truncated IS)."
+    G, T = self.cfg.group_size, self.cfg.temperature
+    smp = [x for s in steps for x in self.buffer[s]]
+    with torch.no_grad(), gathered_weights(self.policy.module):
+        for k in range(0, len(smp), G):
+            part = smp[k:k + G]
+            LA = [x["latent_at"] for x in part] if self.policy.kind == "latent" else None
+            lp, _ = self.policy.logprobs([x["prompt"] for x in part], [x["completion"] for x in part], LA, T)  # [G, N]
+            for x, row in zip(part, lp): x["logp_old"] = row[:len(x["completion"])].tolist()
 
 # %% ../nbs/20_grpo.ipynb #d40d518a
 def _tok_strs(tok, ids):

@@ -188,3 +188,44 @@ def test_kl_penalty_to_the_starting_policy(tmp_path):
          "--rewards", "correct:1", "--batch_size", 4, "--group_size", 8, "--max_new_tokens", 24)
     s = steps_of(tmp_path)
     assert s[0]["kl_ref"] < 1e-6 and s[-1]["kl_ref"] > 1e-4, [r["kl_ref"] for r in s]
+
+def test_truncated_importance_sampling_corrects_an_inexact_engine(tmp_path):
+    """`tis_cap`: with an engine whose logprobs sit 0.3 nats below the trainer's (vLLM's kernels and bf16 are never
+    exact), the ratio is taken against the trainer's own π_old and each token weighted by min(e^0.3, cap): the
+    gradient is exactly e^0.3 (or the cap) times the exact engine's. Without it the engine's error enters the ratio."""
+    import math
+    from latent_rl.grpo import GRPOConfig, GRPOStep, tis_cap
+    from latent_rl.policy import Policy
+    from latent_rl.engine import setup
+    from latent_rl.trace import prompt_text
+    from latent_rl.tokens import encode
+    rows = rows_of(ROWS)[:64]
+    pol = Policy.load(ROOT / "data" / "notrace")
+    P = [encode(pol.tok, prompt_text(r["code"], r["input"])) for r in rows]
+    params = [p for p in pol.module.parameters() if p.requires_grad]
+    class Shifted:
+        def sync(self, lm): pass
+        def generate(self, P, *, max_new_tokens, temperature, eos_id, seeds):
+            ro = pol.generate(P, max_new_tokens=max_new_tokens, temperature=temperature, keys=seeds)
+            ro.logprobs = [[v - 0.3 for v in lp] for lp in ro.logprobs]
+            return ro
+    def grads(cap, engine):
+        cfg = GRPOConfig(model="-", batch_size=4, group_size=8, max_new_tokens=16, record_every=0, steps=1,
+                         tis_cap=cap, out=str(tmp_path / f"c{cap}"))
+        st = GRPOStep(cfg, setup(0), pol, rows, P, _answer_starts_with("0"), rollout_engine=engine)
+        st.fill(0)
+        idx = st.batch(0)
+        for p in params: p.grad = None
+        loss, m = st.micro_loss(0, idx, idx)
+        loss.backward()
+        return [p.grad.clone() for p in params], m
+    exact, m0 = grads(0.0, None)
+    assert "tis_weight_mean" not in m0 and any(g.abs().sum() > 0 for g in exact)
+    for cap, w in ((2.0, math.exp(0.3)), (1.2, 1.2)):
+        g, m = grads(cap, Shifted())
+        assert m["tis_weight_mean"] == pytest.approx(w, rel=1e-4) and m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert m["tis_capped_frac"] == (1.0 if cap < w + 0.01 else 0.0)
+        for a, b in zip(g, exact): assert (a - w * b).norm() <= 1e-4 * (w * b).norm() + 1e-12, ((a - w * b).norm(), b.norm())
+    _, m = grads(0.0, Shifted())
+    assert m["ratio_mean"] == pytest.approx(math.exp(0.3), rel=1e-3)             # uncorrected: the engine's error
+    assert tis_cap(GRPOConfig(use_vllm=True)) == 2.0 and tis_cap(GRPOConfig()) == 0.0   # auto: on for vLLM only
