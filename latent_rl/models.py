@@ -195,9 +195,12 @@ def add_lora(model: nn.Module, r: int, alpha: float = 16.0, targets: str = LORA_
     names = [t.strip() for t in targets.split(",") if t.strip()]
     if not any(n.rsplit(".", 1)[-1] in names for n, _ in model.named_modules()):
         raise ValueError(f"lora_targets {names}: no module of {type(model).__name__} has these names")
+    from transformers.pytorch_utils import Conv1D
+    conv = any(isinstance(m, Conv1D) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names)   # GPT-2
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0), model)
+        cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0, fan_in_fan_out=conv)
+        inject_adapter_in_model(cfg, model)
     if rows := getattr(model, "latent_rl_new_rows", None): train_rows(model, rows)
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n or n.endswith(ROW_DELTA))

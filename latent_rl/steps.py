@@ -9,9 +9,10 @@ from pathlib import Path
 from .trace import ACTION_SEP, CALL_SEP, FRAME_SEP, TRACE_CONTEXT_START, Frame, render_trace
 
 # %% auto #0
-__all__ = ['STEP_BLOCKS', 'StepError', 'parse_step_line', 'multiplication_line', 'find_data', 'gsm8k_row', 'is_step_file',
-           'load_step_rows', 'generate_multiplication', 'steps_body', 'steps_text', 'step_line', 'save_step_lines',
-           'answer_only_text', 'same_answer', 'multiplication_files', 'step_prompt', 'step_trace', 'to_trace_row']
+__all__ = ['STEP_BLOCKS', 'StepError', 'parse_step_line', 'multiplication_line', 'find_data', 'codi_row', 'step_row',
+           'load_step_source', 'gsm8k_row', 'is_step_file', 'load_step_rows', 'generate_multiplication', 'steps_body',
+           'steps_text', 'step_line', 'save_step_lines', 'answer_only_text', 'same_answer', 'multiplication_files',
+           'step_prompt', 'step_trace', 'to_trace_row']
 
 # %% ../nbs/01_steps.ipynb #67e384c1
 class StepError(ValueError):
@@ -83,6 +84,56 @@ def find_data(name: str) -> Path | None:
                 if c.is_dir(): return c.resolve()
     return None
 
+# %% ../nbs/01_steps.ipynb #d1e2f302
+def codi_row(obj, where: str = "<row>", id: str = "") -> dict:
+    "One row of CODI's GSM8k-Aug / GSM8k-Aug-NL export (`question`, `cot`, `answer`) as a step row."
+    if not isinstance(obj, dict): raise StepError(f"{where}: expected an object, got {type(obj).__name__}")
+    for k in ("question", "cot", "answer"):
+        if not isinstance(obj.get(k), str): raise StepError(f"{where}: field '{k}' missing or not a string")
+    answer = obj["answer"].replace("####", "").strip().replace(",", "")
+    if not answer: raise StepError(f"{where}: field 'answer' is empty")
+    cot = obj["cot"].strip()
+    steps = [e.strip() for e in _EQ.findall(cot)] or [s.strip() for s in re.split(r"(?<=\.)\s+", cot) if s.strip()]
+    if any("<<" in s or ">>" in s or "||" in s or "####" in s for s in steps):
+        raise StepError(f"{where}: field 'cot' has a step with '<<', '>>', '||' or '####' outside an equation")
+    return {"id": str(obj.get("id", id)), "task": "gsm8k", "question": obj["question"].strip(),
+            "steps": [{"visible": "", "latent": s} for s in steps], "answer": answer}
+
+def step_row(obj, where: str = "<row>", id: str = "") -> dict:
+    "A GSM8K row (`answer` with '####') or a CODI GSM8k-Aug row (`cot`), as a step row."
+    return codi_row(obj, where, id) if isinstance(obj, dict) and "cot" in obj else gsm8k_row(obj, where, id)
+
+# %% ../nbs/01_steps.ipynb #d1e2f303
+def _read_objects(path: Path) -> list:
+    "The objects of a `.json` list or a `.parquet` table (pyarrow)."
+    if path.suffix == ".json":
+        try: data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e: raise StepError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        if not isinstance(data, list): raise StepError(f"{path}: expected a JSON list of rows")
+        return data
+    try: import pyarrow.parquet as pq
+    except ImportError as e: raise ImportError(f"{path}: parquet files need pyarrow: pip install pyarrow") from e
+    return pq.read_table(path).to_pylist()
+
+def _object_rows(objs, where: str, stem: str, limit: int | None, unit: str) -> list[dict]:
+    rows = []
+    for n, obj in enumerate(objs):
+        rows.append(step_row(obj, f"{where} {unit} {n}", f"{stem}-{n}"))
+        if limit and len(rows) >= limit: break
+    return rows
+
+# %% ../nbs/01_steps.ipynb #d1e2f304
+def load_step_source(source, split: str = "train", limit: int | None = None) -> list[dict]:
+    """Step rows from a local file (`load_step_rows`) or, given a hub dataset name (e.g. `zen-E/GSM8k-Aug`), from its
+    `split` through `datasets`; a bad row raises `StepError` naming where it is and the field."""
+    if Path(source).exists(): return load_step_rows(source, limit)
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)):
+        raise FileNotFoundError(f"{source}: no such file, and not a hub dataset name (owner/name)")
+    try: import datasets
+    except ImportError as e: raise ImportError(f"{source}: a hub dataset needs `datasets`: pip install datasets") from e
+    ds = datasets.load_dataset(str(source), split=split)
+    return _object_rows(ds, f"{source} [{split}]", str(source).replace("/", "_"), limit, "row")
+
 # %% ../nbs/01_steps.ipynb #a19f9f73
 def gsm8k_row(obj, where: str = "<row>", id: str = "") -> dict:
     "One GSM8K jsonl object as a step row: the calculator annotations are the steps, the text after '####' the answer."
@@ -97,20 +148,24 @@ def gsm8k_row(obj, where: str = "<row>", id: str = "") -> dict:
             "steps": [{"visible": "", "latent": e.strip()} for e in _EQ.findall(work)], "answer": final}
 
 def is_step_file(path) -> bool:
-    "A step-data file: implicit-CoT lines (`.txt`), or a jsonl whose first row has a `question` and an `answer`."
+    """A step-data file: implicit-CoT lines (`.txt`), a parquet file, or a jsonl / json list whose first row has a
+    `question` and an `answer` (GSM8K's rows, CODI's GSM8k-Aug rows)."""
     path = Path(path)
-    if path.suffix == ".txt": return True
+    if path.suffix in (".txt", ".parquet"): return True
     if not path.is_file(): return False
-    with open(path, encoding="utf-8") as fh: first = next((l for l in fh if l.strip()), "")
-    try: row = json.loads(first)
+    with open(path, encoding="utf-8") as fh:
+        first = fh.read(1 << 16).lstrip().removeprefix("[") if path.suffix == ".json" else next((l for l in fh if l.strip()), "")
+    try: row = json.JSONDecoder().raw_decode(first.lstrip())[0]
     except ValueError: return False
     return isinstance(row, dict) and {"question", "answer"} <= set(row) and "code" not in row
 
 def load_step_rows(path, limit: int | None = None) -> list[dict]:
-    """Step rows from an implicit-CoT `.txt` or a GSM8K `.jsonl`; a malformed line raises `StepError` naming file and
-    line."""
+    """Step rows from an implicit-CoT `.txt`, or GSM8K / CODI GSM8k-Aug rows in a `.jsonl`, `.json` or `.parquet`; a
+    malformed row raises `StepError` naming the file, the line (or row) and the field."""
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"{path}: no such file")
+    if path.suffix in (".json", ".parquet"):
+        return _object_rows(_read_objects(path), str(path), path.stem, limit, "row")
     rows = []
     with open(path, encoding="utf-8") as fh:
         for ln, line in enumerate(fh, 1):
@@ -119,7 +174,7 @@ def load_step_rows(path, limit: int | None = None) -> list[dict]:
             if path.suffix == ".jsonl":
                 try: obj = json.loads(line)
                 except json.JSONDecodeError as e: raise StepError(f"{where}: not valid JSON ({e.msg})") from None
-                rows.append(gsm8k_row(obj, where, id))
+                rows.append(step_row(obj, where, id))
             else: rows.append(parse_step_line(line, where, id))
             if limit and len(rows) >= limit: break
     return rows

@@ -11,7 +11,7 @@ from .sandbox import UNSAFE_ENV, SandboxUnavailable, sandbox_notice
 from .pool import sandbox_report, trace_file
 from .tokens import build_data, DATA_DEFAULTS
 from .corpus import load_rows
-from .steps import multiplication_files
+from .steps import multiplication_files, load_step_source, save_step_lines
 from .sft import SFTConfig, run_sft
 from .config import parse_config
 from .models import DTYPES
@@ -31,10 +31,10 @@ from .policy import serve_rollouts
 from .loop import CheckpointError, RunDirBusy
 
 # %% auto #0
-__all__ = ['TRACING', 'UNSAFE_FLAG', 'PENDING', 'DEFAULT_RECIPE', 'COMMANDS', 'PIPELINE', 'sandbox_flag', 'cmd_doctor',
-           'cmd_data', 'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo',
-           'cmd_plot', 'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_mult', 'cmd_recipes', 'cmd_serve_teacher',
-           'cmd_serve_rollouts', 'user_errors', 'run_command', 'main']
+__all__ = ['TRACING', 'UNSAFE_FLAG', 'STEP_DATA', 'PENDING', 'DEFAULT_RECIPE', 'COMMANDS', 'PIPELINE', 'sandbox_flag',
+           'cmd_doctor', 'cmd_step_data', 'cmd_data', 'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench',
+           'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot', 'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_mult',
+           'cmd_recipes', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'user_errors', 'run_command', 'main']
 
 # %% ../nbs/29_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -57,10 +57,30 @@ def cmd_doctor(argv):
     if bad: raise SystemExit(1)
     return rows
 
+# %% ../nbs/29_train.ipynb #e1f2a301
+STEP_DATA = {"gsm8k-aug": "data/gsm8k_aug", "gsm8k-aug-nl": "data/gsm8k_aug_nl", "steps": "data/steps"}
+
+def cmd_step_data(kind: str, argv):
+    ap = argparse.ArgumentParser(
+        prog=f"latent-rl data {kind}", description="Write step data as the recipes read it (implicit-CoT lines, "
+        "SPLIT.txt) from CODI's GSM8k-Aug rows (question / cot / answer), GSM8K rows or iCoT lines: a local .txt, "
+        ".jsonl, .json or .parquet, or a hub dataset name (e.g. zen-E/GSM8k-Aug, through `datasets`).")
+    ap.add_argument("--from", dest="src", required=True, help="a file or a hub dataset name")
+    ap.add_argument("--split", default="train", help="the hub dataset's split; also the written file's name")
+    ap.add_argument("--out", default=STEP_DATA[kind], help=f"directory (default {STEP_DATA[kind]})")
+    ap.add_argument("--limit", type=int, default=0, help="at most this many rows (0: all)")
+    a = ap.parse_args(argv)
+    rows = load_step_source(a.src, a.split, a.limit or None)
+    path = save_step_lines(rows, Path(a.out) / f"{a.split}.txt")
+    print(f"latent-rl data {kind}: {len(rows):,} rows from {a.src} written to {path} "
+          f"({sum(len(r['steps']) for r in rows) / max(1, len(rows)):.1f} steps a row)")
+    return path
+
 # %% ../nbs/29_train.ipynb #3f271de3
 PENDING: dict[str, int] = {}   # commands announced but not implemented yet -> their issue number
 
 def cmd_data(argv):
+    if argv and argv[0] in STEP_DATA: return cmd_step_data(argv[0], argv[1:])
     ap = argparse.ArgumentParser(
         prog="latent-rl data", description="Build the traced program corpus and the local tokenizer."
     )

@@ -91,3 +91,39 @@ def test_eval_takes_a_device_and_dtype(families, tmp_path):
     p = run_cli("eval", "--model", f"t={families / 'qwen2.5'}", "--rows", families / "eight.jsonl", "--limit", 2,
                 "--max_new_tokens", 8, "--device", "cpu", "--dtype", "bf16", "--out", tmp_path, env=ONE)
     assert "| t |" in p.stdout and len(rows_of(tmp_path / "t.records.jsonl")) == 2
+
+def _aug_rows(n):
+    "Rows shaped like CODI's GSM8k-Aug export (zen-E/GSM8k-Aug): question, space-separated equations, a bare answer."
+    return [{"question": f"Tom has {a} bags of {a + 1} apples and eats 1. How many are left?",
+             "cot": f"<<{a}*{a + 1}={a * (a + 1)}>> <<{a * (a + 1)}-1={a * (a + 1) - 1}>>", "answer": str(a * (a + 1) - 1)}
+            for a in range(2, 2 + n)]
+
+def test_gsm8k_aug_as_its_authors_ship_it(families, tmp_path, monkeypatch):
+    """`latent-rl data gsm8k-aug --from FILE` reads CODI's GSM8k-Aug rows (refused before: "no '####'") from jsonl,
+    json (and parquet where pyarrow is installed) or a hub name through `datasets`, writes the recipe's train.txt, and
+    `latent-rl codi --recipe gpu-gpt2-gsm8k-aug --steps 2` then runs on the GPT-2-shaped model on the CPU."""
+    import sys, types
+    from latent_rl.steps import load_step_source, load_step_rows, StepError
+    rows = _aug_rows(40)
+    (tmp_path / "aug.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "aug.json").write_text(json.dumps(rows))
+    noid = lambda rs: [{k: v for k, v in r.items() if k != "id"} for r in rs]
+    a = load_step_rows(tmp_path / "aug.jsonl")
+    assert noid(a) == noid(load_step_rows(tmp_path / "aug.json")) and [s["latent"] for s in a[0]["steps"]] == ["2*3=6", "6-1=5"]
+    assert a[0]["answer"] == "5"
+    nl = load_step_rows(_write(tmp_path / "nl.jsonl", [{"question": "q?", "cot": "He has 2. He gets 3 more.", "answer": "5"}]))
+    assert [s["latent"] for s in nl[0]["steps"]] == ["He has 2.", "He gets 3 more."]
+    bad = _write(tmp_path / "bad.jsonl", rows[:2] + [{"question": "q?", "cot": 7, "answer": "1"}])
+    with pytest.raises(StepError, match=r"bad.jsonl:3: field 'cot'"): load_step_rows(bad)
+    fake = types.SimpleNamespace(load_dataset=lambda name, split: rows if (name, split) == ("zen-E/GSM8k-Aug", "train") else 1 / 0)
+    monkeypatch.setitem(sys.modules, "datasets", fake)                       # the hub, without a network
+    assert noid(load_step_source("zen-E/GSM8k-Aug")) == noid(a)
+    p = run_cli("data", "gsm8k-aug", "--from", tmp_path / "aug.jsonl", "--out", tmp_path / "gsm8k_aug", env=ONE)
+    assert "40 rows" in p.stdout and (tmp_path / "gsm8k_aug" / "train.txt").exists()
+    run_cli("codi", "--recipe", "gpu-gpt2-gsm8k-aug", "--steps", 2, "--model", families / "gpt2", "--train",
+            tmp_path / "gsm8k_aug" / "train.txt", "--out", tmp_path / "codi", env=ONE)
+    assert (tmp_path / "codi" / "final" / "projector.pt").exists()
+
+def _write(path, objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return path
