@@ -48,6 +48,7 @@ class CodiConfig(TrainConfig):
     value_kd: float = 0.0               # distil each block's latent states to the teacher's at the value it replaced
     value_kd_at: str = "sequence"       # sequence | predict | tokens | embed: which teacher states each latent step matches
     answer_kd: float = 0.0              # distil the states predicting the RETURN value
+    answer_kd_at: str = "each"          # at every RETURN-value token (each), or at the state predicting its first (first: CODI's position)
     answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
     recon: float = 0.0                  # block-local reconstruction of each block's replaced state
     latent_teacher_forcing: float = 0.0  # latent teacher forcing probability per block (decays linearly to 0 with latent_teacher_forcing_decay)

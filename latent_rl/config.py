@@ -42,7 +42,7 @@ CHOICES = {
     "stage": STAGES, "attention": ("flash", "math"),
     "dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64"), "precision": ("fp32", "bf16"),
     "wandb": ("disabled", "offline", "online"), "kd_target": KD_TARGETS,
-    "value_kd_at": VALUE_KD_AT, "curriculum_from": ("end", "start"),
+    "value_kd_at": VALUE_KD_AT, "answer_kd_at": ("each", "first"), "curriculum_from": ("end", "start"),
     "prj_init": ("default", "embed"), "mode": ("trace", "answer"), "adv_scale": ("group", "batch", "none"),
     "norm": NORMS, "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
     "replay": ("exact", "truncated"), "teacher_locals": ("greedy", "true"), "strategy": ("ddp", "fsdp"),

@@ -78,7 +78,7 @@ def fixture_tokenizer(family: str, texts, vocab_size: int = 400):
     return tok
 
 # %% ../nbs/04a_fixtures.ipynb #dd32d927
-_SIZES = dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+_SIZES = dict(hidden=64, layers=2, heads=2, kv_heads=1, ffn=128)   # head_dim 32: the least vLLM's CPU attention takes
 
 def fixture_config(family: str, tok, **overrides):
     "A tiny `transformers` config of `family`'s architecture over `tok`."

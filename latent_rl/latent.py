@@ -179,6 +179,7 @@ class CodiOptions:
     value_kd: float = 0.0               # blocks' latent states → the teacher's states at the value each replaced
     value_kd_at: str = "sequence"       # 'sequence' | 'predict' | 'tokens' | 'embed' (see above)
     answer_kd: float = 0.0              # student states predicting the RETURN value → the teacher's
+    answer_kd_at: str = "each"          # answer_kd at every RETURN-value token (each) or at its first, as CODI (first)
     answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
     recon: float = 0.0                  # block-local reconstruction of the replaced state (weight)
     latent_teacher_forcing: float = 0.0  # latent teacher forcing: P(a block's steps ≥ 1 are fed the true tokens' embeddings)
@@ -619,7 +620,7 @@ def _merge_passes(parts: list[StudentPass], groups: list[list[int]], K: int, T: 
     r = StudentPass(cat([p.ce_sum for p in parts]), cat([p.ce_cnt for p in parts]), [], sum(p.calls for p in parts),
                     n_scored=sum(p.n_scored for p in parts), n_real=sum(p.n_real for p in parts),
                     n_run=sum(p.n_run for p in parts))
-    like = parts[0].anchors[0]
+    like = next((p.anchors[0] for p in parts if p.anchors), None)                   # a group may have no block
     r.anchors = [cat([p.anchors[k] if k < len(p.anchors) else like.new_zeros(len(g), *like.shape[1:])
                       for p, g in zip(parts, groups)]) for k in range(K)]                # K × [B, L_sel, H]
     for name, fill in (("trace_lp", float("nan")), ("pred_hidden", 0.0), ("pred_mask", False), ("latents", 0.0),
@@ -693,7 +694,10 @@ def _objective_plan(examples, opts: CodiOptions, S: int, dev, tf_coins: torch.Te
         # [B, T] trace tokens of RETURN values
         plan["answer_mask"] = amask
         plan["weight"] = 1.0 + (opts.answer_weight - 1.0) * amask.float()             # [B, T]
-        rb, rt = amask.nonzero(as_tuple=True)                                         # (row, token) order
+        # "first": only the state predicting each value's first token (CODI's distillation position)
+        kmask = amask & ~F.pad(amask[:, :-1], (1, 0)) if opts.answer_kd_at == "first" else amask   # [B, T]
+        plan["answer_kd_mask"] = kmask
+        rb, rt = kmask.nonzero(as_tuple=True)                                         # (row, token) order
         plan["gather"]["answer"] = (rb, torch.tensor(P, device=dev)[rb] + rt - 1)      # the teacher state predicting it
     if tf_coins is not None:   # forced blocks: their steps ≥ 1 get the tokens 'sequence' distils them to
         K, S_ = max(len(e["spans"]) for e in examples), S
@@ -803,7 +807,7 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
         return_logprobs=return_logprobs, tail_cost=tail_cost,
         return_latents=return_states or bool(opts.recon) or (bool(opts.value_kd) and opts.value_kd_at == "embed"),
         latent_states=bool(opts.value_kd) and opts.value_kd_at != "embed",
-        states_at=plan.get("answer_mask") if opts.answer_kd else None,
+        states_at=plan.get("answer_kd_mask") if opts.answer_kd else None,
         token_weight=plan["weight"] if opts.answer_weight != 1.0 else None, forced_latents=plan.get("forced"),
         prefix=tp.prefix,
     )

@@ -104,13 +104,27 @@ _CODI_PAPER = dict(
     max_grad_norm=2.0, precision="bf16", max_len=512, save_every=2000, log_every=10, wandb="online",
     min_lr_frac=0.0, seed=11,                   # CODI's scripts: cosine decay to 0 (HF's schedule), seed 11
 )
+# GKD and GRPO: the same data, precision and adapters (their own lengths: max_new_tokens; GKD max_len)
+_REFINE = {k: v for k, v in _CODI_PAPER.items() if k not in ("train", "val", "max_len")} | {"train": "data/gsm8k_aug/train.txt"}
 _GPT2 = dict(model="gpt2", lora_targets="c_attn,c_proj,c_fc", lr=3e-3, steps=120_506, warmup=3_615)      # 40 epochs
 _LLAMA1B = dict(model="meta-llama/Llama-3.2-1B-Instruct", lr=8e-4, steps=30_127, warmup=904)             # 10 epochs
 for _name, _m, _beta in (("gpt2", _GPT2, 1.0), ("llama3.2-1b", _LLAMA1B, 20.0)):
     RECIPES[f"gpu-{_name}-gsm8k-aug"] = {
         "SFTConfig": dict(_CODI_PAPER, **_m, out=f"runs/{_name}-gsm8k-aug/cot-sft"),       # --mode answer: no-CoT SFT
-        "CodiConfig": dict(_CODI_PAPER, **_m, teacher="", teacher_ce=1.0, student_ce=1.0, anchor_kd=_beta, kd_norm_std=True,
-                           latent_steps=6, step_blocks="one", out=f"runs/{_name}-gsm8k-aug/codi"),
+        # CODI's objective: distil every layer at the state predicting the answer's first token (answer_kd_at first),
+        # not at <|action_sep|>; the data drops the last step (`latent-rl data gsm8k-aug --drop_last_step`)
+        "CodiConfig": dict(_CODI_PAPER, **_m, teacher="", teacher_ce=1.0, student_ce=1.0, anchor_kd=0.0, answer_kd=_beta,
+                           answer_kd_at="first", kd_norm_std=True, latent_steps=6, step_blocks="one",
+                           out=f"runs/{_name}-gsm8k-aug/codi"),
+        # refinement (not in the paper): on-policy GKD from the CoT-SFT teacher, then GRPO on the answer reward
+        "GKDConfig": dict(_REFINE, **{k: v for k, v in _m.items() if k == "lora_targets"},
+                          model=f"runs/{_name}-gsm8k-aug/codi/final", teacher=f"runs/{_name}-gsm8k-aug/cot-sft/final",
+                          step_blocks="one", max_len=512, steps=1000, warmup=20, lr=1e-5, lmbda=0.5, beta=0.5, max_new_tokens=256,
+                          steps_per_generation=2, save_every=200, out=f"runs/{_name}-gsm8k-aug/gkd"),
+        "GRPOConfig": dict(_REFINE, **{k: v for k, v in _m.items() if k == "lora_targets"},
+                           model=f"runs/{_name}-gsm8k-aug/gkd/final", step_blocks="one", steps=500, batch_size=64,
+                           group_size=8, warmup=10, lr=1e-5, temperature=0.7, dynamic_sampling=2, max_new_tokens=256,
+                           steps_per_generation=2, min_lr_frac=1.0, save_every=100, out=f"runs/{_name}-gsm8k-aug/grpo"),
     }
 for _d in (4, 5):
     _t = dict(

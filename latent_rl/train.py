@@ -69,8 +69,11 @@ def cmd_step_data(kind: str, argv):
     ap.add_argument("--split", default="train", help="the hub dataset's split; also the written file's name")
     ap.add_argument("--out", default=STEP_DATA[kind], help=f"directory (default {STEP_DATA[kind]})")
     ap.add_argument("--limit", type=int, default=0, help="at most this many rows (0: all)")
+    ap.add_argument("--drop_last_step", action="store_true",
+                    help="drop each row's last step, as CODI trains (include_last_cot=False: it states the answer)")
     a = ap.parse_args(argv)
     rows = load_step_source(a.src, a.split, a.limit or None)
+    if a.drop_last_step: rows = [{**r, "steps": r["steps"][:-1]} for r in rows]
     path = save_step_lines(rows, Path(a.out) / f"{a.split}.txt")
     print(f"latent-rl data {kind}: {len(rows):,} rows from {a.src} written to {path} "
           f"({sum(len(r['steps']) for r in rows) / max(1, len(rows)):.1f} steps a row)")

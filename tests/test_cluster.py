@@ -90,6 +90,8 @@ STAGES = {
         # Adam turns float noise in near-zero gradients into ~0.1·lr weight noise
         "--record_every",
         0,
+        "--dynamic_sampling",   # groups whose rewards are all equal are replaced: the 2 steps carry a signal
+        2,
     ],
 }
 

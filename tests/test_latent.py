@@ -480,3 +480,37 @@ def test_codi_steps_lower_the_codi_loss(call_cost, tail_cost):
         return losses
     down, up = run(1.0), run(-1.0)
     assert down[-1] < 0.8 * down[0] and up[-1] > 1.2 * up[0], (down, up)
+
+@pytest.mark.parametrize("call_cost,tail_cost", [(None, None), (0.0, None), (None, 0.0)], ids=["lockstep", "groups", "tails"])
+def test_answer_kd_at_first_distils_where_codi_does(call_cost, tail_cost):
+    """`answer_kd_at="first"`: only the states predicting the first token of each RETURN value are distilled (CODI's
+    position: the token that predicts the answer), which equals `answer_kd` on examples whose answer tokens are cut to
+    the first of each run; its gradient differs from distilling every answer token."""
+    import random
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
+    exs = [with_targets(e, random.Random(7)) for e in batch(6)]
+    exs = [{**e, "answer_tok": e["answer_tok"] + [e["answer_tok"][-1] + 1]} if e["answer_tok"]
+           and e["answer_tok"][-1] + 1 < len(e["trace_ids"]) else e for e in exs]                # runs of ≥ 2 tokens
+    first = [{**e, "answer_tok": [t for t in e["answer_tok"] if t - 1 not in e["answer_tok"]]} for e in exs]
+    assert sum(map(len, (e["answer_tok"] for e in first))) < sum(map(len, (e["answer_tok"] for e in exs)))
+    run = lambda xs, at: codi_forward(lm, xs, CodiOptions(anchor_kd=0.0, answer_kd=1.0, answer_kd_at=at),
+                                      call_cost=call_cost, tail_cost=tail_cost)
+    a, b, every = run(exs, "first"), run(first, "each"), run(exs, "each")
+    assert abs(a.loss.item() - b.loss.item()) < 1e-6 and abs(a.metrics["answer_kd_loss"] - b.metrics["answer_kd_loss"]) < 1e-6
+    assert abs(a.metrics["answer_kd_loss"] - every.metrics["answer_kd_loss"]) > 1e-6
+
+def test_phase_groups_replay_a_batch_where_some_or_no_row_opened_a_block():
+    """A latent policy's replay (phase groups) of completions where no row, or only a later group's rows, opened a
+    latent block (GRPO's samples can be all text) equals the lockstep pass; it raised IndexError."""
+    import random
+    from latent_rl.latent import grouped_student_pass, student_pass
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
+    rng = random.Random(3)
+    exs = batch(1)
+    plain = [{**e, "spans": []} for e in exs]                                                    # no block anywhere
+    mixed = [{**e, "spans": []} if k % 2 == 0 else e for k, e in enumerate(exs)]                 # some rows only
+    for xs in (plain, mixed):
+        a = grouped_student_pass(lm, xs, 0.0, ce=False, return_hidden=True)
+        b = student_pass(lm, xs, ce=False, return_hidden=True)
+        assert torch.allclose(a.pred_hidden, b.pred_hidden, atol=1e-5)
+    del rng

@@ -72,7 +72,7 @@ def test_grpo_lora_trains_only_the_adapters(tmp_path):
     run_cli(
         "grpo", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--max_train", 16, "--steps", 2,
         "--batch_size", 2, "--group_size", 4, "--max_new_tokens", 200, "--lr", 1e-2, "--warmup", 0, "--save_every", 0,
-        "--record_every", 0, *LORA, "--out", tmp_path / "g", env=ONE,
+        "--record_every", 0, "--dynamic_sampling", 2, *LORA, "--out", tmp_path / "g", env=ONE,
     )
     a, base = weights(tmp_path / "g" / "final"), weights(TEACHER)
     assert a.keys() == base.keys()                                           # a plain model, the teacher's names

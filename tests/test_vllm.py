@@ -196,3 +196,38 @@ def test_serve_rollouts_over_http(tmp_path, untied):
     finally:
         proc.terminate()
         proc.wait(60)
+
+_STOP_SCRIPT = r'''
+import json, sys
+from vllm import LLM, SamplingParams
+from latent_rl.policy import VLLMEngine
+from latent_rl.models import load_tokenizer
+from latent_rl.trace import END_OF_TEXT, row_prompt
+model, rows = sys.argv[1], [json.loads(l) for l in open(sys.argv[2])]
+tok = load_tokenizer(model)
+end = tok.convert_tokens_to_ids(END_OF_TEXT)
+P = [tok.encode(row_prompt(r), add_special_tokens=False) for r in rows]
+eng = VLLMEngine(model, dtype="float32", gpu_memory_utilization=0.1)
+ro = eng.generate(P, max_new_tokens=400, temperature=0.0, eos_id=tok.eos_token_id)
+plain = eng.llm.generate([{"prompt_token_ids": p} for p in P], SamplingParams(temperature=0.0, max_tokens=400))
+print(json.dumps({"end": end, "engine": [c[-1:] + [len(c)] for c in ro.completion_ids],
+                  "plain": [[o.outputs[0].finish_reason, list(o.outputs[0].token_ids[-1:]), len(o.outputs[0].token_ids)]
+                            for o in plain]}))
+'''
+
+def test_a_hub_shaped_model_stops_at_the_trace_end_in_vllm(tmp_path):
+    """A Qwen2.5-Instruct-shaped model (eos <|im_end|>, untied head), fully fine-tuned by latent_rl on eight traces,
+    stops at <|end_of_text|> in vLLM: through latent_rl's engine, and with vLLM's own defaults (the saved tokenizer's
+    eos and generation_config.json), as a user serving the saved model would."""
+    from latent_rl.fixtures import build_fixture, fixture_texts
+    lines = ROWS.read_text().splitlines()
+    base = build_fixture("qwen2.5-instruct", tmp_path / "base", fixture_texts([json.loads(l) for l in lines[:200]]))
+    (tmp_path / "eight.jsonl").write_text("".join(l + "\n" for l in lines[:8]))
+    run_cli("sft", "--recipe", "none", "--model", base, "--train", tmp_path / "eight.jsonl", "--val", "", "--steps", 150,
+            "--batch_size", 8, "--lr", 3e-3, "--warmup", 5, "--save_every", 0, "--out", tmp_path / "sft")
+    p = subprocess.run([sys.executable, "-c", _STOP_SCRIPT, str(tmp_path / "sft" / "final"), str(tmp_path / "eight.jsonl")],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert all(c[0] == r["end"] and c[1] < 400 for c in r["engine"]), r["engine"]
+    assert all(f == "stop" and n < 400 for f, _, n in r["plain"]), r["plain"]
