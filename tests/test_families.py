@@ -130,3 +130,18 @@ def test_gsm8k_aug_as_its_authors_ship_it(families, tmp_path, monkeypatch):
 def _write(path, objs):
     path.write_text("".join(json.dumps(o) + "\n" for o in objs))
     return path
+
+def test_paper_recipes_cover_every_stage_as_codi_ran_them():
+    "The GSM8k-Aug recipes: CODI's objective (distil at the answer's state, not <|action_sep|>) and GKD and GRPO sections."
+    from latent_rl.recipes import RECIPES, recipe_fields
+    from latent_rl.codi import CodiConfig
+    from latent_rl.gkd import GKDConfig
+    from latent_rl.grpo import GRPOConfig
+    for name, beta in (("gpu-gpt2-gsm8k-aug", 1.0), ("gpu-llama3.2-1b-gsm8k-aug", 20.0)):
+        c = recipe_fields(name, CodiConfig)
+        assert (c["anchor_kd"], c["answer_kd"], c["answer_kd_at"], c["latent_steps"]) == (0.0, beta, "first", 6)
+        assert (c["lora_r"], c["lora_alpha"], c["min_lr_frac"], c["seed"]) == (128, 32.0, 0.0, 11)
+        for cls in (GKDConfig, GRPOConfig):
+            f = recipe_fields(name, cls)
+            assert f["train"] == "data/gsm8k_aug/train.txt" and f["lora_r"] == 128 and f["model"].startswith("runs/")
+        assert set(RECIPES[name]) == {"SFTConfig", "CodiConfig", "GKDConfig", "GRPOConfig"}

@@ -229,3 +229,10 @@ def test_truncated_importance_sampling_corrects_an_inexact_engine(tmp_path):
     _, m = grads(0.0, Shifted())
     assert m["ratio_mean"] == pytest.approx(math.exp(0.3), rel=1e-3)             # uncorrected: the engine's error
     assert tis_cap(GRPOConfig(use_vllm=True)) == 2.0 and tis_cap(GRPOConfig()) == 0.0   # auto: on for vLLM only
+
+def test_a_plain_function_is_a_reward(tmp_path):
+    "`--rewards 'correct=1,module:function=w'`: any importable fn(texts, rows) -> list[float] is weighted and logged."
+    grpo(tmp_path, "--model", ROOT / "data" / "notrace", "--steps", 1, "--batch_size", 2, "--group_size", 4,
+         "--max_new_tokens", 16, "--rewards", "correct=1,latent_rl.rewards:format_reward=0.5")
+    s = steps_of(tmp_path)
+    assert "reward_correct" in s[0] and "reward_latent_rl.rewards:format_reward" in s[0], sorted(s[0])
