@@ -11,7 +11,7 @@ import torch
 from .trace import TRACE_TOKENS, row_prompt
 
 # %% auto #0
-__all__ = ['FAMILIES', 'fixture_texts', 'fixture_tokenizer', 'fixture_config', 'build_fixture']
+__all__ = ['FAMILIES', 'fixture_texts', 'fixture_tokenizer', 'fixture_config', 'build_fixture', 'pretrain_fixture']
 
 # %% ../nbs/04a_fixtures.ipynb #e5e7caaa
 _LLAMA3 = ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
@@ -120,3 +120,25 @@ def _set_tokenizer_class(path: Path, cls: str) -> None:
     cfg = json.loads(p.read_text())
     cfg["tokenizer_class"] = cls
     p.write_text(json.dumps(cfg, indent=2))
+
+# %% ../nbs/04a_fixtures.ipynb #a9b8c702
+def pretrain_fixture(path, texts, steps: int = 300, batch_size: int = 16, lr: float = 3e-3, max_len: int = 256,
+                     seed: int = 0) -> Path:
+    "Train the fixture at `path` as a plain causal LM on `texts` for `steps` AdamW steps and save it there."
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = Path(path)
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    ids = [x for t in texts if (x := tok.encode(t, add_special_tokens=False)[:max_len])]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    opt, g = torch.optim.AdamW(model.parameters(), lr=lr), torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        b = [ids[i] for i in torch.randint(len(ids), (batch_size,), generator=g).tolist()]
+        L = max(map(len, b))
+        x = torch.tensor([r + [pad] * (L - len(r)) for r in b])                                     # [B, L]
+        y = torch.tensor([r + [-100] * (L - len(r)) for r in b])                                    # [B, L]
+        model(input_ids=x, attention_mask=(y != -100).long(), labels=y).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(path)
+    return path

@@ -5,7 +5,13 @@ path through the code a hub name goes through. `tests/test_families.py` holds wh
 import os
 import pytest
 from conftest import run_cli, ONE, rows_of, steps_of
-from test_families import families  # noqa: F401  (the session fixture)
+from test_families import families, SEEN  # noqa: F401  (the session fixture)
+from latent_rl.fixtures import build_fixture, fixture_texts
+from latent_rl.trace import END_OF_TEXT, row_prompt
+from conftest import ROOT
+import json
+
+ROWS = ROOT / "data" / "corpus" / "train.jsonl"
 from latent_rl.fixtures import FAMILIES
 
 pytestmark = pytest.mark.skipif(os.environ.get("LATENT_RL_FAMILY_LANE") != "1",
@@ -30,3 +36,30 @@ def test_whole_pipeline_on_a_hub_shaped_family(families, family, tmp_path):  # n
     text, latent = rows_of(tmp_path / "eval" / "text.records.jsonl"), rows_of(tmp_path / "eval" / "latent.records.jsonl")
     assert len(text) == len(latent) == 8
     assert sum(r["generated"].endswith("<|end_of_text|>") for r in text) >= 6        # the SFT model stops at the end
+
+def test_a_lora_student_of_a_pretrained_base_writes_traces_and_opens_latent_blocks(tmp_path):
+    """A Qwen2.5-Instruct-shaped model pretrained on program text (no trace token in it, as a hub model), then a short
+    LoRA SFT: the student writes every trace token where it belongs (8/8 memorised traces well formed, stopping at
+    <|end_of_text|>) and, as a latent model, opens latent blocks at its LINE frames. With the new rows frozen at their
+    shared mean (as before) no trace token can be told from another."""
+    from latent_rl.fixtures import pretrain_fixture
+    from latent_rl.evaluate import evaluate_path
+    from latent_rl.latent import LatentModel
+    from latent_rl.generate import generate_latent
+    lines = ROWS.read_text().splitlines()
+    texts = fixture_texts([json.loads(l) for l in lines[:2000]])
+    base = pretrain_fixture(build_fixture("qwen2.5-instruct", tmp_path / "base", texts[:200]), texts, steps=300,
+                            max_len=128)
+    (tmp_path / "eight.jsonl").write_text("".join(l + "\n" for l in lines[:8]))
+    run_cli("sft", "--recipe", "none", "--model", base, "--train", tmp_path / "eight.jsonl", "--val", "", "--steps", 200,
+            "--batch_size", 8, "--lr", 1e-2, "--warmup", 10, "--save_every", 0, "--lora_r", 8, "--out",
+            tmp_path / "lora", env=ONE)
+    rows = rows_of(tmp_path / "eight.jsonl")
+    r = evaluate_path(tmp_path / "lora" / "final", rows, max_new_tokens=400, progress=False)
+    assert r["format_valid"] >= 0.75 and all(x["generated"].endswith(END_OF_TEXT) for x in r["records"]), r["format_valid"]
+    written = "".join(x["generated"] for x in r["records"])
+    assert all(t in written for t in SEEN if t != "<|trace_context_start|>")              # each trace token written
+    lm, tok = LatentModel.load(tmp_path / "lora" / "final")
+    P = [tok.encode(row_prompt(x), add_special_tokens=False) for x in rows]
+    ro = generate_latent(lm, P, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=300)
+    assert sum(len(a) > 0 for a in ro.latent_at) >= 6, ro.latent_at                       # blocks opened
