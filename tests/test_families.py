@@ -127,6 +127,16 @@ def test_gsm8k_aug_as_its_authors_ship_it(families, tmp_path, monkeypatch):
     assert (tmp_path / "codi" / "final" / "projector.pt").exists()
     assert all("answer_kd_loss" in r for r in steps_of(tmp_path / "codi"))       # CODI's position: the answer's state
 
+def test_gsm8k_aug_from_parquet(tmp_path):
+    "The hub's own file format for a dataset's rows: a parquet table of CODI's rows reads like the jsonl."
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    from latent_rl.steps import load_step_rows, is_step_file
+    rows = _aug_rows(5)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    got = load_step_rows(tmp_path / "train.parquet")
+    assert is_step_file(tmp_path / "train.parquet") and [r["answer"] for r in got] == [r["answer"] for r in rows]
+
 def _write(path, objs):
     path.write_text("".join(json.dumps(o) + "\n" for o in objs))
     return path
