@@ -15,7 +15,7 @@ def family_pipeline(family: str, d: Path, texts, rows: Path, bf16: bool, device:
     data = ["--train", str(rows)]
     base = build_fixture(family, d / "base", texts)
     t0 = time.time()
-    main(["sft", "--recipe", "none", "--model", str(base), *data, "--val", "", "--steps", "100", "--batch_size", "8",
+    main(["sft", "--recipe", "none", "--model", str(base), *data, "--val", "", "--steps", "150", "--batch_size", "8",
           "--lr", "3e-3", "--warmup", "5", "--save_every", "0", "--log_every", "50", "--out", str(d / "sft"), *prec])
     main(["codi", "--recipe", "cpu-smoke", "--model", str(d / "sft" / "final"), *data, "--val", "", "--out",
           str(d / "codi"), *prec])

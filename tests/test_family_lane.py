@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("LATENT_RL_FAMILY_LANE") != "1",
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_whole_pipeline_on_a_hub_shaped_family(families, family, tmp_path):  # noqa: F811
     data = ["--train", families / "eight.jsonl"]
-    run_cli("sft", "--recipe", "none", "--model", families / family, *data, "--val", "", "--steps", 100, "--batch_size",
+    run_cli("sft", "--recipe", "none", "--model", families / family, *data, "--val", "", "--steps", 150, "--batch_size",
             8, "--lr", 3e-3, "--warmup", 5, "--save_every", 0, "--out", tmp_path / "sft", env=ONE)
     run_cli("codi", "--recipe", "cpu-smoke", "--model", tmp_path / "sft" / "final", *data, "--val", "", "--out",
             tmp_path / "codi", env=ONE)
