@@ -243,14 +243,17 @@ def _rows_out(src, args, z):                                           # z: [...
 # %% ../nbs/04_models.ipynb #a1b2c304
 def fold_rows(module: nn.Module, sd: dict) -> dict:
     "`sd` (a state dict of `module`) with each row delta added into its weight, a tied head's key included."
-    deltas = {n: m for n, m in module.named_modules() if hasattr(m, ROW_DELTA)}
-    tied = {n for n, m in module.named_modules() if isinstance(m, nn.Linear) and any(m.weight is d.weight for d in deltas.values())}
+    named = dict(module.named_modules())
+    deltas = {n: m for n, m in named.items() if hasattr(m, ROW_DELTA)}
     sd = dict(sd)
     for n, m in deltas.items():
         pre = f"{n}." if n else ""
-        w = sd[pre + "weight"].index_add(0, m.latent_rl_rows.to(sd[pre + "weight"].device), sd.pop(pre + ROW_DELTA).to(sd[pre + "weight"].dtype))
+        w = sd[pre + "weight"]                                                                  # [V, H]
+        w = w.index_add(0, m.latent_rl_rows.to(w.device), sd.pop(pre + ROW_DELTA).to(w.dtype))
+        # a tied head (its weight is this one) is saved with the same rows
+        for t in [t for t, o in named.items() if t not in deltas and getattr(o, "weight", None) is m.weight]:
+            sd[f"{t}.weight"] = w
         sd[pre + "weight"] = w
-        for t in tied - set(deltas): sd[f"{t}.weight"] = w
     return sd
 
 # %% ../nbs/04_models.ipynb #899299c8

