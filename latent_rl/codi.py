@@ -5,20 +5,21 @@
 # %% ../nbs/18_codi.ipynb #8c95713b
 from __future__ import annotations
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from .tokens import codi_example, latent_subset
+from .tokens import codi_example, latent_subset, sft_example
 from .models import load_model, n_params, lora_scale, export_state, save_lora, load_lora
 from .latent import LatentModel, CodiOptions, codi_forward, CALL_COST
 from .records import RunRecord
-from .config import TrainConfig, teacher_dtype
+from .config import TrainConfig, ConfigError, teacher_dtype
 from .engine import setup, log0, shard_frozen
 from .generate import seeded
-from .loop import (Stage, train_loop, finish_run, write_config, load_traced, bucket_groups, bucket_indices,
+from .sft import sft_batch_loss
+from .loop import (Stage, train_loop, finish_run, write_config, load_train, bucket_groups, bucket_indices,
     lora_student, stage_summary, losses_line)
 
 # %% auto #0
@@ -50,6 +51,7 @@ class CodiConfig(TrainConfig):
     answer_kd: float = 0.0              # distil the states predicting the RETURN value
     answer_kd_at: str = "each"          # at every RETURN-value token (each), or at the state predicting its first (first: CODI's position)
     answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
+    answer_ce: float = 0.0              # traced_frac < 1: CE weight of the answer-only rows (answers as plain SFT targets, a seeded one beside each CODI example); 0 = they are unused
     recon: float = 0.0                  # block-local reconstruction of each block's replaced state
     latent_teacher_forcing: float = 0.0  # latent teacher forcing probability per block (decays linearly to 0 with latent_teacher_forcing_decay)
     latent_teacher_forcing_decay: bool = False # latent_teacher_forcing decays linearly to 0 over the run
@@ -125,6 +127,7 @@ class CodiStep(Stage):
     exs: list[dict]
     opts: CodiOptions
     teacher: nn.Module | None = None    # frozen teacher (None: the student's weights read the full trace)
+    answers: list[dict] = field(default_factory=list)   # answer-only examples (traced_frac < 1; CE weight answer_ce)
     name: str = "codi"
 
     def __post_init__(self):
@@ -162,7 +165,18 @@ class CodiStep(Stage):
             self.anchors.log(step=step, **anchor_record(batch, out))
         m = dict(out.metrics, ss_p=o.ss_p, latent_teacher_forcing=o.latent_teacher_forcing,
                  latent_share=sum(len(e["spans"]) for e in batch) / sum(len(self.exs[i]["spans"]) for i in part))
-        return out.loss * len(part) / len(idx), m
+        loss = out.loss
+        if cfg.answer_ce and self.answers:
+            a_loss, m["answer_ce_loss"] = self.answer_loss(step, part)
+            loss = loss + cfg.answer_ce * a_loss
+        return loss * len(part) / len(idx), m
+
+    def answer_loss(self, step, part) -> tuple[torch.Tensor, float]:
+        "The supervised use of answer-only rows: token-mean CE of a seeded answer example per CODI example."
+        n = len(self.answers)
+        pick = [int(torch.randint(n, (1,), generator=seeded("answer-rows", self.cfg.seed, step, i))) for i in part]
+        loss, m = sft_batch_loss(self.module.model, [self.answers[j] for j in pick], self.tok.pad_token_id)
+        return loss, m["loss"]
 
     def save(self, d, state_dict=None):   # LoRA: the merged model, and the adapters and projector for a resume
         self.module.save(d, self.tok, export_state(self.module, state_dict))
@@ -172,17 +186,23 @@ class CodiStep(Stage):
         self.module.load_state_dict(LatentModel.load(d, dtype=self.cfg.dtype)[0].state_dict())
 
 # %% ../nbs/18_codi.ipynb #4eba2744
-def codi_examples(cfg: CodiConfig, tok, opts: CodiOptions, acc, progress: bool = True) -> list[dict]:
-    "CODI examples (prompt, trace with its LINE spans) from traced rows."
-    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
+def codi_examples(cfg: CodiConfig, tok, opts: CodiOptions, acc, progress: bool = True) -> tuple[list, list]:
+    """CODI examples (prompt, trace with its LINE spans) from the traced rows, and the answer-only rows' SFT examples
+    (`traced_frac` < 1; empty unless `answer_ce` uses them)."""
+    rows = load_train(cfg, progress and acc.is_main_process)
     exs = [
         e
-        for e in (codi_example(tok, r, cfg.max_len, cfg.max_spans or None, targets=opts.needs_targets) for r in rows)
+        for e in (codi_example(tok, r, cfg.max_len, cfg.max_spans or None, targets=opts.needs_targets)
+                  for r in rows if "trace" in r)
         if e is not None
     ]
     if not exs:
         raise ValueError(f"{cfg.train}: no usable CODI examples (need ≥1 LINE frame within max_len={cfg.max_len})")
-    return exs
+    answers = [sft_example(tok, r, "answer", cfg.max_len) for r in rows if "trace" not in r] if cfg.answer_ce else []
+    answers = [a for a in answers if a is not None]
+    if cfg.answer_ce and not answers:
+        raise ConfigError(f"answer_ce = {cfg.answer_ce}: no answer-only rows to use (set traced_frac < 1)")
+    return exs, answers
 
 def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     "Train a CODI latent student; returns `{out}/final` (a latent model directory)."
@@ -196,13 +216,13 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     lm.to(acc.device)
     teacher = load_frozen_teacher(cfg, lm, tok, acc.device)
     if teacher is not None: shard_frozen(teacher, cfg, acc)         # FSDP2: its layers sharded, gathered per forward
-    exs = codi_examples(cfg, tok, opts, acc, progress)
+    exs, answers = codi_examples(cfg, tok, opts, acc, progress)
     log0(
         acc,
         f"codi: {n_params(lm):,} params (projector included), {len(exs)} examples, latent_steps={cfg.latent_steps}, "
         f"{'frozen' if teacher is not None else 'shared-weight'} teacher, {cfg.steps} steps × {cfg.batch_size}",
     )
-    stage = CodiStep(cfg, acc, lm, tok, exs, opts, teacher)
+    stage = CodiStep(cfg, acc, lm, tok, exs, opts, teacher, answers)
     res = train_loop(stage, progress)
     final = finish_run(stage, stage_summary(res, steps=cfg.steps, examples=len(exs)), engine=res["engine"])
     log0(acc, losses_line("codi", res))

@@ -30,13 +30,13 @@ POSITIVE = {"steps", "batch_size", "grad_accum", "max_len", "latent_steps", "log
             "gpus", "gpu_mem", "seq", "micro_batch", "pad_ratio"}
 NON_NEGATIVE = {
     "lora_r", "warmup", "save_every", "max_train", "max_spans", "anchor_every", "record_every", "topk", "weight_decay",
-    "teacher_ce", "student_ce", "anchor_kd", "value_kd", "answer_kd", "recon", "answer_weight", "sft_alpha",
+    "teacher_ce", "student_ce", "anchor_kd", "value_kd", "answer_kd", "recon", "answer_weight", "answer_ce", "sft_alpha",
     "http_retries", "http_backoff",
-    "vllm_max_model_len", "seed", "eps_low", "eps_high", "kl_beta", "latent_sigma", "dynamic_sampling",
+    "vllm_max_model_len", "seed", "traced_seed", "eps_low", "eps_high", "kl_beta", "latent_sigma", "dynamic_sampling",
     "spans", "completion", "runtime_gb",
 }
 FRACTION = {"min_lr_frac", "scheduled_sampling", "scheduled_sampling_ramp", "latent_teacher_forcing", "curriculum",
-            "lmbda", "beta", "vllm_gpu_memory_utilization", "latent_share", "prefix_share", "rollout_share"}
+            "lmbda", "beta", "traced_frac", "vllm_gpu_memory_utilization", "latent_share", "prefix_share", "rollout_share"}
 STAGES = ("sft", "codi", "gkd", "grpo")   # the training stages, in pipeline order
 CHOICES = {
     "stage": STAGES, "attention": ("flash", "math"),
@@ -254,6 +254,8 @@ class TrainConfig:
     weight_decay: float = 0.0            # AdamW weight decay
     max_grad_norm: float = 1.0           # gradient-norm clip
     max_train: int = 0                  # 0 = all training rows
+    traced_frac: float = 1.0            # answers outnumber traces: a seeded share of the training programs keeps its traces, the rest only their answers (the same programs in every stage)
+    traced_seed: int = 0                # which programs keep their traces (`latent_rl.loop.split_traced`)
     step_blocks: str = "each"           # step-data files: a latent block per step (each) or one for the whole chain (one)
     seed: int = 0                        # seeds the data order, sampling keys and initialisation
     dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)

@@ -21,7 +21,7 @@ from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOf
 from .records import RunRecord
 from .config import ConfigError, VLLMConfig, teacher_dtype
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
-from .loop import (PolicyStage, train_loop, finish_run, write_config, load_traced, batch_indices, lora_student,
+from .loop import (PolicyStage, train_loop, finish_run, write_config, load_train, batch_indices, lora_student,
     generation_cycle, drain, stage_summary, losses_line)
 from fastcore.basics import patch
 
@@ -36,8 +36,11 @@ def gkd_coin(seed: int, step: int, lmbda: float) -> bool:
 
 # %% ../nbs/19_gkd.ipynb #b7e0c50a
 def dataset_completion(tok, row: dict, kind: str) -> dict:
-    "`{prompt, completion, latent_at, row}` of a traced row for a 'text' or 'latent' student."
-    p, t = encode(tok, row_prompt(row)), encode(tok, row["trace"])
+    """`{prompt, completion, latent_at, row}` of a traced row for a 'text' or 'latent' student; an answer-only row
+    (`traced_frac` < 1) has no completion of its own and is drawn only when the student samples."""
+    p = encode(tok, row_prompt(row))
+    if "trace" not in row: return {"prompt": p, "completion": [], "latent_at": [], "row": row, "traced": False}
+    t = encode(tok, row["trace"])
     if kind == "text": return {"prompt": p, "completion": t, "latent_at": [], "row": row}
     ids = trace_token_ids(tok)
     comp, lat, prev = [], [], 0
@@ -245,6 +248,12 @@ class GKDStep(PolicyStage):
 
     def __post_init__(self):
         self.module, self.n_examples = self.policy.module, len(self.data)
+        # traced_frac < 1: dataset completions come from the traced rows only (None: every row has one)
+        traced = [i for i, d in enumerate(self.data) if d.get("traced", True)]
+        self.traced = traced if len(traced) < self.n_examples else None
+        if self.traced is not None and not traced and self.cfg.lmbda < 1:
+            raise ConfigError(f"lmbda = {self.cfg.lmbda} uses dataset completions, and no training row has a trace "
+                              "(traced_frac): use lmbda = 1")
         self.rec = RunRecord(self.cfg.out, self.acc.is_main_process and self.cfg.record_every > 0, "logprobs.jsonl")
 
     def fits(self, i: int) -> bool:
@@ -252,9 +261,15 @@ class GKDStep(PolicyStage):
         return self.cfg.truncation_strategy == "keep" or len(d["prompt"]) + len(d["completion"]) <= self.cfg.max_len
 
     def batch(self, step):
+        "The step's rows: from all of them when its cycle samples, from the traced ones when it uses their completions."
         c = self.cfg
-        return resample_overlong(batch_indices(step, c.batch_size, self.n_examples, c.seed), self.fits, self.n_examples,
-                                 c.seed, step, c.max_resample_rounds, f" ({c.train}, max_len={c.max_len})")
+        pool = None if gkd_coin(c.seed, generation_cycle(step, c.steps_per_generation, c.steps)[0], c.lmbda) else \
+            self.traced
+        n = len(pool) if pool is not None else self.n_examples
+        at = (lambda i: pool[i]) if pool is not None else (lambda i: i)
+        idx = resample_overlong(batch_indices(step, c.batch_size, n, c.seed), lambda i: self.fits(at(i)), n, c.seed,
+                                step, c.max_resample_rounds, f" ({c.train}, max_len={c.max_len})")
+        return [at(i) for i in idx]
 
     def micro_loss(self, step, part, idx):
         # first micro-batch of a cycle (in the step module: weights gathered)
@@ -380,7 +395,10 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
         raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     teacher = make_teacher(cfg, policy, acc)
     check_vocab(policy.tok, teacher, policy.head_weight.shape[0])     # refuse mismatched vocabularies at start-up
-    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
+    rows = load_train(cfg, progress and acc.is_main_process)    # traced_frac < 1: answer-only rows are prompts only
+    if cfg.teacher_locals == "true" and any("trace" not in r for r in rows):
+        raise ConfigError("teacher_locals = true reads each row's real locals; answer-only rows (traced_frac < 1) "
+                          "have none: use teacher_locals = greedy")
     data = [dataset_completion(policy.tok, r, policy.kind) for r in rows]
     if not data: raise ValueError(f"{cfg.train}: no rows")
     rollout_engine = make_rollout_engine(cfg, policy) if cfg.use_vllm and policy.kind == "text" else None

@@ -20,7 +20,7 @@ from .records import RunRecord
 from .config import ConfigError, VLLMConfig
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
 from latent_rl.loop import (
-    PolicyStage, train_loop, finish_run, write_config, load_traced, lora_student, generation_cycle, drain,
+    PolicyStage, train_loop, finish_run, write_config, load_train, lora_student, generation_cycle, drain,
     batch_indices, stage_summary,
 )
 from fastcore.basics import patch
@@ -446,7 +446,10 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     lora_student(cfg, policy.lm, policy.module)
     if cfg.lora_r and cfg.use_vllm:
         raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
-    rows = load_traced(cfg.train, cfg.max_train, progress=progress and acc.is_main_process, step_blocks=cfg.step_blocks)
+    rows = load_train(cfg, progress and acc.is_main_process)   # traced_frac < 1: most rows carry only their answer
+    if "path" in reward_fn.weights and any("trace" not in r for r in rows):
+        raise ConfigError("the path reward compares with each row's trace; answer-only rows (traced_frac < 1) have "
+                          "none: drop 'path' from rewards")
     prompts = [encode(policy.tok, row_prompt(r)) for r in rows]
     rollout_engine = make_rollout_engine(cfg, policy) if cfg.use_vllm else None
     log0(acc, f"grpo: {policy.kind} policy {cfg.model} ({n_params(policy.module):,} params), {len(rows)} prompts, "

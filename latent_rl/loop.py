@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from .corpus import load_rows, trace_and_fill
 from .steps import is_step_file, load_step_rows, to_trace_row
+from .tokens import answer_text
 from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale
 from .generate import seeded
 from .records import RunRecord, RECORD_FILES, trim_records
@@ -27,9 +28,9 @@ __all__ = ['RESUME_MAY_CHANGE', 'lr_lambda', 'CheckpointError', 'rng_state', 'se
            'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state',
            'latest_checkpoint', 'RunDirBusy', 'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config',
            'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage', 'generation_cycle', 'drain',
-           'StopRequest', 'lora_student', 'load_traced', 'wandb_settings', 'wandb_run', 'resume_run',
-           'write_checkpoint', 'train_step', 'step_record', 'make_optimizer', 'log_step', 'train_loop', 'finish_run',
-           'stage_summary', 'losses_line']
+           'StopRequest', 'lora_student', 'load_traced', 'program_key', 'answer_only', 'split_traced', 'load_train',
+           'wandb_settings', 'wandb_run', 'resume_run', 'write_checkpoint', 'train_step', 'step_record',
+           'make_optimizer', 'log_step', 'train_loop', 'finish_run', 'stage_summary', 'losses_line']
 
 # %% ../nbs/16_loop.ipynb #22ccd1d3
 def lr_lambda(step: int, warmup: int, total: int, min_lr_frac: float = 0.1) -> float:
@@ -349,6 +350,29 @@ def load_traced(path, limit: int = 0, progress: bool = True, step_blocks: str = 
         rows = [r for r in rows if r is not None]
         if not rows: raise ValueError(f"{path}: none of its {len(need)} programs could be traced (reasons: {skipped})")
     return rows
+
+# %% ../nbs/16_loop.ipynb #871e87a1
+def program_key(row: dict, seed: int = 0) -> str:
+    "A row's place in the seeded order that picks traced programs: a hash of (seed, code, input), nothing else."
+    return hashlib.sha256(f"{seed}\0{row['code']}\0{row['input']}".encode()).hexdigest()
+
+def answer_only(row: dict) -> dict:
+    "`row` without its trace: `answer` (the no-trace target, `latent_rl.tokens.answer_text`) and `traced: False`."
+    return {**{k: v for k, v in row.items() if k != "trace"}, "answer": answer_text(row["trace"]), "traced": False}
+
+def split_traced(rows: list[dict], frac: float = 1.0, seed: int = 0) -> list[dict]:
+    """Answers outnumber traces: the `round(frac · n)` programs first in the seeded order (`program_key`) keep their
+    traces, the others become `answer_only`. The choice depends on (seed, program text) only, so every stage, file
+    order and process count picks the same programs."""
+    if frac >= 1: return rows
+    keep = set(sorted(range(len(rows)), key=lambda i: program_key(rows[i], seed))[: round(frac * len(rows))])
+    return [r if i in keep else answer_only(r) for i, r in enumerate(rows)]
+
+def load_train(cfg, progress: bool = True) -> list[dict]:
+    "A stage's training rows: `load_traced(cfg.train)`, then `split_traced` by `cfg.traced_frac` and `cfg.traced_seed`."
+    rows = load_traced(cfg.train, cfg.max_train, progress=progress, step_blocks=cfg.step_blocks)
+    return split_traced(rows, cfg.traced_frac, cfg.traced_seed)
+
 
 # %% ../nbs/16_loop.ipynb #0ba4bd17
 def wandb_settings(cfg, stage: str) -> dict | None:

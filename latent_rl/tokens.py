@@ -145,9 +145,12 @@ def answer_text(trace: str) -> str:
 def sft_example(tok, row: dict, mode: str = "trace", max_len: int | None = None) -> dict | None:
     "`{input_ids, labels}` for a traced row; `mode` 'trace' (explicit trace) or 'answer' (no-trace). None if too long"
     "or if its own text holds a special token (`foreign_special`)."
-    if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len) or foreign_special(row): return None
-    p = encode(tok, row_prompt(row))
-    t = encode(tok, row["trace"] if mode == "trace" else answer_text(row["trace"]))
+    if mode == "trace" and "trace" not in row:
+        raise ValueError(f"row {row.get('id')!r} has no trace (answer-only, `traced_frac`): use mode 'answer' for it")
+    text = row["trace"] if mode == "trace" else row.get("answer") or answer_text(row["trace"])   # answer-only rows
+    if surely_too_long(tok, (row["code"], row["input"], row.get("trace", text)), max_len) or foreign_special(row):
+        return None
+    p, t = encode(tok, row_prompt(row)), encode(tok, text)
     if max_len and len(p) + len(t) > max_len: return None
     return {"input_ids": p + t, "labels": [IGNORE_INDEX] * len(p) + t, "id": row.get("id")}
 
