@@ -73,6 +73,17 @@ class DemoRun:
         "The recipe's config of a stage with this run's paths."
         return cls(**{**recipe_fields(self.recipe, cls), **over, "overwrite": True})
     @property
+    def teacher_name(self) -> str:   # the explicit teacher the recipe's CODI starts from: data/<this>
+        return Path(recipe_fields(self.recipe, CodiConfig).get("model", "data/teacher")).name
+    @property
+    def traced_frac(self) -> float:  # answers outnumber traces where < 1 (the recipe's setting)
+        return recipe_fields(self.recipe, CodiConfig).get("traced_frac", 1.0)
+    @property
+    def setting(self) -> str:
+        f = self.traced_frac
+        return "every training program traced" if f >= 1 else \
+            f"traces for {f:.0%} of the training programs, answers for all (answers outnumber traces)"
+    @property
     def train(self): return str(self.data / "corpus/train.jsonl")
 
 # %% ../nbs/28_demo.ipynb #f60f5e70
@@ -92,8 +103,8 @@ def demo_data(d: DemoRun) -> bool:
 
 def demo_sft(d: DemoRun, from_scratch: bool):
     "The explicit-trace teacher and the no-trace baseline: shipped, or retrained with their exact recipes."
-    print("== 2/7 SFT: explicit-trace teacher and no-trace baseline (same budget)")
-    for name in ("teacher", "notrace"):
+    print(f"== 2/7 SFT: explicit-trace teacher and no-trace baseline ({d.setting})")
+    for key, name in (("teacher", d.teacher_name), ("notrace", "notrace")):
         shipped = d.data / name
         if from_scratch:   # sft.toml, then sft_continue.toml (if shipped) from its result: the recipe of data/NAME
             prev = ""
@@ -105,7 +116,7 @@ def demo_sft(d: DemoRun, from_scratch: bool):
                 )
                 cfg.tokenizer, cfg.model, cfg.overwrite = str(d.data / "tokenizer"), prev, True
                 prev = str(run_sft(cfg, progress=d.progress))
-            d.models[name] = Path(prev)
+            d.models[key] = Path(prev)
         else:
             if not (shipped / "config.json").exists():
                 raise FileNotFoundError(
@@ -117,9 +128,10 @@ def demo_sft(d: DemoRun, from_scratch: bool):
                 else {}
             )
             print(f"using shipped {name} {shipped} ({summ.get('steps', '?')} steps, {summ.get('train_seconds', 0) / 60:.1f} min of training)")
-            d.models[name] = shipped
+            d.models[key] = shipped
         d.lap(f"sft {name}")
-    evaluate_stage(d, "teacher", "SFT", "explicit trace", d.models["teacher"])
+    traced = "" if d.traced_frac >= 1 else f", {d.traced_frac:.0%} of the traces"
+    evaluate_stage(d, "teacher", "SFT", f"explicit trace{traced}", d.models["teacher"])
     evaluate_stage(d, "notrace", "SFT (no-trace baseline)", "answer only", d.models["notrace"], max_new_tokens=64)
     d.lap("eval sft")
 
@@ -192,7 +204,8 @@ def demo_grpo(d: DemoRun):
 # %% ../nbs/28_demo.ipynb #3e4f3e61
 COMPARISONS = (
     ("codi", "notrace", "latent student vs the no-trace baseline"), ("gkd", "codi", "GKD's effect (after vs before)"),
-    ("grpo", "gkd", "GRPO's effect (after vs before)"), ("codi", "teacher", "latent student vs its explicit teacher"),
+    ("grpo", "gkd", "GRPO's effect (after vs before)"), ("grpo", "codi", "GKD and GRPO together (after vs CODI)"),
+    ("codi", "teacher", "latent student vs its explicit teacher"),
 )
 
 def comparisons(d: DemoRun) -> list[dict]:
@@ -258,7 +271,7 @@ def run_demo(out="runs/demo", data="data", from_scratch: bool = False, limit: in
     d.times["total"] = round(time.time() - t_all, 1)
     comps = comparisons(d)
     table = results_md(
-        d.res, comps, f"held-out output prediction ({d.res['teacher']['n']} programs of {d.data / 'corpus/test.jsonl'})"
+        d.res, comps, f"held-out output prediction ({d.res['teacher']['n']} programs of {d.data / 'corpus/test.jsonl'}; {d.setting})"
     )
     print("\n" + table + "\n")
     print(f"latent usage (CODI): {rep['usage'].get('verdict', '—')}")

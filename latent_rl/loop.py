@@ -351,7 +351,7 @@ def load_traced(path, limit: int = 0, progress: bool = True, step_blocks: str = 
         if not rows: raise ValueError(f"{path}: none of its {len(need)} programs could be traced (reasons: {skipped})")
     return rows
 
-# %% ../nbs/16_loop.ipynb #871e87a1
+# %% ../nbs/16_loop.ipynb #9a3a56c9
 def program_key(row: dict, seed: int = 0) -> str:
     "A row's place in the seeded order that picks traced programs: a hash of (seed, code, input), nothing else."
     return hashlib.sha256(f"{seed}\0{row['code']}\0{row['input']}".encode()).hexdigest()
