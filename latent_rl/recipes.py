@@ -89,7 +89,7 @@ RECIPES["gpu-qwen2.5-coder-32b"] = {
                        warmup=10, max_new_tokens=512, steps_per_generation=2, save_every=50, out="runs/grpo"),
 }
 
-# %% ../nbs/13_recipes.ipynb #4b31e495
+# %% ../nbs/13_recipes.ipynb #cedba853
 # Answers outnumber traces (nbs/25_study.ipynb, eighth round): traces for a seeded 10% of the training programs, answers
 # for all. The teacher saw the traced 10% (data/teacher10/sft.toml), CODI trains on them, GKD and GRPO draw prompts
 # from every program (GRPO: the answer reward, two optimizer steps per generation, a fifth of the prompts at 120 steps)
@@ -99,8 +99,8 @@ RECIPES["cpu-tiny-answers10"] = {
     "CodiConfig": dict(RECIPES["cpu-tiny"]["CodiConfig"], **_A10, model="data/teacher10"),
     "GKDConfig": dict(RECIPES["cpu-tiny"]["GKDConfig"], **_A10, teacher="data/teacher10", lmbda=1.0, steps=60,
                       lr=5e-5, save_every=30, record_every=10),
-    "GRPOConfig": dict(RECIPES["cpu-tiny"]["GRPOConfig"], **_A10, steps=60, batch_size=16, group_size=8,
-                       steps_per_generation=2, save_every=30, record_every=10),
+    "GRPOConfig": dict(RECIPES["cpu-tiny"]["GRPOConfig"], **_A10, steps=120, batch_size=16, group_size=8,
+                       steps_per_generation=2, save_every=60, record_every=10),
 }
 
 
