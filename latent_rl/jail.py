@@ -12,10 +12,12 @@ __all__ = ['THREAT_MODEL', 'seccomp_program']
 
 # %% ../nbs/00a_jail.ipynb #aa317fc3
 THREAT_MODEL = (
-    "Each traced program is untrusted: it runs in a fresh, confined process in a bubblewrap jail (own user, PID, mount, "
-    "network and IPC namespaces; uid 65534; read-only system view; no home, project files or environment; rlimits; seccomp).\n"
+    "Each traced program is untrusted: it runs alone in a fresh, confined process in a bubblewrap jail (own user, mount, "
+    "network and IPC namespaces, and for each row a PID namespace, scratch tmpfs and empty /proc of its own; uid 65534; "
+    "read-only system view; no home, project files or environment; rlimits; seccomp).\n"
     "It cannot read your files, environment or processes, write outside its scratch tmpfs, reach the network, outlive "
-    "its row, starve the host of processes, change another row's result or put a special token into training data; a "
+    "its row, starve the host of processes, flush the host's disk or empty its page cache, pass a value to a row of "
+    "another jail or leave state for a later row, change another row's result or put a special token into training data; a "
     "row that misbehaves fails alone, and a killed run resumes (--resume).\n"
     "Run as root, latent-rl starts each jail as a fresh unprivileged uid (util-linux unshare and setpriv; a pids cgroup "
     "where one can be made), so all of this holds; without those tools it traces nothing (unless LATENT_RL_ROOT_JAILS=1, "
@@ -112,13 +114,27 @@ _X86_64_DENY = {
     "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
     "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "removexattrat": 466,
     "sync": 162, "syncfs": 306, "membarrier": 324,
+    # what reaches the host or another jail through a file every jail can open (the host's libraries): advisory locks
+    # (a channel between two jails' rows), watches on them, and the page cache's state of them (a channel, and a view
+    # of what the host reads)
+    "flock": 73, "inotify_init": 253, "inotify_init1": 294, "inotify_add_watch": 254, "fanotify_init": 300,
+    "fanotify_mark": 301, "mincore": 27, "cachestat": 451,
 }
+
+# x86_64 system calls that return 0 without running: flushes and cache hints, which on a host file bound into the
+# jail would flush the host's block device or empty its page cache for every process. A program's own files live on
+# tmpfs, where they never did anything.
+_X86_64_IGNORE = {"fsync": 74, "fdatasync": 75, "sync_file_range": 277, "fadvise64": 221, "readahead": 187}
 
 _NR_CLONE, _NR_CLONE3, _NR_PRLIMIT64, _NR_PRCTL, _CLONE_THREAD, _PR_SET_DUMPABLE = 56, 435, 302, 157, 0x00010000, 4
 _NR_FCNTL, _NR_IOCTL, _F_SETFL, _O_ASYNC = 72, 16, 4, 0o20000
 # fcntl commands that make the kernel signal a process or watch a file: F_SETOWN, F_SETSIG, F_SETOWN_EX, F_SETLEASE,
-# F_NOTIFY (a SIGIO storm at the server once held a worker 15 s); ioctls that do the same: FIOASYNC, FIOSETOWN, SIOCSPGRP
-_FCNTL_DENY, _IOCTL_DENY = (8, 10, 15, 1024, 1026), (0x5452, 0x8901, 0x8902)
+# F_NOTIFY (a SIGIO storm at the server once held a worker 15 s); ioctls that do the same: FIOASYNC, FIOSETOWN,
+# SIOCSPGRP. Also the record locks (F_GETLK, F_SETLK, F_SETLKW and
+# their F_OFD_ forms: a channel between jails like `flock`) and F_SETPIPE_SZ (kernel pipe memory outside the row's
+# memory limit)
+_FCNTL_DENY = (8, 10, 15, 1024, 1026, 5, 6, 7, 36, 37, 38, 1031)
+_IOCTL_DENY = (0x5452, 0x8901, 0x8902)
 
 # %% ../nbs/00a_jail.ipynb #4d210cda
 def seccomp_program(machine: str | None = None) -> bytes | None:
@@ -131,6 +147,7 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
             (JEQ, "clone", 0, _NR_CLONE), (JEQ, "enosys", 0, _NR_CLONE3), (JEQ, "self", 0, _NR_PRLIMIT64),
             (JEQ, "prctl", 0, _NR_PRCTL), (JEQ, "fcntl", 0, _NR_FCNTL), (JEQ, "ioctl", 0, _NR_IOCTL)]
     prog += [(JEQ, "deny", 0, nr) for nr in sorted(set(_X86_64_DENY.values()))]
+    prog += [(JEQ, "zero", 0, nr) for nr in sorted(set(_X86_64_IGNORE.values()))]
     prog.append((RET, 0, 0, ALLOW))
     labels = {}
     labels["clone"] = len(prog)
@@ -150,6 +167,8 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
     prog.append((RET, 0, 0, ALLOW))
     labels["deny"] = len(prog)
     prog.append((RET, 0, 0, ERRNO | errno.EPERM))
+    labels["zero"] = len(prog)
+    prog.append((RET, 0, 0, ERRNO | 0))             # returns 0: done, as far as the program can tell
     labels["enosys"] = len(prog)
     prog.append((RET, 0, 0, ERRNO | errno.ENOSYS))  # clone3: libc falls back to clone
     out = bytearray()
@@ -246,6 +265,7 @@ def _confine(cfg: dict, rfd: int, wfd: int, seccomp) -> dict:
     if prctl is not None: prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG: dies with the zygote
     req = json.loads(_read_all(rfd))
     os.close(rfd)
+    if cfg.get("fresh_rows"): _fresh_row(cfg, bool(req.get("probe")))
     os.chdir(cfg["workdir"])                                  # also HOME and TMPDIR (set by the server)
     cpu = int(float(req.get("timeout", 2.0)) + cfg["grace"] + cfg["result_grace"]) + 1
     _lower(resource.RLIMIT_CPU, cpu, cpu + 1)                 # SIGXCPU, then SIGKILL a second later
@@ -292,6 +312,81 @@ def _child_main(cfg: dict, rfd: int, wfd: int, seccomp) -> None:
     view = memoryview(data)
     while view: view = view[os.write(wfd, view):]
     os._exit(0)
+
+# %% ../nbs/00a_jail.ipynb #35b70406
+_CLONE_NEWNS, _CLONE_NEWPID, _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = (
+    0x00020000, 0x20000000, 1, 2, 4, 8, 0x4000, 1 << 18)
+_ROW_INODES = 4096          # files and directories of one row's scratch: its cleanup costs the kernel no more
+
+class _NsCalls:
+    "libc's `unshare`, `mount` and `capset` through ctypes, prepared once in the server."
+    def __init__(self):
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.get_errno, self.unshare, self.mount, self.syscall = ctypes.get_errno, libc.unshare, libc.mount, libc.syscall
+        self.setns = libc.setns
+        self.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+        self._caps = ctypes.create_string_buffer(struct.pack("<Ii", 0x20080522, 0) + bytes(24))  # v3 header, zero sets
+        at = ctypes.addressof(self._caps)
+        self.drop_caps = lambda: self.syscall(126, ctypes.c_void_p(at), ctypes.c_void_p(at + 8))  # capset: none
+
+    def check(self, r: int, what: str):
+        if r != 0: raise OSError(self.get_errno(), f"{what}: {os.strerror(self.get_errno())}")
+
+def _can_mount() -> bool:
+    "Has this process `CAP_SYS_ADMIN` (in its user namespace: the jail's)?"
+    try: eff = [l for l in open("/proc/self/status") if l.startswith("CapEff:")][0].split()[1]
+    except (OSError, IndexError): return False
+    return bool(int(eff, 16) >> 21 & 1)
+
+# %% ../nbs/00a_jail.ipynb #bc96c202
+def _fresh_row(cfg: dict, probe: bool = False) -> None:
+    "In the row's process (PID 1 of its namespace): its own mount namespace, a fresh scratch, `/proc` hidden, then no"
+    "capabilities. The doctor's probe keeps a descriptor of its own `/proc/self` to report from."
+    ns, scratch = cfg["ns"], cfg["scratch"].encode()
+    ns.check(ns.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    ns.check(ns.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
+    opts = f"size={cfg['scratch_mb']}m,nr_inodes={_ROW_INODES},mode=0700".encode()
+    ns.check(ns.mount(b"tmpfs", scratch, b"tmpfs", _MS_NOSUID | _MS_NODEV, opts), "scratch tmpfs")
+    os.mkdir(cfg["workdir"], 0o700)
+    if probe: _PROC_SELF.append(os.open("/proc/self", os.O_RDONLY | os.O_DIRECTORY))
+    ns.check(ns.mount(b"none", b"/proc", b"tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                      b"size=4k,nr_inodes=2,mode=0555"), "hiding /proc")
+    cfg["prctl"](47, 4, 0, 0, 0)                                  # PR_CAP_AMBIENT_CLEAR_ALL
+    ns.check(ns.drop_caps(), "capset")
+
+_PROC_SELF: list = []       # the probe's descriptor of its /proc/self
+
+# %% ../nbs/00a_jail.ipynb #462a7658
+def _own_pid_namespace(cfg: dict) -> None:
+    "Before the split: a PID namespace of the jail's own user namespace, whose PID 1 returns to become the zygote (this"
+    "process waits for it, then ends as it ended). In it, the zygote may give each row a new PID namespace and come"
+    "back after each fork (`setns` to a namespace of the jail's user namespace: allowed)."
+    ns = cfg["ns"]
+    ns.check(ns.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+    if (pid := os.fork()) == 0:
+        cfg["pidns"] = os.open("/proc/self/ns/pid", os.O_RDONLY)
+        return
+    _close_all_but(())                                            # the pipes are the server's: EOF when it ends
+    while True:                                                   # PID 1 of the jail: reap orphans too
+        got, st = os.waitpid(-1, 0)
+        if got == pid: _exit_as(st)
+
+def _row_pidns(cfg: dict) -> str | None:
+    "Make the zygote's next child PID 1 of a new PID namespace (None), or say why it cannot."
+    if cfg.get("pidns") is None: return None
+    try: cfg["ns"].check(cfg["ns"].unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+    except OSError as e: return str(e)
+    return None
+
+def _exit_as(status: int) -> None:
+    "End this process as a child with wait `status` ended: by the same signal, or with the same exit code."
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try: signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError): pass
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 70)
 
 # %% ../nbs/00a_jail.ipynb #6c1e67a8
 def _empty_dir(top: str, seconds: float | None = None) -> bool:
@@ -378,7 +473,8 @@ def _reap():
 # %% ../nbs/00a_jail.ipynb #1f912265
 def _zygote(cfg: dict, sock, seccomp) -> None:
     "The zygote: forks one child per message from the server, handing it the two pipe ends that came with the"
-    "message (its request in, its result out); answers the child's pid, then its wait status. Never returns."
+    "message (its request in, its result out), as PID 1 of a new PID namespace where it can (`_row_pidns`); answers"
+    "the child's pid, then its wait status. Never returns."
     import socket
     try:
         while True:
@@ -387,11 +483,15 @@ def _zygote(cfg: dict, sock, seccomp) -> None:
                 for fd in fds: os.close(fd)
                 break
             rfd, wfd = fds
+            why = _row_pidns(cfg)
             if (pid := os.fork()) == 0:                          # the child: never returns
                 try:
                     sock.close()
-                    _child_main(cfg, rfd, wfd, seccomp)
+                    if why: os.write(wfd, _failure(f"sandbox: the row has no PID namespace of its own ({why})"))
+                    else: _child_main(cfg, rfd, wfd, seccomp)
                 finally: os._exit(70)
+            if cfg.get("pidns") is not None:                     # the next child: back in the zygote's namespace
+                cfg["ns"].check(cfg["ns"].setns(cfg["pidns"], _CLONE_NEWPID), "setns(CLONE_NEWPID)")
             os.close(rfd)
             os.close(wfd)
             sock.send(struct.pack("<q", pid))
@@ -438,18 +538,34 @@ def _relay(r: int, deadline: float, cfg: dict) -> tuple[bytearray, str]:
     finally: poller.unregister(r)
 
 # %% ../nbs/00a_jail.ipynb #802534ed
+def _prepare_scratch(cfg: dict) -> str | None:
+    "The work directory of the next child made (None), or why not. A fresh row makes its own (`_fresh_row`)."
+    if cfg.get("fresh_rows"): return None
+    try: os.mkdir(cfg["workdir"], 0o700)
+    except OSError:                                          # the last child left something behind: start clean
+        try:
+            _empty_dir(cfg["scratch"], cfg["cleanup_s"])
+            os.mkdir(cfg["workdir"], 0o700)
+        except OSError as e: return f"scratch: {e}"[:200]
+    return None
+
+def _clean_scratch(cfg: dict) -> None:
+    "Empty the scratch after a child, `cleanup_s` at most (else retried before the next child, then a fresh jail); a"
+    "fresh row's scratch went with its mount namespace."
+    if cfg.get("fresh_rows"): return
+    root = cfg["scratch"]
+    try:
+        try: os.rmdir(cfg["workdir"])                        # the usual case: an empty work directory, nothing else
+        except OSError: _empty_dir(root, cfg["cleanup_s"])
+        if os.listdir(root): _empty_dir(root, cfg["cleanup_s"])
+    except OSError: pass
+
 def _serve_one(cfg: dict, req: dict, zygote) -> tuple[dict, bytes]:
     "Have the zygote fork a clean child for one request, hand the child its request on a pipe of its own, relay what it"
     "writes on its result pipe, then end it and empty the scratch."
     import socket
-    root, workdir, t0 = cfg["scratch"], cfg["workdir"], time.monotonic()
-    try: os.mkdir(workdir, 0o700)
-    except OSError:                                          # the last child left something behind: start clean
-        try:
-            _empty_dir(root, cfg["cleanup_s"])
-            os.mkdir(workdir, 0o700)
-        except OSError as e:
-            return {"seq": req.get("seq"), "status": "error", "why": f"scratch: {e}"[:200], "n": 0}, b""
+    t0 = time.monotonic()
+    if why := _prepare_scratch(cfg): return {"seq": req.get("seq"), "status": "error", "why": why, "n": 0}, b""
     rr, rw = os.pipe()
     sr, sw = os.pipe()
     try: socket.send_fds(zygote, [b"c"], [rr, sw])
@@ -468,11 +584,7 @@ def _serve_one(cfg: dict, req: dict, zygote) -> tuple[dict, bytes]:
         _end_child(pid, cfg["jailed"])
         os.close(sr)
         st = _zygote_recv(zygote, "<qq", 10.0)[1]
-        try:                                                 # within the row's time: `cleanup_s` at most
-            try: os.rmdir(workdir)                           # the usual case: an empty work directory, nothing else
-            except OSError: _empty_dir(root, cfg["cleanup_s"])
-            if os.listdir(root): _empty_dir(root, cfg["cleanup_s"])
-        except OSError: pass                                 # retried before the next child (then a fresh jail)
+        _clean_scratch(cfg)
     keep = status == "exited"
     return ({"seq": req.get("seq"), "status": status, "exit": os.waitstatus_to_exitcode(st),
              "seconds": round(time.monotonic() - t0, 4), "n": len(buf) if keep else 0}, bytes(buf) if keep else b"")
@@ -506,6 +618,8 @@ def _server_main(cfg: dict):
     site.setcopyright()
     site.sethelper()
     cfg["prctl"] = prctl = _harden_server()
+    cfg["ns"] = _NsCalls() if cfg["jailed"] and prctl is not None and _can_mount() else None
+    cfg["fresh_rows"] = cfg["ns"] is not None
     prog = seccomp_program() if cfg["seccomp"] and prctl else None
     seccomp = _seccomp_installer(prog, prctl) if prog else None
     cfg["workdir"] = wd = os.path.join(os.path.realpath(cfg["scratch"]), "w")   # the same path for every child
@@ -517,6 +631,7 @@ def _server_main(cfg: dict):
     for _ in range(3): json.dumps(trace_inprocess("def f(x):\n    return [x]", "1", _render=False).frames[0].locals)
     gc.collect()
     gc.freeze()                                        # children share the zygote's pages untouched
+    if cfg["fresh_rows"]: _own_pid_namespace(cfg)
     zsock, ssock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if os.fork() != 0:                                               # PID 1: the zygote, before any row arrives
         os.close(rfd)
@@ -529,6 +644,7 @@ def _server_main(cfg: dict):
         view = memoryview((json.dumps(header) + "\n").encode() + payload)
         while view: view = view[os.write(wfd, view):]
     send({"ready": True, "seccomp": seccomp is not None, "undumpable": prctl is not None, "jailed": cfg["jailed"],
+          "fresh_rows": cfg["fresh_rows"],
           "pid": os.getpid(), "python": sys.version.split()[0]})
     while (n := _read_exact(rfd, 4)) is not None:
         req = json.loads(_read_exact(rfd, struct.unpack("<I", n)[0]))
@@ -540,6 +656,32 @@ def _server_main(cfg: dict):
             send({"seq": req.get("seq"), "status": "retry", "why": why, "n": 0})
             os._exit(3)
         send(*_serve_one(cfg, req, ssock))
+
+# %% ../nbs/00a_jail.ipynb #b413466e
+def _own_proc(name: str) -> str:
+    "A file of this process's `/proc/self`: through the descriptor a fresh row's probe kept (its `/proc` is hidden)."
+    if not _PROC_SELF: return open(f"/proc/self/{name}").read()
+    fd = os.open(name, os.O_RDONLY, dir_fd=_PROC_SELF[0])
+    with open(fd) as fh: return fh.read()
+
+def _own_fds() -> list[int]:
+    "This process's open descriptors (less the probe's view of its `/proc/self`), each below its limit of 64 tried."
+    def is_open(fd):
+        try: return bool(os.fstat(fd)) and fd not in _PROC_SELF
+        except OSError: return False
+    return [fd for fd in range(64) if is_open(fd)]
+
+def _lock_facts(attempt) -> dict:
+    "What reaches another jail through a host file every jail sees, or the host's pipe memory: each attempted."
+    import fcntl
+    fd = os.open(sys.executable, os.O_RDONLY)
+    r, w = os.pipe()
+    try:
+        return {"flock": attempt(lambda: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)),
+                "record_lock": attempt(lambda: fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)),
+                "pipe_size": attempt(lambda: fcntl.fcntl(w, 1031, 1 << 20))}           # F_SETPIPE_SZ
+    finally:
+        for x in (fd, r, w): os.close(x)
 
 # %% ../nbs/00a_jail.ipynb #eccc404a
 def _probe_facts(req: dict) -> dict:
@@ -561,6 +703,7 @@ def _probe_facts(req: dict) -> dict:
             if os.path.exists(p):
                 os.close(os.open(p, os.O_WRONLY))
                 return
+        raise FileNotFoundError(errno.ENOENT, "no /proc/sys")
     def dev_chmod():
         fd = os.open("/dev/null", os.O_RDONLY)
         try: os.fchmod(fd, os.fstat(fd).st_mode & 0o7777)   # its own mode: a change that changes nothing
@@ -568,21 +711,22 @@ def _probe_facts(req: dict) -> dict:
     def sock():
         import socket
         socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
-    status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+    status = dict(l.split(":", 1) for l in _own_proc("status").splitlines() if ":" in l)
     lim = {
         n: resource.getrlimit(getattr(resource, "RLIMIT_" + n))
         for n in ("AS", "CPU", "FSIZE", "NOFILE", "NPROC", "CORE")
     }
     ns = {}
     for n in ("user", "pid", "net", "mnt", "ipc", "uts"):
-        try: ns[n] = os.readlink(f"/proc/self/ns/{n}")
+        try: ns[n] = os.readlink(f"ns/{n}", dir_fd=_PROC_SELF[0]) if _PROC_SELF else os.readlink(f"/proc/self/ns/{n}")
         except OSError: ns[n] = None
-    try: ifaces = [l.split(":")[0].strip() for l in open("/proc/net/dev").read().splitlines()[2:]]
+    try: ifaces = [l.split(":")[0].strip() for l in _own_proc("net/dev").splitlines()[2:]]
     except OSError: ifaces = None
     return {"uid": os.getuid(), "gid": os.getgid(), "pid": os.getpid(), "ppid": os.getppid(), "ns": ns,
             "env": sorted(os.environ), "visible": {p: os.path.exists(p) for p in req.get("paths", [])},
             "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()), "ifaces": ifaces,
-            "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")), "limits": lim,
+            "fds": _own_fds(), "limits": lim, "proc_entries": len(os.listdir("/proc")),
+            "scratch_inodes": os.statvfs(".").f_files, **_lock_facts(attempt),
             "seccomp": status.get("Seccomp", "?").strip(), "no_new_privs": status.get("NoNewPrivs", "?").strip(),
             "cap_eff": status.get("CapEff", "?").strip(), "fork": attempt(fork), "socket": attempt(sock),
             "exec": attempt(lambda: os.execv("/nonexistent-latent-rl", ["x"])),

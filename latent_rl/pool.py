@@ -4,11 +4,11 @@
 
 # %% ../nbs/00c_pool.ipynb #ebeefa79
 from __future__ import annotations
-import collections, json, os, platform, select, signal, sys, time
+import collections, json, os, platform, select, signal, struct, sys, time
 from pathlib import Path
 from fastcore.basics import patch
 from .trace import Frame, TraceResult, _result, make_context, special_token_in
-from .jail import seccomp_program
+from .jail import seccomp_program, _X86_64_IGNORE
 from .sandbox import (SandboxUnavailable, UNSAFE_ENV, _JAIL_ENV, _JAIL_PIDS, _JAIL_UID0, _Jail, _ProtocolError,
     _pids_cgroup_base, _pkg_dir, _python, _jail_files, sandbox_status, unsafe_allowed)
 
@@ -17,6 +17,7 @@ __all__ = ['special_in_frames', 'TracePool', 'trace_rows', 'trace_one', 'trace_f
 
 # %% ../nbs/00c_pool.ipynb #ac54c29a
 _KINDS = frozenset(("call", "line", "return", "exception"))
+_START_FAILED_TEXT = "sandbox: the jail could not start"   # a row's reason only when no jail ran it (retraced on resume)
 
 def _clean_reason(s: str, n: int = 300) -> str:
     "A reason written by untrusted code: one printable line, bounded (cut before it is cleaned: a 15 MB forged reason"
@@ -30,11 +31,11 @@ _MAX_NAME = 1000        # characters of one local's name
 
 _CHECK_EVERY = 256      # frames between two looks at the clock
 
-def special_in_frames(frames) -> str | None:
-    "Where a special token sits in a trace's frames (their lines, locals' names and values, values), or None."
+def special_in_frames(frames, also: tuple[str, ...] = ()) -> str | None:
+    "Where a special token (or one of `also`) sits in a trace's frames (lines, locals' names and values, values)."
     for f in frames:
         loc = f.locals or {}
-        if tok := special_token_in(f.line, f.value or "", *loc.keys(), *loc.values()):
+        if tok := special_token_in(f.line, f.value or "", *loc.keys(), *loc.values(), also=also):
             return f"special token {tok!r} in a {f.kind} frame's text: refused (it would reach training data as a control token)"
     return None
 
@@ -49,6 +50,8 @@ def _check_result(payload: bytes, lines: frozenset, max_frames: int, deadline: f
     if type(ok) is not bool: return "'ok' is not a bool"
     if ok and not (type(value) is str and reason is None): return "ok without a value, or with a reason"
     if not ok and not (type(reason) is str and value is None): return "failed without a reason, or with a value"
+    if not ok and _clean_reason(reason).startswith(_START_FAILED_TEXT):   # the pool's own words: a child never says
+        return "a reason only the pool may give (a jail that could not start: traced again on --resume)"
     if type(frames) is not list or len(frames) > max_frames: return "'frames' is not a list of at most max_frames"
     out = []
     for n, f in enumerate(frames):
@@ -235,7 +238,7 @@ def imap(self: TracePool, rows, *, progress: bool = True, desc: str = "trace"):
         retry_at = time.monotonic() + min(_BACKOFF * 2 ** boot_fails, 2.0)
         if boot_fails < _START_TRIES or not queue or any(w.ready for w in self._ws): return   # a jail is up: it goes on
         boot_fails, lost = 0, lost + 1
-        reason = f"sandbox: the jail could not start ({_clean_reason(why or 'no output', 200)})"
+        reason = f"{_START_FAILED_TEXT} ({_clean_reason(why or 'no output', 200)})"
         for _ in range(len(queue) if lost >= _LOST_TO_START else 1):
             i = queue.popleft()[0]
             finish(i, _result(ids[i], False, reason, [], None))
@@ -366,7 +369,7 @@ def _rows_digest(rows, opts: dict) -> str:
     for r in rows: h.update(json.dumps(r, sort_keys=True).encode() + b"\n")
     return h.hexdigest()
 
-_START_FAILED = b"sandbox: the jail could not start"
+_START_FAILED = _START_FAILED_TEXT.encode()
 
 def _read_partial(path: Path, digest: str) -> dict[int, int]:
     "Byte offset of each finished row's line in a partial file of the same run (a torn last line is cut off)."
@@ -472,6 +475,24 @@ def _probe_paths() -> list[str]:
         out += [p for p in (os.path.join(d, n) for n in names) if not py.startswith(p + os.sep)][:5]
     return out
 
+# %% ../nbs/00c_pool.ipynb #62fb8868
+def _row_checks(f: dict, prog: bytes | None) -> list[tuple[str, bool | None, str]]:
+    "The doctor's rows on what one row may leave for the next or reach outside its jail (from the probe `f`)."
+    fresh = bool(f.get("server", {}).get("fresh_rows"))
+    compared = {k for code, _, _, k in struct.iter_unpack("=HBBI", prog or b"") if code == 0x15}   # BPF JEQ constants
+    ignored = set(_X86_64_IGNORE.values()) <= compared
+    locks = {k: f.get(k) for k in ("flock", "record_lock", "pipe_size")}
+    return [
+        ("a fresh PID namespace, scratch and /proc per row",
+         fresh and f.get("pid") == 1 and f.get("proc_entries") == 0,
+         f"pid {f.get('pid')}; {f.get('proc_entries')} entries in /proc; scratch of {f.get('scratch_inodes')} inodes"
+         + ("" if fresh else " (no CAP_SYS_ADMIN in the jail: rows share its scratch and PID counter)")),
+        ("locks and pipe sizes", all(str(v).startswith("refused") for v in locks.values()),
+         ", ".join(f"{k} {v}" for k, v in locks.items())),
+        ("flushes and cache hints", ignored,
+         f"{', '.join(_X86_64_IGNORE)}: " + ("return 0 without running" if ignored else "NOT filtered")),
+    ]
+
 # %% ../nbs/00c_pool.ipynb #e25be3c6
 def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True) -> list[tuple[str, bool | None, str]]:
     "What the sandbox does on this machine, as `(check, passed, detail)` rows (`latent-rl doctor` prints them)."
@@ -565,7 +586,8 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
             f"open /proc/sys for writing: {f.get('write_sysctl')}; chmod a /dev node: {f.get('chmod_dev')}",
         ),
         ("rlimits", None, ", ".join(f"{k} {v[0]}" for k, v in lim.items())),
-        ("descriptors", len(f.get("fds", [])) <= 5, f"open: {f.get('fds')} (0-2 /dev/null, the result pipe)"),
+        ("descriptors", len(f.get("fds", [])) <= 4, f"open: {f.get('fds')} (0-2 /dev/null, the result pipe)"),
+        *_row_checks(f, prog),
     ]
     return rows
 

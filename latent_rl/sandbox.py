@@ -81,7 +81,7 @@ def _jail_argv(bwrap: str, scratch_mb: int, code_fds: dict[str, int] | None = No
     " /opt/latent_rl/<name>."
     data = [a for name, fd in (code_fds or {}).items() for a in ("--ro-bind-data", str(fd), f"{_JAIL_DIR}/{name}")]
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--as-pid-1", "--clearenv", "--uid", "65534", "--gid", "65534", "--hostname", "jail", "--cap-drop", "ALL",
+            "--as-pid-1", "--clearenv", "--uid", "65534", "--gid", "65534", "--hostname", "jail", "--cap-add", "CAP_SYS_ADMIN",
             *_ro_binds(), *data, "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
             *[a for p in _HIDDEN if os.path.exists(p) for a in ("--ro-bind", _empty_file(), p)], "--dev", "/dev",
             "--remount-ro", "/dev", *[a for d in _RO_DEVS for a in ("--remount-ro", f"/dev/{d}")],

@@ -16,9 +16,9 @@ from .corpus import build_corpus, build_heldout, save_rows
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'DATA_DEFAULTS', 'add_trace_tokens', 'stop_at_trace_end', 'resize_embeddings',
-           'trace_token_ids', 'train_tokenizer', 'max_token_bytes', 'surely_too_long', 'encode', 'foreign_special',
-           'answer_text', 'sft_example', 'find_spans', 'codi_example', 'resolved_locals', 'trace_targets',
-           'latent_subset', 'pad_collate', 'left_pad', 'build_data']
+           'trace_token_ids', 'train_tokenizer', 'max_token_bytes', 'surely_too_long', 'encode', 'control_tokens',
+           'foreign_special', 'answer_text', 'sft_example', 'find_spans', 'codi_example', 'resolved_locals',
+           'trace_targets', 'latent_subset', 'pad_collate', 'left_pad', 'build_data']
 
 # %% ../nbs/03_tokens.ipynb #dfebc108
 IGNORE_INDEX = -100
@@ -128,13 +128,24 @@ def surely_too_long(tok, texts, max_len: int | None) -> bool:
 # %% ../nbs/03_tokens.ipynb #10af8b69
 def encode(tok, text: str) -> list[int]: return tok.encode(text, add_special_tokens=False)
 
-def foreign_special(row: dict) -> str | None:
-    "Where a row's own text (code, input, a trace frame's fields) holds a special token, which `encode` would read as a"
-    "control token (the tracer refuses such rows; a file traced elsewhere may still have one); None when it holds none."
-    if tok := special_token_in(row["code"], row["input"]): return f"special token {tok!r} in the code or input"
+def control_tokens(tok) -> tuple[str, ...]:
+    "Every string `tok` reads as one token whatever surrounds it: its special and added tokens, whatever their shape"
+    "(Llama-3's `<|eot_id|>`, Qwen's `<tool_call>`, GPT-2's `<|endoftext|>`), the trace tokens included."
+    if not hasattr(tok, "_latent_rl_controls"):
+        added = getattr(tok, "get_added_vocab", dict)()
+        found = set(added) | set(getattr(tok, "all_special_tokens", ()))       # whitespace runs some add: no control
+        tok._latent_rl_controls = tuple(sorted((s for s in found if s.strip()), key=len))
+    return tok._latent_rl_controls
+
+def foreign_special(row: dict, tok=None) -> str | None:
+    "Where a row's own text (code, input, a trace frame's fields) holds a special token (`<|name|>`, or any control"
+    "token of `tok`), which `encode` would read as a control token (the tracer refuses the `<|name|>` shape; a file"
+    "traced elsewhere may still have one); None when it holds none."
+    also = control_tokens(tok) if tok is not None else ()
+    if t := special_token_in(row["code"], row["input"], also=also): return f"special token {t!r} in the code or input"
     if not row.get("trace"): return None
     pt = parse_trace(row["trace"])
-    return special_in_frames(pt.frames) if pt.well_formed else "the trace is malformed"
+    return special_in_frames(pt.frames, also) if pt.well_formed else "the trace is malformed"
 
 def answer_text(trace: str) -> str:
     "The no-trace target: the trace's last frame (main's RETURN frame) and `<|end_of_text|>`."
@@ -148,7 +159,7 @@ def sft_example(tok, row: dict, mode: str = "trace", max_len: int | None = None)
     if mode == "trace" and "trace" not in row:
         raise ValueError(f"row {row.get('id')!r} has no trace (answer-only, `traced_frac`): use mode 'answer' for it")
     text = row["trace"] if mode == "trace" else row.get("answer") or answer_text(row["trace"])   # answer-only rows
-    if surely_too_long(tok, (row["code"], row["input"], row.get("trace", text)), max_len) or foreign_special(row):
+    if surely_too_long(tok, (row["code"], row["input"], row.get("trace", text)), max_len) or foreign_special(row, tok):
         return None
     p, t = encode(tok, row_prompt(row)), encode(tok, text)
     if max_len and len(p) + len(t) > max_len: return None
@@ -173,7 +184,7 @@ def codi_example(
 ) -> dict | None:
     """`{prompt_ids, trace_ids, spans}` for a traced row (+ `value_tok`, `answer_tok`, `recon_ids` with `targets`,
     see `trace_targets`); None if too long, without any LINE frame, or holding a special token of its own."""
-    if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len) or foreign_special(row): return None
+    if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len) or foreign_special(row, tok): return None
     ids = trace_token_ids(tok)
     p = encode(tok, row_prompt(row))
     tt = (

@@ -16,7 +16,8 @@ from latent_rl.trace import trace_inprocess
 from latent_rl.sandbox import sandbox_status
 from latent_rl.pool import TracePool
 from conftest import ROOT, run_cli
-from test_sandbox import ATTACKS, SECRET, _untraced, check, hostile_rows, needs_jail, third_round, host  # noqa: F401 (fixture)
+from test_sandbox import ATTACKS, SECRET, _untraced, check, hostile_rows, needs_jail, third_round, shared_rows, host  # noqa: F401,E501 (fixture)
+from test_jail4 import fourth_round
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to make a cgroup, or to become an ordinary user)")
 USER = 1_900_000_001            # the ordinary user: an uid no account has
@@ -95,6 +96,7 @@ def test_hostile_suite_as_an_ordinary_user(host):   # noqa: F811 (the fixture im
         out = [json.loads(l) for l in (Path(work) / "out.jsonl").read_text().splitlines()]
         check(rows, out)
         third_round({r["id"]: r for r in out})
+        fourth_round({r["id"]: r for r in out})
         who = subprocess.run(as_user([sys.executable, "-m", "latent_rl.train", "doctor"], USER, work)[0], cwd=ROOT,
                              env=_env(), capture_output=True, text=True, timeout=300)
         assert f"{USER} (yours, unprivileged)" in who.stdout and "FAIL" not in who.stdout, who.stdout
@@ -281,6 +283,7 @@ def test_a_row_cannot_change_its_jail_for_later_rows(monkeypatch):
     "The zygote's and server's /proc files (autogroup, oom_score_adj) are not the rows' to write, so the next row of"
     "the same jail runs as the first did. Counterfactual: root starting bwrap itself (the old way), they were."
     if not os.path.exists("/proc/self/autogroup"): pytest.skip("no autogroup scheduling here")
+    shared_rows(monkeypatch)                                  # a fresh row has no /proc at all: the shared layout
     rows = [{"id": "w", "code": _untraced(PROC_WRITES), "input": repr(PROC_WRITES)},
             {"id": "s", "code": _untraced(STATE), "input": repr(STATE)}]
     def run():

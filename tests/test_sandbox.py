@@ -20,6 +20,7 @@ from latent_rl.jail import THREAT_MODEL
 from latent_rl.sandbox import SandboxUnavailable, UNSAFE_ENV, sandbox_status
 from latent_rl.pool import TracePool, trace_rows
 from conftest import ROOT, run_cli
+from test_jail4 import FOURTH, fourth_info, fourth_round
 
 needs_jail = pytest.mark.skipif(
     not sandbox_status()["available"],
@@ -90,7 +91,7 @@ for fd in range(0, 1024):
         except OSError: pass
 return n""",
     "forge_own_result": """import os
-for fd in map(int, os.listdir('/proc/self/fd')):
+for fd in range(3, 64):
     try: os.write(fd, b'{"ok": true, "reason": null, "value": "FORGED", "frames": [["return", "nope\\\\n", null, "FORGED"]]}')
     except OSError: pass
 os._exit(0)""",
@@ -277,7 +278,7 @@ signal.signal(signal.SIGXCPU, lambda *a: None); signal.signal(signal.SIGALRM, si
 while True: pass""",
     "huge_result": """return 'x' * (70 << 20)""",
     "slow_drip": """import os, time
-fds = [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]
+fds = list(range(3, 64))
 while True:
     for fd in fds:
         try: os.write(fd, b' ')
@@ -381,6 +382,9 @@ for p in ('/proc/cmdline', '/proc/loadavg', '/proc/sys/kernel/random/boot_id'):
 return out""",
 }
 
+# the fourth attacker's rows (issue 52; `test_jail4.py` has a test for each kind) join the suite
+ATTACKS.update({k: v for k, v in FOURTH.items() if k not in ("counters", "burn_counters")})
+
 # the namespaces alone must protect the host against these (the rest may also disturb later rows of their own jail)
 HOST_ONLY = ["hook_off_gc", "hook_off_modules", "repr_after_return", "del_global", "read_environs", "read_files",
              "read_server_memory", "kill_parent", "kill_everything", "fork", "exec_shell", "subprocess", "posix_spawn",
@@ -429,7 +433,7 @@ def host(tmp_path, monkeypatch):
     info = {
         "host": str(h), "secret_file": str(h / "secret.txt"), "canary": str(h / "canary.txt"), "parent": os.getpid(),
         "decoy": decoy.pid, "port": tcp.getsockname()[1], "unix": str(h / "sock"), "abstract": abstract,
-        "project": str(ROOT), "pwned": PWNED,
+        "project": str(ROOT), "pwned": PWNED, "lib": fourth_info()["lib"],
     }
     before = sorted(p.name for p in h.iterdir())
     yield info
@@ -503,6 +507,7 @@ def test_hostile_programs_cli(host, tmp_path):
     assert got["huge_result"]["reason"].startswith(("result larger", "timeout"))
     assert got["loop_alarm_ignored"]["reason"].startswith("timeout") and "killed" in got["loop_alarm_ignored"]["reason"]
     third_round(got)
+    fourth_round(got)
 
 
 def third_round(got):
@@ -520,8 +525,9 @@ def third_round(got):
     assert len(got["forged_huge_reason"]["reason"]) <= 300
     hv = got["huge_value"]                                    # (its own 0.5 s may not cover 5 MB on a busy machine)
     assert hv["ok"] and len(hv["value"]) > 5_000_000 or hv["reason"].startswith("timeout"), hv.get("reason")
-    assert eval(got["host_facts"]["value"]) == {"/proc/cmdline": "", "/proc/loadavg": "",
-                                                "/proc/sys/kernel/random/boot_id": ""}, got["host_facts"]["value"]
+    hf = eval(got["host_facts"]["value"])                     # hidden under an empty file, or (a row's own /proc) absent
+    assert set(hf) == {"/proc/cmdline", "/proc/loadavg", "/proc/sys/kernel/random/boot_id"}, hf
+    assert set(hf.values()) <= {"", "FileNotFoundError"}, hf
 
 
 @needs_jail
@@ -542,13 +548,16 @@ def test_hostile_programs_os_layers_only(host):
         "PYTHONHASHSEED", "LC_ALL", "LANG", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE", "PATH", "HOME", "TMPDIR",
         "LC_CTYPE", "PWD",
     }
-    assert got["prlimit_server"].value == got["renice_server"].value == "'PermissionError'"
+    assert got["renice_server"].value == "'PermissionError'"
+    # a row is PID 1 of its own namespace: its parent is outside it (getppid() is 0) and prlimit(0) is the row itself
+    assert got["prlimit_server"].value in ("'PermissionError'", "'lowered'"), got["prlimit_server"].value
     # the server's memory, environment and descriptors are closed to its children (it is undumpable); only the list of
     # its descriptor numbers may show, when the jail's uid is root outside (latent-rl run as root)
     # (PID 1 is the zygote, which holds no descriptor of the parent's at all: FileNotFoundError)
     assert {k: v for k, v in eval(got["read_server_memory"].value).items()
             if v not in ("PermissionError", "FileNotFoundError") and k != "fds"} == {}
     third_round(got)
+    fourth_round(got)
     assert "written" not in got["zygote_proc"].value, got["zygote_proc"].value       # the OS alone refuses it
 
 
@@ -676,6 +685,23 @@ def _plain_ok(res, k):
     return res.ok and res.value == repr([2 * k, "plain"])
 
 
+def shared_rows(monkeypatch):
+    "Jails whose rows share the jail's PID namespace, scratch and /proc (no CAP_SYS_ADMIN in the jail: the layout"
+    "before issue 52), for the tests of what the zygote and the server keep from rows even there."
+    orig = SB._jail_argv
+    def argv(*a, **k):
+        v = orig(*a, **k)
+        i = v.index("--cap-add")
+        v[i:i + 2] = ["--cap-drop", "ALL"]
+        return v
+    monkeypatch.setattr(SB, "_jail_argv", argv)
+
+
+def no_proc(res) -> bool:
+    "A row that found no /proc (its own, hidden: a fresh row)."
+    return not res.ok and "No such file or directory: '/proc/self" in res.reason
+
+
 SYSCTL_DEV = """import os
 RESULT = {}
 for p in ('/proc/sys/fs/lease-break-time', '/proc/sys/kernel/hostname'):
@@ -797,9 +823,12 @@ LOOK = "RESULT = open('/proc/self/autogroup').read().split()[-1]\n"
 
 
 @needs_jail
-def test_a_program_cannot_renice_the_rows_after_it():
+def test_a_program_cannot_renice_the_rows_after_it(monkeypatch):
     "PR_SET_DUMPABLE is refused, and each child has its own session (and autogroup): renicing it slows only itself."
+    "(A fresh row has no /proc to write; the shared layout is tested.)"
     if not os.path.exists("/proc/self/autogroup"): pytest.skip("no autogroup scheduling here")
+    assert no_proc(_run([{"id": "look", "code": _untraced(LOOK), "input": repr(LOOK)}])[0])
+    shared_rows(monkeypatch)
     res = _run([{"id": "nice", "code": _untraced(NICE), "input": repr(NICE)},
                 {"id": "look", "code": _untraced(LOOK), "input": repr(LOOK)}])
     got = eval(res[0].value)
@@ -808,8 +837,10 @@ def test_a_program_cannot_renice_the_rows_after_it():
 
 
 @needs_jail
-def test_a_row_cannot_find_an_earlier_row_in_its_memory():
+def test_a_row_cannot_find_an_earlier_row_in_its_memory(monkeypatch):
     "Children fork from a zygote that never saw a row: nothing of row 1 (code, input, result) is in row 2's memory."
+    "(The scan reads /proc/self/maps: in the shared layout, where a row has a /proc.)"
+    shared_rows(monkeypatch)
     secret = "LRZ" + uuid.uuid4().hex
     victim = {
         "id": "victim", "code": f"def f(x):\n    note = '{secret}'\n    return note + x", "input": f"'{secret[::-1]}'",
@@ -833,10 +864,12 @@ RESULT = sorted(found)
 
 
 @needs_jail
-def test_jail_mount_table_names_no_project_path():
+def test_jail_mount_table_names_no_project_path(monkeypatch):
     """The jail side (trace.py, jail.py) is copied into the jail (--ro-bind-data), so /proc/self/mountinfo does not show
-    where the project lives."""
+    where the project lives. A fresh row cannot read the mount table at all; the shared layout is tested."""
     look = "RESULT = open('/proc/self/mountinfo').read()\n"
+    assert no_proc(_run([{"id": "mi", "code": _untraced(look), "input": repr(look)}])[0])
+    shared_rows(monkeypatch)
     res = _run([{"id": "mi", "code": _untraced(look), "input": repr(look)}])
     assert res[0].ok and "/opt/latent_rl/trace.py" in res[0].value and "/opt/latent_rl/jail.py" in res[0].value
     assert str(ROOT) not in res[0].value, res[0].value
