@@ -313,7 +313,7 @@ def _child_main(cfg: dict, rfd: int, wfd: int, seccomp) -> None:
     while view: view = view[os.write(wfd, view):]
     os._exit(0)
 
-# %% ../nbs/00a_jail.ipynb #35b70406
+# %% ../nbs/00a_jail.ipynb #1a772d73
 _CLONE_NEWNS, _CLONE_NEWPID, _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = (
     0x00020000, 0x20000000, 1, 2, 4, 8, 0x4000, 1 << 18)
 _ROW_INODES = 4096          # files and directories of one row's scratch: its cleanup costs the kernel no more
@@ -339,7 +339,7 @@ def _can_mount() -> bool:
     except (OSError, IndexError): return False
     return bool(int(eff, 16) >> 21 & 1)
 
-# %% ../nbs/00a_jail.ipynb #bc96c202
+# %% ../nbs/00a_jail.ipynb #02d60ad7
 def _fresh_row(cfg: dict, probe: bool = False) -> None:
     "In the row's process (PID 1 of its namespace): its own mount namespace, a fresh scratch, `/proc` hidden, then no"
     "capabilities. The doctor's probe keeps a descriptor of its own `/proc/self` to report from."
@@ -357,7 +357,7 @@ def _fresh_row(cfg: dict, probe: bool = False) -> None:
 
 _PROC_SELF: list = []       # the probe's descriptor of its /proc/self
 
-# %% ../nbs/00a_jail.ipynb #462a7658
+# %% ../nbs/00a_jail.ipynb #13f43e8c
 def _own_pid_namespace(cfg: dict) -> None:
     "Before the split: a PID namespace of the jail's own user namespace, whose PID 1 returns to become the zygote (this"
     "process waits for it, then ends as it ended). In it, the zygote may give each row a new PID namespace and come"
@@ -657,7 +657,7 @@ def _server_main(cfg: dict):
             os._exit(3)
         send(*_serve_one(cfg, req, ssock))
 
-# %% ../nbs/00a_jail.ipynb #b413466e
+# %% ../nbs/00a_jail.ipynb #ac96fe4b
 def _own_proc(name: str) -> str:
     "A file of this process's `/proc/self`: through the descriptor a fresh row's probe kept (its `/proc` is hidden)."
     if not _PROC_SELF: return open(f"/proc/self/{name}").read()

@@ -475,7 +475,7 @@ def _probe_paths() -> list[str]:
         out += [p for p in (os.path.join(d, n) for n in names) if not py.startswith(p + os.sep)][:5]
     return out
 
-# %% ../nbs/00c_pool.ipynb #62fb8868
+# %% ../nbs/00c_pool.ipynb #39cd3e45
 def _row_checks(f: dict, prog: bytes | None) -> list[tuple[str, bool | None, str]]:
     "The doctor's rows on what one row may leave for the next or reach outside its jail (from the probe `f`)."
     fresh = bool(f.get("server", {}).get("fresh_rows"))
