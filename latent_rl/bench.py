@@ -4,7 +4,7 @@
 
 # %% ../nbs/27_bench.ipynb #e142b294
 from __future__ import annotations
-import argparse, copy, json, math, os, platform, socket, statistics, subprocess, sys, time
+import argparse, contextlib, copy, json, math, os, platform, socket, statistics, subprocess, sys, time
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,8 +15,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 from .trace import prompt_text
 from .corpus import load_rows
-from .tokens import encode, sft_example, codi_example
-from .models import load_tokenizer, build_tiny, n_params
+from .tokens import encode, sft_example, codi_example, left_pad
+from .models import load_tokenizer, build_tiny, n_params, out_cache, cache_kw
+from .lean import lean_off, one_step
+from .generate import generate_text
 from .latent import LatentModel, LatentSpec, CodiOptions, CodiOutput, codi_forward, CALL_COST
 from .steps import find_data, load_step_rows, to_trace_row
 from .policy import Policy
@@ -35,8 +37,8 @@ from .plan import MODEL_CONFIGS, PlanConfig, ModelShape, model_shape, plan_memor
 
 # %% auto #0
 __all__ = ['CODI_SETTINGS', 'ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'BENCHES', 'markdown_table', 'run_bench',
-           'codi_bench', 'grpo_bench', 'stages_bench', 'engine_rows', 'main', 'ckpt_bench', 'measure_step_peak',
-           'plan_bench']
+           'call_costs', 'codi_bench', 'grpo_bench', 'stages_bench', 'engine_rows', 'main', 'ckpt_bench',
+           'measure_step_peak', 'plan_bench', 'decode_bench']
 
 # %% ../nbs/27_bench.ipynb #029202da
 def markdown_table(rows: list[dict]) -> str:
@@ -81,6 +83,10 @@ def _bench_batches(tok, batch_size: int, n_batches: int) -> dict[str, list[list[
     return kinds
 
 # %% ../nbs/27_bench.ipynb #6da30a2e
+def _lean_off(fn, *a, **kw):
+    "`fn(*a, **kw)` with every one-position call made by the backbone's full call (`lean_off`)."
+    with lean_off(): return fn(*a, **kw)
+
 def _codi_step(lm, fn, b) -> tuple[float, float | None]:
     "One forward + backward of `fn` on batch `b`: its loss and padding (None for the reference)."
     out = fn(b)
@@ -114,10 +120,12 @@ def _time_interleaved(lm, impls: dict, batches, calls) -> dict[str, dict]:
 def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list[dict]:
     "The bench rows of one setting: each implementation on each kind of batch, against the per-example reference."
     calls, opts, rows, S = {"n": 0}, CodiOptions(), [], lm.spec.latent_steps
-    hook = lm.body.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+    norm = getattr(lm.body, "norm", None) or lm.body.ln_f                  # once per call, full or lean (`one_step`)
+    hook = norm.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
     impls = {"one pass": lambda b: codi_forward(lm, b, opts),
              "phase groups": lambda b: codi_forward(lm, b, opts, call_cost=CALL_COST),
              "tails apart": lambda b: codi_forward(lm, b, opts, tail_cost=CALL_COST),
+             "tails apart, lean off": lambda b: _lean_off(codi_forward, lm, b, opts, tail_cost=CALL_COST),
              "tails apart, phase 0 run again": lambda b: codi_forward(lm, b, opts, tail_cost=CALL_COST,
                                                                       share_prefix=False),
              "per-example reference": lambda b: ref_forward(lm, b, opts)[0]}
@@ -133,9 +141,43 @@ def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list
     return rows
 
 
+# %% ../nbs/27_bench.ipynb #74e37a65
+def _cached(body, B: int, T: int, grad: bool):
+    "A KV cache of `T` columns for `B` rows (leaves that require a gradient when `grad`), its mask and next positions."
+    with torch.no_grad():
+        x = torch.randn(B, T, body.config.hidden_size, device=body.device, dtype=body.dtype)
+        cache = out_cache(body(inputs_embeds=x, use_cache=True))
+    for ly in cache.layers: ly.keys, ly.values = (t.detach().requires_grad_(grad) for t in (ly.keys, ly.values))
+    return cache, torch.ones(B, T, dtype=torch.long, device=body.device), torch.full((B,), T, device=body.device)
+
+def call_costs(lm: LatentModel, B: int = 8, T: int = 96, L: int = 32, reps: int = 20, grad: bool = True) -> list[dict]:
+    """µs of one call of one position and of `L` positions on a cache of `T` columns, `B` rows, plain and lean (the
+    median of `reps`, interleaved); forward + backward when `grad`."""
+    body, H, ts = lm.body, lm.body.config.hidden_size, {}
+    def run(n, lean):
+        cache, m, pos = _cached(body, B, T, grad)
+        z = torch.randn(B, n, H, device=body.device, dtype=body.dtype, requires_grad=grad)
+        m = torch.cat([m, torch.ones(B, n, dtype=torch.long, device=body.device)], 1)
+        t0 = time.perf_counter()
+        with torch.set_grad_enabled(grad), contextlib.nullcontext() if lean else lean_off():
+            if n == 1: h = one_step(body, cache, m, pos, embeds=z[:, 0])
+            else: h = body(inputs_embeds=z, attention_mask=m, position_ids=pos[:, None] + torch.arange(n, device=body.device),
+                           use_cache=True, **cache_kw(body, cache)).last_hidden_state
+            if grad: h.pow(2).mean().backward()
+        return time.perf_counter() - t0
+    cases = [(1, True), (1, False), (L, False)]
+    for _ in range(2): [run(n, lean) for n, lean in cases]                            # warm-up
+    for r in range(reps):
+        for n, lean in cases[r % 3:] + cases[:r % 3]: ts.setdefault((n, lean), []).append(run(n, lean))
+    us = {k: 1e6 * statistics.median(v) for k, v in ts.items()}
+    per_pos = (us[L, False] - us[1, False]) / (L - 1)
+    return [{"call": f"{n} position{'s' * (n > 1)}", "path": "lean" if lean else "plain", "rows": B, "cache": T,
+             "us_per_call": round(us[n, lean], 1), "us_per_position": round(us[n, lean] / n, 1),
+             "call_in_positions": round(us[n, lean] / per_pos, 1) if n == 1 else None} for n, lean in cases]
+
 # %% ../nbs/27_bench.ipynb #7f4ea1f4
-# (examples a batch, latent steps a block): small batches of one step; the cpu-tiny recipe's CODI (16 a batch, 3 steps)
-CODI_SETTINGS = ((8, 1), (16, 3))
+# (examples a batch, latent steps a block): small batches of one and of three steps; the cpu-tiny recipe's CODI (16, 3)
+CODI_SETTINGS = ((8, 1), (8, 3), (16, 3))
 
 def codi_bench(quick: bool = False, settings=CODI_SETTINGS, size: str = "tiny", device: str = "cpu") -> dict:
     """Examples/s of the batched CODI forward+backward — one pass (rows leave when done), `phase_groups`
@@ -147,9 +189,11 @@ def codi_bench(quick: bool = False, settings=CODI_SETTINGS, size: str = "tiny", 
     for B, S in settings[:1] if quick else settings:
         lm = LatentModel(build_tiny(tok, size, seed=0), LatentSpec.from_tokenizer(tok, S)).to(device)
         rows += _codi_setting(lm, tok, B, 2 if quick else 8)
+    cost = call_costs(lm, B=8, reps=5 if quick else 30)
     return {
         "name": "codi",
         "rows": rows,
+        "tables": {f"one model call, forward + backward ({size} model, 8 rows, a cache of 96 columns)": cost},
         "notes": f"{2 if quick else 8} batches of each kind (the same batches for every implementation, timed "
         f"interleaved), {size} model, fp32 on {device}, forward + backward; model calls counted on the backbone (the "
         "reference's full-LM calls included); pad_ratio = positions the student's own calls ran / real positions in "
@@ -242,8 +286,10 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
             # exact replays
             stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}
             if it: t_train[k, replay].append(dt)
+    dec = call_costs(pols["latent"].model, B=len(P), T=256, L=32, reps=5 if quick else 30, grad=False)
     return {
         "name": "grpo",
+        "tables": {f"one decode call, no gradient ({len(P)} rows, a cache of 256 columns)": dec},
         "rows": [
             _grpo_row(
                 k, replay, ro[k], statistics.median(t_gen[k]), statistics.median(t_train[k, replay]),
@@ -575,9 +621,57 @@ def plan_bench(quick: bool = False, device: str = "cpu") -> dict:
         f"batch's shape; worst |error| {worst:.0%}.",
     }
 
+# %% ../nbs/27_bench.ipynb #07566989
+def _hf_generate(model, P, eos: int, pad: int, m: int) -> list[list[int]]:
+    "Greedy `transformers.generate` from left-padded prompts: each row's tokens up to its first `eos` (kept)."
+    ids, mask = (t.to(model.device) for t in left_pad(P, pad))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m, do_sample=False, eos_token_id=eos,
+                         pad_token_id=pad)[:, ids.shape[1]:].tolist()
+    return [r[:r.index(eos) + 1] if eos in r else r for r in out]
+
+def _decoders(model_path: str, model, tok, m: int) -> dict:
+    "name -> fn(prompts) -> completions."
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    ours = lambda P: generate_text(model, P, eos_id=eos, pad_id=pad, max_new_tokens=m).completion_ids
+    out = {"latent_rl (lean steps)": ours, "latent_rl (full calls)": lambda P: _lean_off(ours, P),
+           "transformers generate": lambda P: _hf_generate(model, P, eos, pad, m)}
+    try: import vllm  # noqa: F401  (the CPU lane's interpreter has it)
+    except ImportError: return out
+    from latent_rl.policy import VLLMEngine
+    eng = VLLMEngine(model_path, dtype="float32", sleep=False, seed=0)
+    out["vLLM (" + ("cuda" if torch.cuda.is_available() else "cpu") + ")"] = lambda P: eng.generate(
+        P, max_new_tokens=m, temperature=0.0, eos_id=eos).completion_ids
+    return out
+
+# %% ../nbs/27_bench.ipynb #d243f68a
+def decode_bench(quick: bool = False, device: str = "cpu", model: str = "data/teacher") -> dict:
+    "Greedy decoding tokens/s of each decoder on the same prompts, timed interleaved (the median of the repetitions)."
+    pol = Policy.load(model, device=device)
+    pol.model.eval()
+    rows = load_rows("data/corpus/train.jsonl", 64)[:8 if quick else 32]
+    P = [encode(pol.tok, prompt_text(r["code"], r["input"])) for r in rows]
+    m, reps = 64 if quick else 256, 1 if quick else 3
+    decs = _decoders(model, pol.model, pol.tok, m)
+    for fn in decs.values(): fn(P[:2])                                                  # warm-up
+    ts, outs, names = {k: [] for k in decs}, {}, list(decs)
+    with torch.no_grad():
+        for r in range(reps):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                t0 = time.perf_counter()
+                outs[k] = decs[k](P)
+                ts[k].append(time.perf_counter() - t0)
+    ref = outs[names[0]]
+    return {"name": "decode", "rows": [
+        {"decoder": k, "sequences": len(P), "tokens": sum(map(len, outs[k])),
+         "tok_per_s": round(sum(map(len, outs[k])) / statistics.median(ts[k]), 1),
+         "agree": round(sum(a == b for a, b in zip(outs[k], ref)) / len(P), 3)} for k in names],
+        "notes": f"{model} (fp32) on {device}: {len(P)} corpus prompts at once, greedy, at most {m} new tokens; "
+        f"the median of {reps} interleaved runs; agree = rows whose tokens equal latent_rl's lean decode."}
+
 # %% ../nbs/27_bench.ipynb #fdaf09d4
 BENCHES = {"trace": trace_bench, "losses": losses_bench, "codi": codi_bench, "grpo": grpo_bench,
-           "stages": stages_bench, "plan": plan_bench, "ckpt": ckpt_bench}
+           "stages": stages_bench, "plan": plan_bench, "ckpt": ckpt_bench,
+           "decode": decode_bench}
 
 # %% ../nbs/27_bench.ipynb #a62161a5
 if __name__ == "__main__" and "ipykernel" not in sys.modules: main()   # run as a script, never in a notebook kernel

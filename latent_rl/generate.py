@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from .tokens import left_pad
-from .models import cache_kw, out_cache, backbone, lm_head
+from .models import out_cache, backbone, lm_head
+from .lean import one_step
 
 # %% auto #0
 __all__ = ['Rollout', 'multinomial', 'row_key', 'seeded', 'keyed_sample', 'keyed_normal', 'generate_text', 'generate_latent']
@@ -146,9 +147,7 @@ def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, 
         if (keep := _keep_rows(done, cache)) is not None:
             rows, done, alive, nxt, mask, next_pos, kt = _take(keep, rows, done, alive, nxt, mask, next_pos, kt)
         mask = torch.cat([mask, alive.long()[:, None]], 1)
-        out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                   use_cache=True, **cache_kw(body, cache))
-        cache, logits, passes = out_cache(out), head.logits(out.last_hidden_state[:, -1]), passes + 1
+        logits, passes = head.logits(one_step(body, cache, mask, next_pos, ids=nxt)), passes + 1   # cache extended
         next_pos = next_pos + 1
     comp, logp = _per_row(steps, B)
     return Rollout(
@@ -231,9 +230,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         inp = torch.where((state == s + 2)[:, None], e_le, inp)
         col = (~done).long()[:, None]
         mask = torch.cat([mask, col], 1)
-        out = body(inputs_embeds=inp[:, None], attention_mask=mask, position_ids=next_pos[:, None], use_cache=True,
-                   **cache_kw(body, cache))
-        cache, h, passes = out_cache(out), out.last_hidden_state[:, 0], passes + 1
+        h, passes = one_step(body, cache, mask, next_pos, embeds=inp), passes + 1                 # cache extended
         next_pos = next_pos + col[:, 0]
         # 3) state transitions: a fed <|line_sep|> starts a block; a block runs its steps; after <|action_sep|>, sample
         fed_line_sep = emit & (nxt == sp.line_sep_id)

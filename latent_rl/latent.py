@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .trace import LATENT_START, LATENT_END, LINE_SEP, ACTION_SEP
 from .tokens import IGNORE_INDEX, trace_token_ids
 from .models import backbone, lm_head, lm_head_weight, cache_kw, out_cache, copy_cache, load_model
+from .lean import one_step
 from .logprobs import token_logprobs
 from .losses import state_kd_loss, embed_kd_loss, anchor_kd_loss, KD_TARGETS
 
@@ -416,9 +417,8 @@ def _prefix_phase(body, prefix, ids, m, lens, score):
     keep = (torch.arange(P, device=dev)[None] < (lens - 1)[:, None]).long()        # [B, P] each row's own tokens
     score(t_last[:, :P], [x[:, :P] for x in t_hs], P)
     cache, cols = copy_cache(t_cache, detach=False, cols=P), [keep, torch.ones_like(lens)[:, None]]
-    out = body(input_ids=ids.gather(1, (lens - 1)[:, None]), attention_mask=torch.cat(cols, 1),
-               position_ids=(lens - 1)[:, None], use_cache=True, **cache_kw(body, cache))
-    return out_cache(out), cols, out.last_hidden_state[:, 0]                      # [B, H]
+    h = one_step(body, cache, torch.cat(cols, 1), lens - 1, ids=ids.gather(1, (lens - 1)[:, None])[:, 0])
+    return cache, cols, h                                                         # h: [B, H]
 
 
 # %% ../nbs/07_latent.ipynb #982eafaf
@@ -540,11 +540,13 @@ def student_pass(
             if j == S - 1:
                 pend, pos = (z, pos, has), pos + has[:, 0]
                 break
-            out = body(inputs_embeds=z[:, None], attention_mask=torch.cat(cols + [has], 1), position_ids=pos[:, None],
-                       use_cache=True, output_hidden_states=latent_states, **cache_kw(body, cache))
             r.calls += 1
-            cache, h = out_cache(out), out.last_hidden_state[:, 0]
-            if latent_states: lat_hs.append(_rows_of(torch.stack([x[:, 0] for x in out.hidden_states], 1), bi, B))
+            if latent_states:                                        # every layer's state: the backbone's full call
+                out = body(inputs_embeds=z[:, None], attention_mask=torch.cat(cols + [has], 1),
+                           position_ids=pos[:, None], use_cache=True, output_hidden_states=True, **cache_kw(body, cache))
+                cache, h = out_cache(out), out.last_hidden_state[:, 0]
+                lat_hs.append(_rows_of(torch.stack([x[:, 0] for x in out.hidden_states], 1), bi, B))
+            else: h = one_step(body, cache, torch.cat(cols + [has], 1), pos, embeds=z)          # [b, H]; cache extended
             cols.append(has)
             pos = pos + has[:, 0]
     return _finish_pass(
