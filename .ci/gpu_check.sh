@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-check`: what only a GPU can show, as one prepared script sized for a lent device (one command <= 10 min,
-# 15 min of device time in all): its steps are cut off at 2.8, 2, 1.7 and 1.3 minutes (7.8 in all). One PASS / FAIL / SKIP line per check, the figures in
+# 15 min of device time in all): its steps are cut off at 2.8, 2, 1.7, 1.3 and 1 minutes (8.8 in all). One PASS / FAIL / SKIP line per check, the figures in
 # $OUT/gpu-check.json (or /tmp), the whole log beside it; exits non-zero if a check failed.
 #   1. tests/test_gpu.py: the CUDA training paths; its vLLM checks (sleep/wake, CUDA graphs, bf16 alignment, the NCCL
 #      weight transfer) need vLLM 0.33 (`pip install -e '.[vllm]'`: it pins torch 2.14) and SKIP, saying so, without it.
@@ -10,6 +10,8 @@
 #      base and Instruct) on CUDA with bf16 compute, eval in bf16 (the fixtures are built here: nothing to download).
 #   3. `python -m latent_rl.bench stages --device cuda --arch qwen2.5-coder-0.5b`: each stage's step time and peak memory.
 #   4. `python -m latent_rl.bench plan --device cuda`: the memory planner against measured GPU peaks.
+#   5. `python -m latent_rl.bench decode --device cuda --quick`: latent_rl's decoder (lean steps and full calls) and
+#      `transformers` `generate` on the device; test_gpu.py holds the lean path against the full call there.
 # On the device: `bash .ci/gpu_check.sh` (python3 there holds CUDA torch; PY=... picks another interpreter).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,11 +38,12 @@ check "pipeline on every hub family (cuda, bf16)" 120 "$PY" .ci/gpu_families.py 
 grep -E "^(PASS|FAIL) " "$LOG" | grep -v "^PASS gpu\|^FAIL gpu" | tail -7 | sed 's/^/  /'
 check "bench stages (cuda, 0.5B)" 100 "$PY" -m latent_rl.bench stages --device cuda --arch qwen2.5-coder-0.5b --json "$D/gpu-stages.json"
 check "bench plan (cuda)" 80 "$PY" -m latent_rl.bench plan --device cuda --json "$D/gpu-plan.json"
+check "bench decode (cuda)" 60 "$PY" -m latent_rl.bench decode --device cuda --quick --json "$D/gpu-decode.json"
 "$PY" - "$D" <<'PYEOF'
 import json, sys
 from pathlib import Path
 d = Path(sys.argv[1]); out = {}
-for k in ("stages", "plan", "families"):
+for k in ("stages", "plan", "families", "decode"):
     p = d / f"gpu-{k}.json"
     out[k] = json.loads(p.read_text()) if p.exists() else None
 if out["plan"]: out["plan_worst_abs_error"] = max(abs(r["error"]) for r in out["plan"]["rows"])

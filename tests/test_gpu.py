@@ -24,6 +24,32 @@ def test_stages_bench_real_size_on_gpu(tmp_path):
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]
     assert all(r["peak_mem_gb"] > 0 for r in rows)
 
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_step_on_cuda_equals_the_full_call(dtype):
+    "The lean one-position path (issue 50) on CUDA: a greedy latent rollout of the tiny model is the same with it on"
+    "and off, its logprobs within the dtype's rounding; and `bench decode` runs on the device."
+    import contextlib
+    from latent_rl.generate import generate_latent
+    from latent_rl.latent import LatentModel
+    from latent_rl.lean import lean_off
+    lm, tok = LatentModel.load(ROOT / "data" / "teacher", device="cuda")
+    lm = lm.to(dtype)
+    from latent_rl.policy import Policy
+    P = _prompts(Policy(lm, tok, "latent"))
+    out = {}
+    for lean in (True, False):
+        with contextlib.nullcontext() if lean else lean_off(), torch.no_grad():
+            out[lean] = generate_latent(lm, P, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=48)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    same = sum(a == b for a, b in zip(out[True].completion_ids, out[False].completion_ids))
+    assert same >= len(P) - (0 if dtype == torch.float32 else 2), same          # bf16: a near tie may flip a token
+    worst = max(abs(x - y) for a, b, ca, cb in zip(out[True].logprobs, out[False].logprobs,
+                                                  out[True].completion_ids, out[False].completion_ids)
+                if ca == cb for x, y in zip(a, b))
+    print(f"lean vs full on cuda ({dtype}): {same}/{len(P)} rows equal, worst logprob gap {worst:.2e}")
+    assert worst < tol
+
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'latent_rl[vllm]')"
 )
