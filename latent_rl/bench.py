@@ -21,7 +21,7 @@ from .lean import lean_off, one_step
 from .generate import generate_text
 from .latent import LatentModel, LatentSpec, CodiOptions, CodiOutput, codi_forward, CALL_COST
 from .steps import find_data, load_step_rows, to_trace_row
-from .policy import Policy
+from .policy import Policy, VLLMEngine
 from .teachers import ModelTeacher, ExplicitTraceTeacher, SelfTeacher
 from .engine import make_engine, local_tensor, added_peak_mb, checkpoint_layers
 from .sft import sft_batch_loss
@@ -637,7 +637,6 @@ def _decoders(model_path: str, model, tok, m: int) -> dict:
            "transformers generate": lambda P: _hf_generate(model, P, eos, pad, m)}
     try: import vllm  # noqa: F401  (the CPU lane's interpreter has it)
     except ImportError: return out
-    from latent_rl.policy import VLLMEngine
     eng = VLLMEngine(model_path, dtype="float32", sleep=False, seed=0)
     out["vLLM (" + ("cuda" if torch.cuda.is_available() else "cpu") + ")"] = lambda P: eng.generate(
         P, max_new_tokens=m, temperature=0.0, eos_id=eos).completion_ids
