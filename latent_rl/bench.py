@@ -17,7 +17,7 @@ from .trace import prompt_text
 from .corpus import load_rows
 from .tokens import encode, sft_example, codi_example, left_pad
 from .models import load_tokenizer, build_tiny, n_params, out_cache, cache_kw
-from .lean import lean_off, one_step
+from .lean import final_norm, lean_off, one_step
 from .generate import generate_text
 from .latent import LatentModel, LatentSpec, CodiOptions, CodiOutput, codi_forward, CALL_COST
 from .steps import find_data, load_step_rows, to_trace_row
@@ -120,8 +120,8 @@ def _time_interleaved(lm, impls: dict, batches, calls) -> dict[str, dict]:
 def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list[dict]:
     "The bench rows of one setting: each implementation on each kind of batch, against the per-example reference."
     calls, opts, rows, S = {"n": 0}, CodiOptions(), [], lm.spec.latent_steps
-    norm = getattr(lm.body, "norm", None) or lm.body.ln_f                  # once per call, full or lean (`one_step`)
-    hook = norm.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+    hook = final_norm(lm.body).register_forward_hook(                     # once per call, full or lean (`one_step`)
+        lambda *a: calls.__setitem__("n", calls["n"] + 1))
     impls = {"one pass": lambda b: codi_forward(lm, b, opts),
              "phase groups": lambda b: codi_forward(lm, b, opts, call_cost=CALL_COST),
              "tails apart": lambda b: codi_forward(lm, b, opts, tail_cost=CALL_COST),

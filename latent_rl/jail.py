@@ -319,16 +319,17 @@ _CLONE_NEWNS, _CLONE_NEWPID, _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_
 _ROW_INODES = 4096          # files and directories of one row's scratch: its cleanup costs the kernel no more
 
 class _NsCalls:
-    "libc's `unshare`, `mount` and `capset` through ctypes, prepared once in the server."
+    "libc's `unshare`, `setns`, `mount` and `capset` through ctypes (libc's wrappers: no syscall numbers of one CPU),"
+    "prepared once in the server."
     def __init__(self):
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
-        self.get_errno, self.unshare, self.mount, self.syscall = ctypes.get_errno, libc.unshare, libc.mount, libc.syscall
-        self.setns = libc.setns
+        self.get_errno, self.unshare, self.setns, self.mount = ctypes.get_errno, libc.unshare, libc.setns, libc.mount
         self.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-        self._caps = ctypes.create_string_buffer(struct.pack("<Ii", 0x20080522, 0) + bytes(24))  # v3 header, zero sets
+        libc.capset.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._caps = ctypes.create_string_buffer(struct.pack("=Ii", 0x20080522, 0) + bytes(24))  # v3 header, zero sets
         at = ctypes.addressof(self._caps)
-        self.drop_caps = lambda: self.syscall(126, ctypes.c_void_p(at), ctypes.c_void_p(at + 8))  # capset: none
+        self.drop_caps = lambda: libc.capset(at, at + 8)                      # no capability, in any set
 
     def check(self, r: int, what: str):
         if r != 0: raise OSError(self.get_errno(), f"{what}: {os.strerror(self.get_errno())}")
@@ -352,7 +353,7 @@ def _fresh_row(cfg: dict, probe: bool = False) -> None:
     if probe: _PROC_SELF.append(os.open("/proc/self", os.O_RDONLY | os.O_DIRECTORY))
     ns.check(ns.mount(b"none", b"/proc", b"tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
                       b"size=4k,nr_inodes=2,mode=0555"), "hiding /proc")
-    cfg["prctl"](47, 4, 0, 0, 0)                                  # PR_CAP_AMBIENT_CLEAR_ALL
+    ns.check(cfg["prctl"](47, 4, 0, 0, 0), "clearing ambient capabilities")   # PR_CAP_AMBIENT, _CLEAR_ALL
     ns.check(ns.drop_caps(), "capset")
 
 _PROC_SELF: list = []       # the probe's descriptor of its /proc/self
@@ -648,7 +649,7 @@ def _server_main(cfg: dict):
           "pid": os.getpid(), "python": sys.version.split()[0]})
     while (n := _read_exact(rfd, 4)) is not None:
         req = json.loads(_read_exact(rfd, struct.unpack("<I", n)[0]))
-        why = _scratch_problem(cfg["scratch"], scratch)
+        why = None if cfg["fresh_rows"] else _scratch_problem(cfg["scratch"], scratch)   # fresh rows never touch it
         if why is not None:
             _empty_dir(cfg["scratch"], cfg["cleanup_s"])
             why = _scratch_problem(cfg["scratch"], scratch)
@@ -658,17 +659,22 @@ def _server_main(cfg: dict):
         send(*_serve_one(cfg, req, ssock))
 
 # %% ../nbs/00a_jail.ipynb #ac96fe4b
-def _own_proc(name: str) -> str:
-    "A file of this process's `/proc/self`: through the descriptor a fresh row's probe kept (its `/proc` is hidden)."
-    if not _PROC_SELF: return open(f"/proc/self/{name}").read()
-    fd = os.open(name, os.O_RDONLY, dir_fd=_PROC_SELF[0])
+def _own_proc(name: str) -> tuple[str, dict]:
+    "Where `name` under this process's `/proc/self` is: through the descriptor a fresh row's probe kept (its `/proc`"
+    "is hidden), as `(path, {'dir_fd': fd})` for `os` calls."
+    return (name, {"dir_fd": _PROC_SELF[0]}) if _PROC_SELF else (f"/proc/self/{name}", {})
+
+def _read_own_proc(name: str) -> str:
+    path, kw = _own_proc(name)
+    fd = os.open(path, os.O_RDONLY, **kw)
     with open(fd) as fh: return fh.read()
 
 def _own_fds() -> list[int]:
     "This process's open descriptors (less the probe's view of its `/proc/self`), each below its limit of 64 tried."
     def is_open(fd):
-        try: return bool(os.fstat(fd)) and fd not in _PROC_SELF
+        try: os.fstat(fd)
         except OSError: return False
+        return fd not in _PROC_SELF
     return [fd for fd in range(64) if is_open(fd)]
 
 def _lock_facts(attempt) -> dict:
@@ -711,16 +717,17 @@ def _probe_facts(req: dict) -> dict:
     def sock():
         import socket
         socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
-    status = dict(l.split(":", 1) for l in _own_proc("status").splitlines() if ":" in l)
+    status = dict(l.split(":", 1) for l in _read_own_proc("status").splitlines() if ":" in l)
     lim = {
         n: resource.getrlimit(getattr(resource, "RLIMIT_" + n))
         for n in ("AS", "CPU", "FSIZE", "NOFILE", "NPROC", "CORE")
     }
     ns = {}
     for n in ("user", "pid", "net", "mnt", "ipc", "uts"):
-        try: ns[n] = os.readlink(f"ns/{n}", dir_fd=_PROC_SELF[0]) if _PROC_SELF else os.readlink(f"/proc/self/ns/{n}")
+        path, kw = _own_proc(f"ns/{n}")
+        try: ns[n] = os.readlink(path, **kw)
         except OSError: ns[n] = None
-    try: ifaces = [l.split(":")[0].strip() for l in _own_proc("net/dev").splitlines()[2:]]
+    try: ifaces = [l.split(":")[0].strip() for l in _read_own_proc("net/dev").splitlines()[2:]]
     except OSError: ifaces = None
     return {"uid": os.getuid(), "gid": os.getgid(), "pid": os.getpid(), "ppid": os.getppid(), "ns": ns,
             "env": sorted(os.environ), "visible": {p: os.path.exists(p) for p in req.get("paths", [])},

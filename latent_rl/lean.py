@@ -11,7 +11,7 @@ from torch import nn
 from .models import cache_kw, out_cache
 
 # %% auto #0
-__all__ = ['lean_off', 'lean_kind', 'one_step']
+__all__ = ['lean_off', 'final_norm', 'lean_kind', 'one_step']
 
 # %% ../nbs/05a_lean.ipynb #9add1578
 _LEAN = [True]              # `lean_off()` clears it: the full call everywhere (the oracle in tests and benches)
@@ -24,37 +24,43 @@ def lean_off():
     finally: _LEAN.pop()
 
 # %% ../nbs/05a_lean.ipynb #0be30751
-def _dropout_on(body: nn.Module) -> bool:
-    "Would a forward of `body` drop anything (training mode with a dropout probability above 0)?"
+def _dropout_on(body: nn.Module, drops: list) -> bool:
+    "Would a forward of `body` drop anything (training mode, a dropout probability above 0 in `drops`, its"
+    "`nn.Dropout` modules, or in its config's attention dropout)? Read live: a probability may change."
     if not body.training: return False
-    ps = [m.p for m in body.modules() if isinstance(m, nn.Dropout)]
-    cfg = getattr(body, "config", None)
-    ps += [getattr(cfg, "attention_dropout", 0.0) or 0.0]
-    return any(p > 0 for p in ps)
+    return any(m.p > 0 for m in drops) or (getattr(getattr(body, "config", None), "attention_dropout", 0.0) or 0.0) > 0
 
-def _sharded(body: nn.Module) -> bool:
+def _sharded(body: nn.Module, layers) -> bool:
+    "Are `body` or its layers FSDP2 modules (`fully_shard` changes their class; its hooks sit on their own calls)?"
     try: from torch.distributed.fsdp import FSDPModule
     except ImportError: return False
-    return any(isinstance(m, FSDPModule) for m in body.modules())
+    return isinstance(body, FSDPModule) or isinstance(layers[0], FSDPModule)
+
+def final_norm(body: nn.Module) -> nn.Module:
+    "The backbone's last norm, which every call runs once, full or lean (a hook on it counts calls)."
+    return body.ln_f if hasattr(body, "ln_f") else body.norm
 
 # %% ../nbs/05a_lean.ipynb #72a7cb8b
-def lean_kind(body: nn.Module) -> str | None:
-    "'rope' (Llama, Qwen2, Qwen3 decoder layers), 'gpt2', or None: the full call (another family, sliding-window or"
-    "cross attention, dropout on, FSDP2 shards). Decided once per backbone (the training flag is read each time)."
-    kind = getattr(body, "_latent_rl_lean", "?")
-    if kind == "?":
+def _family(body: nn.Module) -> tuple[str | None, list]:
+    "What `one_step` knows of `body`'s structure — 'rope', 'gpt2' or None — and its dropout modules; decided once."
+    got = getattr(body, "_latent_rl_lean", None)
+    if got is None:
         kind, layers = None, getattr(body, "layers", None) or getattr(body, "h", None)
         name = type(body).__name__
-        if name in ("LlamaModel", "Qwen2Model", "Qwen3Model") and layers is not None:
-            ok = all(getattr(ly.self_attn, "sliding_window", None) is None for ly in layers)
-            kind = "rope" if ok and hasattr(body, "rotary_emb") else None
+        if name in ("LlamaModel", "Qwen2Model", "Qwen3Model") and layers is not None and hasattr(body, "rotary_emb"):
+            kind = "rope" if all(getattr(ly.self_attn, "sliding_window", None) is None for ly in layers) else None
         elif name == "GPT2Model" and layers is not None:
-            cfg = body.config
-            ok = not (cfg.add_cross_attention or cfg.reorder_and_upcast_attn)
-            kind = "gpt2" if ok else None
-        if kind is not None and _sharded(body): kind = None
-        body._latent_rl_lean = kind
-    return None if kind is None or _dropout_on(body) else kind
+            kind = None if body.config.add_cross_attention or body.config.reorder_and_upcast_attn else "gpt2"
+        got = body._latent_rl_lean = (kind, [m for m in body.modules() if isinstance(m, nn.Dropout)])
+    return got
+
+def lean_kind(body: nn.Module) -> str | None:
+    "'rope' (Llama, Qwen2, Qwen3 decoder layers), 'gpt2', or None: the full call (another family, sliding-window or"
+    "cross attention, dropout on, FSDP2 shards). The structure is read once per backbone; training and sharding each"
+    "time."
+    kind, drops = _family(body)
+    if kind is None or _dropout_on(body, drops): return None
+    return None if _sharded(body, body.h if kind == "gpt2" else body.layers) else kind
 
 # %% ../nbs/05a_lean.ipynb #43d54ec2
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:   # x: [B, h, 1, d]
@@ -106,7 +112,7 @@ def one_step(body: nn.Module,                       # the backbone (`models.back
     if kind == "gpt2":
         h = body.drop(h + body.wpe(pos)[:, None])
         for i, blk in enumerate(body.h): h = _gpt2_block(blk, h, keep, cache, i)
-        return body.ln_f(h)[:, 0]
+        return final_norm(body)(h)[:, 0]
     cos, sin = (t[:, None] for t in body.rotary_emb(h, pos[:, None]))          # [B, 1, 1, d] each
     for i, ly in enumerate(body.layers): h = _rope_layer(ly, h, cos, sin, keep, cache, i)
-    return body.norm(h)[:, 0]
+    return final_norm(body)(h)[:, 0]

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00c_pool.ipynb #ebeefa79
 from __future__ import annotations
-import collections, json, os, platform, select, signal, struct, sys, time
+import collections, json, os, platform, select, signal, sys, time
 from pathlib import Path
 from fastcore.basics import patch
 from .trace import Frame, TraceResult, _result, make_context, special_token_in
@@ -479,8 +479,7 @@ def _probe_paths() -> list[str]:
 def _row_checks(f: dict, prog: bytes | None) -> list[tuple[str, bool | None, str]]:
     "The doctor's rows on what one row may leave for the next or reach outside its jail (from the probe `f`)."
     fresh = bool(f.get("server", {}).get("fresh_rows"))
-    compared = {k for code, _, _, k in struct.iter_unpack("=HBBI", prog or b"") if code == 0x15}   # BPF JEQ constants
-    ignored = set(_X86_64_IGNORE.values()) <= compared
+    ignored = prog is not None and f.get("seccomp") == "2"          # the filter `seccomp_program` builds, loaded
     locks = {k: f.get(k) for k in ("flock", "record_lock", "pipe_size")}
     return [
         ("a fresh PID namespace, scratch and /proc per row",

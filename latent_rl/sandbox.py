@@ -75,13 +75,21 @@ def _empty_file() -> str:
         os.chmod(p, 0o644)
     return p
 
+def _jail_caps(bwrap: str) -> list[str]:
+    "CAP_SYS_ADMIN in the jail's own user namespace, for a fresh PID namespace, scratch and /proc per row (the jail"
+    "side gives it up before any program runs); none for a setuid bwrap, which refuses --cap-add to non-root callers"
+    "(the rows then share the jail's scratch and PID counter, and the doctor says so)."
+    try: setuid = bool(os.stat(shutil.which(bwrap) or bwrap).st_mode & 0o4000)
+    except OSError: setuid = False
+    return ["--cap-drop", "ALL"] if setuid else ["--cap-add", "CAP_SYS_ADMIN"]
+
 def _jail_argv(bwrap: str, scratch_mb: int, code_fds: dict[str, int] | None = None) -> list[str]:
     "The bwrap command line of a jail, up to the command: namespaces, uid 65534, the read-only view (`/proc/sys` and"
     "device nodes included), tmpfs scratch; `code_fds`: file name -> a descriptor whose content becomes"
     " /opt/latent_rl/<name>."
     data = [a for name, fd in (code_fds or {}).items() for a in ("--ro-bind-data", str(fd), f"{_JAIL_DIR}/{name}")]
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--as-pid-1", "--clearenv", "--uid", "65534", "--gid", "65534", "--hostname", "jail", "--cap-add", "CAP_SYS_ADMIN",
+            "--as-pid-1", "--clearenv", "--uid", "65534", "--gid", "65534", "--hostname", "jail", *_jail_caps(bwrap),
             *_ro_binds(), *data, "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
             *[a for p in _HIDDEN if os.path.exists(p) for a in ("--ro-bind", _empty_file(), p)], "--dev", "/dev",
             "--remount-ro", "/dev", *[a for d in _RO_DEVS for a in ("--remount-ro", f"/dev/{d}")],

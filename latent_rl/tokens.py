@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 
 import torch
 from .trace import TRACE_TOKENS, LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, END_OF_TEXT, parse_trace, row_prompt
-from .trace import special_token_in
+from .trace import special_token_in, SPECIAL_TOKEN_RE
 from .pool import special_in_frames
 from .corpus import build_corpus, build_heldout, save_rows
 
@@ -131,17 +131,24 @@ def encode(tok, text: str) -> list[int]: return tok.encode(text, add_special_tok
 def control_tokens(tok) -> tuple[str, ...]:
     "Every string `tok` reads as one token whatever surrounds it: its special and added tokens, whatever their shape"
     "(Llama-3's `<|eot_id|>`, Qwen's `<tool_call>`, GPT-2's `<|endoftext|>`), the trace tokens included."
-    if not hasattr(tok, "_latent_rl_controls"):
-        added = getattr(tok, "get_added_vocab", dict)()
-        found = set(added) | set(getattr(tok, "all_special_tokens", ()))       # whitespace runs some add: no control
-        tok._latent_rl_controls = tuple(sorted((s for s in found if s.strip()), key=len))
-    return tok._latent_rl_controls
+    return _controls(tok)[0]
+
+def _controls(tok) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    "`tok`'s control tokens, and those of them not shaped `<|name|>` (which the shape's pattern finds anyway: Llama-3"
+    "has 256 such), kept on `tok` and computed again when tokens were added."
+    n, got = getattr(tok, "_latent_rl_controls", (None, None))
+    if n != len(tok):
+        found = set(getattr(tok, "get_added_vocab", dict)()) | set(getattr(tok, "all_special_tokens", ()))
+        every = tuple(sorted((s for s in found if s.strip()), key=len))  # whitespace runs some add: no control
+        got = every, tuple(s for s in every if not SPECIAL_TOKEN_RE.fullmatch(s))
+        tok._latent_rl_controls = (len(tok), got)
+    return got
 
 def foreign_special(row: dict, tok=None) -> str | None:
     "Where a row's own text (code, input, a trace frame's fields) holds a special token (`<|name|>`, or any control"
     "token of `tok`), which `encode` would read as a control token (the tracer refuses the `<|name|>` shape; a file"
     "traced elsewhere may still have one); None when it holds none."
-    also = control_tokens(tok) if tok is not None else ()
+    also = _controls(tok)[1] if tok is not None else ()
     if t := special_token_in(row["code"], row["input"], also=also): return f"special token {t!r} in the code or input"
     if not row.get("trace"): return None
     pt = parse_trace(row["trace"])
