@@ -19,7 +19,9 @@ from .tokens import encode, sft_example, codi_example, left_pad
 from .models import load_tokenizer, build_tiny, n_params, out_cache, cache_kw
 from .lean import final_norm, lean_off, one_step
 from .generate import generate_text
-from .latent import LatentModel, LatentSpec, CodiOptions, CodiOutput, codi_forward, CALL_COST
+from .latent import LatentModel, LatentSpec, CodiOptions
+from .student import CALL_COST, Execution
+from .objective import CodiOutput, codi_forward
 from .steps import find_data, load_step_rows, to_trace_row
 from .policy import Policy, VLLMEngine
 from .teachers import ModelTeacher, ExplicitTraceTeacher, SelfTeacher
@@ -123,11 +125,11 @@ def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list
     hook = final_norm(lm.body).register_forward_hook(                     # once per call, full or lean (`one_step`)
         lambda *a: calls.__setitem__("n", calls["n"] + 1))
     impls = {"one pass": lambda b: codi_forward(lm, b, opts),
-             "phase groups": lambda b: codi_forward(lm, b, opts, call_cost=CALL_COST),
-             "tails apart": lambda b: codi_forward(lm, b, opts, tail_cost=CALL_COST),
-             "tails apart, lean off": lambda b: _lean_off(codi_forward, lm, b, opts, tail_cost=CALL_COST),
-             "tails apart, phase 0 run again": lambda b: codi_forward(lm, b, opts, tail_cost=CALL_COST,
-                                                                      share_prefix=False),
+             "phase groups": lambda b: codi_forward(lm, b, opts, how=Execution(groups=CALL_COST)),
+             "tails apart": lambda b: codi_forward(lm, b, opts, how=Execution(tails=CALL_COST)),
+             "tails apart, lean off": lambda b: _lean_off(codi_forward, lm, b, opts, how=Execution(tails=CALL_COST)),
+             "tails apart, phase 0 run again": lambda b: codi_forward(
+                 lm, b, opts, how=Execution(tails=CALL_COST, share_prefix=False)),
              "per-example reference": lambda b: ref_forward(lm, b, opts)[0]}
     for kind, batches in _bench_batches(tok, batch_size, n_batches).items():
         res = _time_interleaved(lm, impls, batches, calls)
@@ -181,8 +183,9 @@ CODI_SETTINGS = ((8, 1), (8, 3), (16, 3))
 
 def codi_bench(quick: bool = False, settings=CODI_SETTINGS, size: str = "tiny", device: str = "cpu") -> dict:
     """Examples/s of the batched CODI forward+backward — one pass (rows leave when done), `phase_groups`
-    (`call_cost=CALL_COST`), and one pass whose rows ending in a phase run their rest apart (`tail_cost=CALL_COST`),
-    the last also with the student's phase 0 run again instead of taken from the teacher's pass (`share_prefix=False`)
+    (`Execution(groups=CALL_COST)`), and one pass whose rows ending in a phase run their rest apart
+    (`Execution(tails=CALL_COST)`), the last also with the student's phase 0 run again instead of taken from the
+    teacher's pass (`share_prefix=False`)
     — against the per-example reference on the same batches, timed interleaved, for each kind of batch of
     `_bench_batches` and each `(batch size, latent steps)` of `settings` (quick: the first only)."""
     tok, rows = load_tokenizer("data/tokenizer"), []

@@ -13,7 +13,9 @@ import torch.nn as nn
 
 from .tokens import codi_example, latent_subset, sft_example
 from .models import load_model, n_params, lora_scale, export_state, save_lora, load_lora
-from .latent import LatentModel, CodiOptions, codi_forward, CALL_COST
+from .latent import LatentModel, CodiOptions
+from .student import CALL_COST, Execution
+from .objective import codi_forward
 from .records import RunRecord
 from .config import TrainConfig, ConfigError, teacher_dtype
 from .engine import setup, log0, shard_frozen
@@ -157,8 +159,8 @@ class CodiStep(Stage):
         tf_p = o.latent_teacher_forcing
         tf = example_coins(cfg.seed, step, part, K, tf_p, TF_SALT) if tf_p > 0 else None
         out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf,
-                           call_cost=CALL_COST if self.cfg.phase_groups else None,
-                           tail_cost=CALL_COST if self.cfg.split_tails else None)
+                           how=Execution(groups=CALL_COST if self.cfg.phase_groups else None,
+                                         tails=CALL_COST if self.cfg.split_tails else None))
         # the step's first micro-batch
         if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in self.anchored:
             self.anchored.add(step)

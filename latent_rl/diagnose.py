@@ -643,7 +643,7 @@ def _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, m
         )
     except TypeError as e:
         if "return_states" not in str(e): raise
-        return {"error": "latent_rl.latent.codi_forward has no return_states (update latent_rl)"}
+        return {"error": "latent_rl.objective.codi_forward has no return_states (update latent_rl)"}
     if not len(st_tr["var"]) or not len(st_te["var"]):
         return {"error": "no usable spans (rows too long for --max_len?)"}
     res = run_probes(st_tr, st_te, progress=progress)

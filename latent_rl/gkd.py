@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib, random, time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from .trace import LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, row_prompt
@@ -18,16 +19,16 @@ from .models import n_params
 from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
-from .records import RunRecord
 from .config import ConfigError, VLLMConfig, teacher_dtype
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
-from .loop import (PolicyStage, train_loop, finish_run, write_config, load_train, batch_indices, lora_student,
+from .loop import (train_loop, finish_run, write_config, load_train, batch_indices, lora_student,
     generation_cycle, drain, stage_summary, losses_line)
+from .onpolicy import OnPolicyStage
 from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['gkd_coin', 'dataset_completion', 'resample_overlong', 'value_mask', 'gkd_loss', 'GKDConfig', 'make_teacher',
-           'GKDStep', 'run_gkd']
+           'teacher_token_logprobs', 'GKDStep', 'run_gkd']
 
 # %% ../nbs/19_gkd.ipynb #1d5e8d0d
 def gkd_coin(seed: int, step: int, lmbda: float) -> bool:
@@ -106,7 +107,7 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
     H]`."""
     P, C, LA = [it["prompt"] for it in items], [it["completion"] for it in items], [it["latent_at"] for it in items]
     N = max(1, max(map(len, C)))
-    mask = sampled_mask(C, LA if policy.kind == "latent" else None, N, policy.device)   # [B, N]
+    mask = sampled_mask(C, LA, N, policy.device)                                        # [B, N]
     if teacher_out is None:
         teacher_out = teacher.score(ScoreBatch(P, C, mask, LA, [it.get("row") for it in items]))
     h, _ = policy.hidden(P, C, LA)                                                      # [B, N, H]
@@ -176,7 +177,7 @@ def make_teacher(cfg: GKDConfig, policy: Policy, acc=None) -> Teacher:
         if not k: raise ValueError("GKDConfig.teacher is an HTTP server: set topk > 0 (servers return top-k logprobs)")
         return HTTPTeacher(cfg.teacher, topk=k, timeout=cfg.http_timeout, retries=cfg.http_retries,
                            backoff=cfg.http_backoff)
-    if policy.kind == "latent":
+    if policy.has_blocks:
         t = ExplicitTraceTeacher.load(cfg.teacher, k, teacher_dtype(cfg), str(policy.device), cfg.max_locals,
                                       cfg.teacher_locals)
         if acc is not None: shard_frozen(t.model, cfg, acc)
@@ -188,50 +189,20 @@ def make_teacher(cfg: GKDConfig, policy: Policy, acc=None) -> Teacher:
     return t
 
 # %% ../nbs/19_gkd.ipynb #2864a4c7
-def _record_logprobs(rec, step, policy, items, teacher_out, temperature, hidden, n=4):
-    """A few sequences' (student, teacher) logprob pairs for the inspectors (`logprobs.jsonl`), from the loss's hidden
-    states."""
-    with torch.no_grad():
-        it = items[:n]
-        C, LA = [x["completion"] for x in it], [x["latent_at"] for x in it]
-        lab = completion_labels(C, hidden.shape[1], policy.device)                      # [n, N]
-        # [n, N] (head only, no forward)
-        lp = token_logprobs(hidden[:len(it)], policy.head, lab, temperature)
-        if teacher_out.is_topk:   # teacher logprob of the token when it is in the top-k, else nan
-            hit = teacher_out.topk_ids[:len(it), :lp.shape[1]] == lab.clamp(min=0)[..., None]
-            tl = torch.where(
-                hit, teacher_out.topk_logprobs[: len(it), : lp.shape[1]], torch.tensor(float("-inf"))
-            ).amax(-1)
-            tl = torch.where(torch.isfinite(tl), tl, torch.tensor(float("nan")))
-        else:
-            tl = (
-                torch.log_softmax(teacher_out.logits[: len(it), : lp.shape[1]].float() / temperature, -1)
-                .gather(-1, lab.clamp(min=0)[..., None])
-                .squeeze(-1)
-            )
-        mask = sampled_mask(C, LA if policy.kind == "latent" else None, lp.shape[1])
-    tok = policy.tok
-    for b, x in enumerate(it):
-        L = len(x["completion"])
-        rec.log(
-            step=step,
-            micro=0,
-            row=b,
-            tokens=[
-                tok.convert_ids_to_tokens(t) if hasattr(tok, "convert_ids_to_tokens") else str(t)
-                for t in x["completion"]
-            ],
-            logp=lp[b, :L].tolist(),
-            logp_inf=[None if v != v else v for v in tl[b, :L].tolist()],
-            mask=mask[b, :L].int().tolist(),
-            adv=0.0,
-            reward=0.0,
-            latent_at=x["latent_at"],
-        )
+def teacher_token_logprobs(teacher_out, lab: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """`[n, N]` the teacher's logprob of each label token `lab [n, N]`: from its top-k where the token is in it (nan
+    where it is not), or from its full logits at `temperature`."""
+    n, N = lab.shape
+    if teacher_out.is_topk:
+        hit = teacher_out.topk_ids[:n, :N] == lab.clamp(min=0)[..., None]                  # [n, N, k]
+        tl = torch.where(hit, teacher_out.topk_logprobs[:n, :N], torch.tensor(float("-inf"))).amax(-1)
+        return torch.where(torch.isfinite(tl), tl, torch.tensor(float("nan")))
+    lp = torch.log_softmax(teacher_out.logits[:n, :N].float() / temperature, -1)          # [n, N, V]
+    return lp.gather(-1, lab.clamp(min=0)[..., None]).squeeze(-1)
 
 # %% ../nbs/19_gkd.ipynb #f0e0d1f3
 @dataclass
-class GKDStep(PolicyStage):
+class GKDStep(OnPolicyStage):
     "GKD's step: coin → the student's samples or the dataset's completions → the teacher's scores → the JSD loss."
     cfg: GKDConfig
     acc: object
@@ -239,12 +210,10 @@ class GKDStep(PolicyStage):
     teacher: Teacher
     data: list[dict]                    # `dataset_completion` items, one per training row
     rollout_engine: object = None       # vLLM rollout engine (text students), else HF / latent decoding
-    buffer: dict = field(default_factory=dict)        # step -> (on_policy, this rank's items) of the generation cycle
-    token_counts: dict = field(default_factory=dict)  # step -> the global batch's scored tokens
-    calls: dict = field(default_factory=dict)         # step -> micro-batches taken so far
-    timing: dict = field(default_factory=lambda: {"gen_s": 0.0, "teacher_s": 0.0, "sync_s": 0.0})
+    on_policy: dict = field(default_factory=dict)     # step -> whether its cycle's items are the student's samples
     generations: int = 0
     name: str = "gkd"
+    kept: ClassVar[tuple] = ("buffer", "token_counts", "on_policy")
 
     def __post_init__(self):
         self.module, self.n_examples = self.policy.module, len(self.data)
@@ -254,7 +223,8 @@ class GKDStep(PolicyStage):
         if self.traced is not None and not traced and self.cfg.lmbda < 1:
             raise ConfigError(f"lmbda = {self.cfg.lmbda} uses dataset completions, and no training row has a trace "
                               "(traced_frac): use lmbda = 1")
-        self.rec = RunRecord(self.cfg.out, self.acc.is_main_process and self.cfg.record_every > 0, "logprobs.jsonl")
+        self.timing["teacher_s"] = 0.0
+        self.rec = self.recorder("logprobs.jsonl")
 
     def fits(self, i: int) -> bool:
         d = self.data[i]
@@ -271,21 +241,20 @@ class GKDStep(PolicyStage):
                                 step, c.max_resample_rounds, f" ({c.train}, max_len={c.max_len})")
         return [at(i) for i in idx]
 
-    def micro_loss(self, step, part, idx):
-        # first micro-batch of a cycle (in the step module: weights gathered)
-        if step not in self.buffer: self.fill(step)
-        on, items = self.take(step, part)
+    def loss(self, step, part, idx):
+        "The JSD of this micro-batch's items, a token mean over the whole global batch."
+        items, c = self.take(step, len(part)), self.cfg
+        if [x["idx"] for x in items] != list(part): raise self.out_of_step(step)
         tout = self.score(items)
-        c = self.cfg
         loss, m = gkd_loss(
             self.policy, self.teacher, items, beta=c.beta, temperature=c.temperature, sft_alpha=c.sft_alpha,
-            on_policy=on, tail=c.tail, teacher_out=tout, return_hidden=True, value_weight=c.value_weight,
+            on_policy=self.on_policy[step], tail=c.tail, teacher_out=tout, return_hidden=True,
+            value_weight=c.value_weight,
         )
         h = m.pop("hidden")
-        if c.record_every and step % c.record_every == 0 and self.calls[step] == 0 and self.acc.is_main_process:
-            _record_logprobs(self.rec, step, self.policy, items, tout, c.temperature, h)
+        if self.records(step): self.record(step, items, tout, h)
         m["sft_loss"] = m.get("sft_loss", 0.0)
-        return loss * m["n_tokens"] / self.token_counts[step], m              # token mean over the whole global batch
+        return loss * m["n_tokens"] / self.token_counts[step], m
 
 # %% ../nbs/19_gkd.ipynb #b61117b5
 @patch
@@ -300,62 +269,34 @@ def cycle_coin(self: GKDStep, c0: int) -> bool:
 @patch
 def fill(self: GKDStep, step: int) -> None:
     "The generation cycle holding `step`: its coin, this rank's items for each of its steps, sampled when on-policy."
-    cfg, acc, W = self.cfg, self.acc, self.acc.num_processes
-    steps = generation_cycle(step, cfg.steps_per_generation, cfg.steps)
+    steps, rows = self.cycle(step)
     on = self.cycle_coin(steps[0])
-    mine = {s: [dict(self.data[i], idx=i) for i in self.batch(s)[acc.process_index::W]] for s in steps}
+    mine = {s: [dict(self.data[i], idx=i) for i in rows[s]] for s in steps}
     if on: self.sample(steps, mine)
-    self.buffer.clear()
-    self.buffer.update({s: (on, mine[s]) for s in steps})
-    self.calls.clear()
-    latent = self.policy.kind == "latent"
-    counts = sum_over_ranks([sampled_mask([x["completion"] for x in mine[s]], [x["latent_at"] for x in mine[s]]
-                                          if latent else None).sum() for s in steps], acc)
-    self.token_counts.clear()
-    self.token_counts.update({s: max(1.0, c) for s, c in zip(steps, counts)})
+    counts = sum_over_ranks([sampled_mask([x["completion"] for x in mine[s]], [x["latent_at"] for x in mine[s]]).sum()
+                             for s in steps], self.acc)
+    self.hold(mine, {s: max(1.0, c) for s, c in zip(steps, counts)})
+    self.on_policy.clear()
+    self.on_policy.update({s: on for s in steps})
 
 @patch
 def sample(self: GKDStep, steps: list[int], mine: dict) -> None:
-    "On-policy: the student completes every item of the cycle (the engine synced to the current weights first)."
-    t0, cfg, policy = time.time(), self.cfg, self.policy
+    "On-policy: the student completes every item of the cycle (`rollout`: from the current weights)."
     flat = [it for s in steps for it in mine[s]]
     P = [it["prompt"] for it in flat]
-    mnt = max(1, min(cfg.max_new_tokens, cfg.max_len - max(map(len, P))))
-    keys = [row_key(cfg.seed, s, it["idx"]) for s in steps for it in mine[s]]          # (seed, step, example)
-    policy.module.eval()
-    if self.rollout_engine is not None:
-        ts = time.time()
-        self.rollout_engine.sync(policy.lm)
-        self.timing["sync_s"] += time.time() - ts
-        ro = self.rollout_engine.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, eos_id=policy.eos_id,
-                                          seeds=keys)
-    else:
-        with gathered_weights(policy.module):
-            ro = policy.generate(P, max_new_tokens=mnt, temperature=cfg.temperature, keys=keys)
-    policy.module.train()
-    for it, c, la in zip(flat, ro.completion_ids, ro.latent_at):
-        it.update(completion=c, latent_at=la if policy.kind == "latent" else [])
-    self.timing["gen_s"] += time.time() - t0
+    mnt = max(1, min(self.cfg.max_new_tokens, self.cfg.max_len - max(map(len, P))))
+    keys = [row_key(self.cfg.seed, s, it["idx"]) for s in steps for it in mine[s]]          # (seed, step, example)
+    ro = self.rollout(P, keys, mnt)
+    for it, c, la in zip(flat, ro.completion_ids, ro.latent_at): it.update(completion=c, latent_at=la)
     self.generations += 1
 
 # %% ../nbs/19_gkd.ipynb #8c816303
-@patch
-def take(self: GKDStep, step: int, part: list[int]) -> tuple[bool, list[dict]]:
-    "This micro-batch's items from the buffer (they must be the loop's `part`: the buffer follows the data order)."
-    on, mine = self.buffer[step]
-    # micro-batch number within the step
-    a = self.calls[step] = self.calls.get(step, -1) + 1
-    items = mine[a * len(part):(a + 1) * len(part)]
-    if [x["idx"] for x in items] != list(part):
-        raise RuntimeError(f"GKD buffer out of step with the training loop at step {step}, micro-batch {a}")
-    return on, items
-
 @patch
 def score(self: GKDStep, items: list[dict]):
     "The teacher's view of the items (scored when used: a self-teacher sees the current weights)."
     t0 = time.time()
     P, C, LA = [x["prompt"] for x in items], [x["completion"] for x in items], [x["latent_at"] for x in items]
-    mask = sampled_mask(C, LA if self.policy.kind == "latent" else None, None, self.policy.device)
+    mask = sampled_mask(C, LA, None, self.policy.device)
     decodes = isinstance(self.teacher, ExplicitTraceTeacher)   # writes locals: ranks run different numbers of calls
     with gathered_weights(self.teacher.model) if decodes else contextlib.nullcontext():
         out = self.teacher.score(ScoreBatch(P, C, mask, LA, [x["row"] for x in items]))
@@ -363,26 +304,27 @@ def score(self: GKDStep, items: list[dict]):
     return out
 
 @patch
+def record(self: GKDStep, step: int, items: list[dict], teacher_out, hidden: torch.Tensor) -> None:
+    "A few sequences' (student, teacher) logprob pairs for the inspectors, from the loss's hidden states."
+    with torch.no_grad():
+        it, T = items[:4], self.cfg.temperature
+        C, LA = [x["completion"] for x in it], [x["latent_at"] for x in it]
+        lab = completion_labels(C, hidden.shape[1], self.policy.device)                  # [n, N]
+        lp = token_logprobs(hidden[:len(it)], self.policy.head, lab, T)                  # [n, N] (head only)
+        self.record_pairs(self.rec, step, it, lp, teacher_token_logprobs(teacher_out, lab, T).tolist(),
+                          sampled_mask(C, LA, lp.shape[1]))
+
+@patch
 def metrics(self: GKDStep, step: int) -> dict:
     return dict(drain(self.timing), generations=float(self.generations))
 
 @patch
-def state(self: GKDStep) -> dict:  # rows are restored from the data on resume (not pickled)
-    return {
-        "buffer": {
-            s: (on, [{k: v for k, v in it.items() if k != "row"} for it in items])
-            for s, (on, items) in self.buffer.items()
-        },
-        "token_counts": dict(self.token_counts),
-    }
+def pack(self: GKDStep, item: dict) -> dict:
+    "An item without its row (restored from the data on resume, not pickled)."
+    return {k: v for k, v in item.items() if k != "row"}
 
 @patch
-def load_state(self: GKDStep, st: dict) -> None:
-    self.buffer.clear()
-    self.token_counts.clear()
-    self.token_counts.update(st.get("token_counts", {}))
-    for s, (on, items) in st.get("buffer", {}).items():
-        self.buffer[s] = (on, [dict(it, row=self.data[it["idx"]]["row"]) for it in items])
+def unpack(self: GKDStep, item: dict) -> dict: return dict(item, row=self.data[item["idx"]]["row"])
 
 # %% ../nbs/19_gkd.ipynb #84216c56
 def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
@@ -401,7 +343,7 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
                           "have none: use teacher_locals = greedy")
     data = [dataset_completion(policy.tok, r, policy.kind) for r in rows]
     if not data: raise ValueError(f"{cfg.train}: no rows")
-    rollout_engine = make_rollout_engine(cfg, policy) if cfg.use_vllm and policy.kind == "text" else None
+    rollout_engine = make_rollout_engine(cfg, policy) if cfg.use_vllm and not policy.has_blocks else None
     log0(acc, f"gkd: {policy.kind} student {cfg.model} ({n_params(policy.module):,} params), teacher {cfg.teacher} "
               f"({type(teacher).__name__}), λ={cfg.lmbda}, β={cfg.beta}, {len(data)} rows, {cfg.steps} steps × {cfg.batch_size}")
     stage = GKDStep(cfg, acc, policy, teacher, data, rollout_engine)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from .trace import row_prompt
@@ -19,10 +20,8 @@ from .models import n_params
 from .records import RunRecord
 from .config import ConfigError, VLLMConfig
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
-from latent_rl.loop import (
-    PolicyStage, train_loop, finish_run, write_config, load_train, lora_student, generation_cycle, drain,
-    batch_indices, stage_summary,
-)
+from .loop import train_loop, finish_run, write_config, load_train, lora_student, drain, batch_indices, stage_summary
+from .onpolicy import OnPolicyStage, token_strings
 from fastcore.basics import patch
 
 # %% auto #0
@@ -42,13 +41,13 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     policy also carry `latents` (the fed z) and `latent_lp` (their rollout log-densities): the z enter the clipped loss
     as actions beside the text tokens (`latent_*` metrics; `latent_count`: the step's vectors, `norm = token`)."""
     P, C = [s["prompt"] for s in samples], [s["completion"] for s in samples]
-    LA = [s["latent_at"] for s in samples] if policy.kind == "latent" else None
-    Z = [s["latents"] for s in samples] if LA is not None and all("latents" in s for s in samples) else None
+    LA = [s["latent_at"] for s in samples]                                              # empty lists: no blocks
+    Z = [s["latents"] for s in samples] if all("latents" in s for s in samples) else None
     SZ = [s["latent_lp"] for s in samples] if Z is not None and all("latent_lp" in s for s in samples) else None
     # [B, N], [B, M]×2
     if SZ is not None: logp, ld, lmask = policy.sampled_logprobs(P, C, LA, Z, temperature, pathwise=latent_pathwise)
     else: logp, _ = policy.logprobs(P, C, LA, temperature, latents=Z)                   # [B, N] (Z: truncated replay)
-    st = policy.replay_stats if LA is not None and Z is None else {}                    # an exact latent replay's cost
+    st = policy.replay_stats if Z is None else {}                                       # an exact latent replay's cost
     N, dev = logp.shape[1], logp.device
     mask = sampled_mask(C, LA, N, dev)                                                  # [B, N]
     # [B, N]; 1.0 = placeholder (seed)
@@ -119,7 +118,7 @@ def tis_cap(cfg: GRPOConfig) -> float:
 
 # %% ../nbs/20_grpo.ipynb #3e419025
 @dataclass
-class GRPOStep(PolicyStage):
+class GRPOStep(OnPolicyStage):
     "GRPO's step: rollouts → rewards → advantages (once per generation cycle) → the clipped loss of each micro-batch."
     cfg: GRPOConfig
     acc: object
@@ -129,34 +128,24 @@ class GRPOStep(PolicyStage):
     reward_fn: object                   # `latent_rl.rewards.weighted(cfg.rewards)`
     rollout_engine: object = None       # vLLM rollout engine (text policies), else HF / latent decoding
     ref: Policy | None = None           # the frozen starting policy (kl_beta > 0)
-    buffer: dict = field(default_factory=dict)        # step -> this rank's samples of the generation cycle
-    token_counts: dict = field(default_factory=dict)  # step -> the global batch's sampled tokens (norm = token)
-    calls: dict = field(default_factory=dict)         # step -> micro-batches taken so far
-    timing: dict = field(default_factory=lambda: {"gen_s": 0.0, "sync_s": 0.0})
+    latent_counts: dict = field(default_factory=dict)  # step -> the global batch's fed latent vectors (norm = token)
     stats: dict = field(default_factory=lambda: {"gen_tokens": 0, "train_tokens": 0})
     cycle_metrics: dict = field(default_factory=dict)  # advantages' and rewards' figures of the current cycle
     name: str = "grpo"
+    kept: ClassVar[tuple] = ("buffer", "token_counts", "latent_counts")
 
     def __post_init__(self):
         self.module, self.n_examples = self.policy.module, len(self.rows)
-        self.truncated = self.cfg.replay == "truncated" and self.policy.kind == "latent"   # replay recorded latents
-        # z sampled, replayed as actions
-        self.stochastic = self.policy.kind == "latent" and self.policy.model.noise is not None
-        # step -> the global batch's fed latent vectors (norm = token)
-        self.latent_counts: dict = {}
+        self.truncated = self.cfg.replay == "truncated" and self.policy.has_blocks   # replay recorded latents
+        self.stochastic = self.policy.stochastic                                   # z sampled, replayed as actions
         self.tis_cap = tis_cap(self.cfg)
         if self.tis_cap > 0 and (self.truncated or self.stochastic):
             raise ConfigError("tis_cap needs an exact replay: set --tis_cap 0 with replay=truncated or latent_sigma")
-        on = self.acc.is_main_process and self.cfg.record_every > 0
-        self.rec_lp, self.rec_ro = (
-            RunRecord(self.cfg.out, on, "logprobs.jsonl"),
-            RunRecord(self.cfg.out, on, "rollouts.jsonl"),
-        )
+        self.rec_lp, self.rec_ro = self.recorder("logprobs.jsonl"), self.recorder("rollouts.jsonl")
 
-    def micro_loss(self, step, part, idx):
-        # first micro-batch of a cycle (in the step module: weights gathered)
-        if step not in self.buffer: self.fill(step)
-        smp, c = self.take(step, part), self.cfg
+    def loss(self, step, part, idx):
+        "The clipped loss of this micro-batch's groups, normalised for the whole global batch."
+        smp, c = self.take_groups(step, part), self.cfg
         loss, m = grpo_micro_loss(self.policy, smp, eps_low=c.eps_low, eps_high=c.eps_high, norm=c.norm,
                                   token_count=self.token_counts[step] if c.norm == "token" else None,
                                   temperature=c.temperature, ref=self.ref, kl_beta=c.kl_beta,
@@ -165,16 +154,13 @@ class GRPOStep(PolicyStage):
         if c.norm == "sequence": loss = loss * len(part) / len(idx)       # mean over the global batch's sequences
         self.stats["train_tokens"] += int(m["mask"].sum())
         lp, mk = m.pop("logp"), m.pop("mask")
-        if c.record_every and step % c.record_every == 0 and self.calls[step] == 0 and self.acc.is_main_process:
-            self.record_logprobs(step, smp, lp, mk)
+        if self.records(step): self.record_pairs(self.rec_lp, step, smp, lp, [x["logp_inf"] for x in smp], mk)
         return loss, m
 
     def fill(self, step: int) -> None:
         """The generation cycle holding `step`: rollouts → rewards → advantages of each rank's prompts, then (with
         `dynamic_sampling`) fresh prompts for the groups that carry no signal; kept per step in the buffer."""
-        steps = generation_cycle(step, self.cfg.steps_per_generation, self.cfg.steps)
-        W = self.acc.num_processes
-        mine = {s: self.batch(s)[self.acc.process_index::W] for s in steps}
+        steps, mine = self.cycle(step)
         groups, self.cycle_metrics = self.sample_groups([(s, i) for s in steps for i in mine[s]], 0)
         if self.cfg.dynamic_sampling: groups = self.resample(steps, mine, groups)
         self.keep(steps, groups)
@@ -184,7 +170,7 @@ class GRPOStep(PolicyStage):
 
     def sample_groups(self, pairs: list[tuple[int, int]], rnd: int) -> tuple[list[list[dict]], dict]:
         "`group_size` scored samples of each (step, prompt) of `pairs` (sampling round `rnd`), and the round's figures."
-        G, latent = self.cfg.group_size, self.policy.kind == "latent"
+        G = self.cfg.group_size
         flat = [(s, i, rnd * G + j) for s, i in pairs for j in range(G)]          # (step, prompt, sample): its key
         ro = self.rollouts(flat, sync=rnd == 0)
         if not flat: return [], {}
@@ -193,11 +179,11 @@ class GRPOStep(PolicyStage):
         adv, am = self.advantages(R, gather=rnd == 0)
         samples = [
             {
-                "prompt": self.prompts[i], "completion": c, "latent_at": la if latent else [], "logp_inf": lp, "adv": a,
+                "prompt": self.prompts[i], "completion": c, "latent_at": la, "logp_inf": lp, "adv": a,
                 "reward": r, "idx": i, "step": s, "text": t, "parts": {k: v[n] for k, v in parts.items()},
             }
             for n, ((s, i, _), c, la, lp, a, r, t) in enumerate(
-                zip(flat, ro.completion_ids, ro.latent_at or [[]] * len(flat), ro.logprobs, adv, R, texts)
+                zip(flat, ro.completion_ids, ro.latent_at, ro.logprobs, adv, R, texts)
             )
         ]
         if self.truncated or self.stochastic:
@@ -211,35 +197,9 @@ class GRPOStep(PolicyStage):
 @patch
 def rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
     "Sample every (step, prompt, sample) of `flat` from the current weights, keyed by (seed, step, prompt, sample)."
-    cfg, policy = self.cfg, self.policy
-    keys, P = [row_key(cfg.seed, s, i, j) for s, i, j in flat], [self.prompts[i] for _, i, _ in flat]
-    if self.rollout_engine is not None and sync:
-        ts = time.time()
-        self.rollout_engine.sync(policy.lm)
-        self.timing["sync_s"] += time.time() - ts
-    t0 = time.time()
-    if self.rollout_engine is not None:
-        ro = (
-            self.rollout_engine.generate(
-                P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, eos_id=policy.eos_id, seeds=keys
-            )
-            if P
-            else None
-        )
-    else:
-        policy.module.eval()
-        # every rank enters (FSDP2 gathers), also one with nothing to sample
-        with gathered_weights(policy.module):
-            ro = (
-                policy.generate(
-                    P, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, keys=keys,
-                    return_latents=self.truncated or self.stochastic, latent_noise=self.stochastic,
-                )
-                if P
-                else None
-            )
-        policy.module.train()
-    self.timing["gen_s"] += time.time() - t0
+    keys, P = [row_key(self.cfg.seed, s, i, j) for s, i, j in flat], [self.prompts[i] for _, i, _ in flat]
+    ro = self.rollout(P, keys, self.cfg.max_new_tokens, sync, return_latents=self.truncated or self.stochastic,
+                      latent_noise=self.stochastic)
     if ro is not None: self.stats["gen_tokens"] += sum(map(len, ro.completion_ids))
     return ro
 
@@ -292,41 +252,27 @@ def resample(self: GRPOStep, steps: list[int], mine: dict, groups: list[list[dic
 @patch
 def keep(self: GRPOStep, steps: list[int], groups: list[list[dict]]) -> None:
     "The cycle's samples, per step, and each step's sampled-token count over all ranks (forced tokens excluded)."
-    self.buffer.clear()
-    self.calls.clear()
-    for s in steps: self.buffer[s] = [x for g in groups if g[0]["step"] == s for x in g]
-    counts = sum_over_ranks([sum(len(x["completion"]) - len(x["latent_at"]) for x in self.buffer[s]) for s in steps]
-                            + [sum(len(x.get("latent_lp", ())) for x in self.buffer[s]) for s in steps], self.acc)
-    self.token_counts.clear()
-    self.token_counts.update(zip(steps, counts[:len(steps)]))
+    mine = {s: [x for g in groups if g[0]["step"] == s for x in g] for s in steps}
+    counts = sum_over_ranks([sum(len(x["completion"]) - len(x["latent_at"]) for x in mine[s]) for s in steps]
+                            + [sum(len(x.get("latent_lp", ())) for x in mine[s]) for s in steps], self.acc)
+    self.hold(mine, dict(zip(steps, counts[:len(steps)])))
     self.latent_counts.clear()
     self.latent_counts.update(zip(steps, counts[len(steps):]))
 
 @patch
-def take(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
+def take_groups(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
     """This micro-batch's samples: whole groups of the loop's `part` prompts (the buffer follows the data order; with
     dynamic sampling the buffer's own prompts fill the micro-batch's `len(part)` slots)."""
     G = self.cfg.group_size
-    a = self.calls[step] = self.calls.get(step, -1) + 1
-    smp = self.buffer[step][a * len(part) * G:(a + 1) * len(part) * G]
+    smp = self.take(step, len(part) * G)
     ok = len(smp) == len(part) * G if self.cfg.dynamic_sampling else [x["idx"] for x in smp[::G]] == list(part)
-    if not ok:
-        raise RuntimeError(f"GRPO rollout buffer out of step with the training loop at step {step}, micro-batch {a}")
+    if not ok: raise self.out_of_step(step)
     return smp
 
 @patch
 def metrics(self: GRPOStep, step: int) -> dict:
     return dict(drain(self.timing), **self.cycle_metrics)
 
-@patch
-def state(self: GRPOStep) -> dict:
-    return {"buffer": self.buffer, "token_counts": self.token_counts, "latent_counts": self.latent_counts}
-
-@patch
-def load_state(self: GRPOStep, st: dict) -> None:
-    for name in ("buffer", "token_counts", "latent_counts"):
-        getattr(self, name).clear()
-        getattr(self, name).update(st.get(name, {}))
 
 # %% ../nbs/20_grpo.ipynb #c1d2e302
 @patch
@@ -337,25 +283,11 @@ def old_logprobs(self: GRPOStep, steps: list[int]) -> None:
     with torch.no_grad(), gathered_weights(self.policy.module):
         for k in range(0, len(smp), G):
             part = smp[k:k + G]
-            LA = [x["latent_at"] for x in part] if self.policy.kind == "latent" else None
-            lp, _ = self.policy.logprobs([x["prompt"] for x in part], [x["completion"] for x in part], LA, T)  # [G, N]
+            P, C, LA = ([x[k] for x in part] for k in ("prompt", "completion", "latent_at"))
+            lp, _ = self.policy.logprobs(P, C, LA, T)                                    # [G, N]
             for x, row in zip(part, lp): x["logp_old"] = row[:len(x["completion"])].tolist()
 
 # %% ../nbs/20_grpo.ipynb #d40d518a
-def _tok_strs(tok, ids):
-    return tok.convert_ids_to_tokens(list(ids)) if hasattr(tok, "convert_ids_to_tokens") else [str(i) for i in ids]
-
-@patch
-def record_logprobs(self: GRPOStep, step: int, smp: list[dict], lp: torch.Tensor, mk: torch.Tensor) -> None:
-    "A few sequences' (training, inference) logprob pairs for the inspectors (`logprobs.jsonl`)."
-    for b, x in enumerate(smp[:4]):
-        L = len(x["completion"])
-        self.rec_lp.log(
-            step=step, micro=0, row=b, tokens=_tok_strs(self.policy.tok, x["completion"]), logp=lp[b, :L].tolist(),
-            logp_inf=list(x["logp_inf"]), mask=mk[b, :L].int().tolist(), adv=x["adv"], reward=x["reward"],
-            latent_at=x["latent_at"],
-        )
-
 @patch
 def record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
     "Two whole groups of the cycle with their rewards and advantages (`rollouts.jsonl`)."
@@ -368,7 +300,7 @@ def record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
             truth=row["output"],
             samples=[
                 {
-                    "text": x["text"], "tokens": _tok_strs(self.policy.tok, x["completion"]), "reward": x["reward"],
+                    "text": x["text"], "tokens": token_strings(self.policy.tok, x["completion"]), "reward": x["reward"],
                     "adv": x["adv"], "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
                     "latent_at": x["latent_at"],
                 }
@@ -414,7 +346,7 @@ def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
 # %% ../nbs/20_grpo.ipynb #d7e1f006
 def stochastic_latents(cfg: GRPOConfig, policy: Policy) -> None:
     "Give a latent policy its noise scale (`latent_sigma`; a saved one is kept) and make σ trainable (`latent_sigma_learn`)."
-    if policy.kind != "latent":
+    if not policy.has_blocks:
         if cfg.latent_sigma or cfg.latent_sigma_learn:
             raise ConfigError("latent_sigma: a text policy has no latent vectors")
         return
@@ -429,7 +361,7 @@ def stochastic_latents(cfg: GRPOConfig, policy: Policy) -> None:
 def reference_policy(cfg: GRPOConfig, acc) -> Policy:
     "The starting policy, frozen, for the KL penalty (`kl_beta`): decoder layers sharded under `--strategy fsdp`."
     ref = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
-    if cfg.latent_sigma and ref.kind == "latent" and ref.model.noise is None: ref.model.set_noise(cfg.latent_sigma)
+    if cfg.latent_sigma and ref.has_blocks and not ref.stochastic: ref.model.set_noise(cfg.latent_sigma)
     ref.module.eval().requires_grad_(False)
     shard_frozen(ref.module, cfg, acc)
     return ref

@@ -15,7 +15,8 @@ from .records import (METRICS_STEP_OFFSET, run_file, read_records, read_config,
                                read_metrics, read_logprobs, read_rollouts, read_anchors, run_kind, steps_of)
 from .run_stats import (token_arrays, leaks, alignment_stats, ratios, clip_stats, by_step, eps_of,
                                  completion_lines, trace_lines, frame_lines, prompt_lines, nearest)
-from .latent import codi_forward, CodiOptions, LatentModel
+from .latent import CodiOptions, LatentModel
+from .objective import codi_forward
 from .tokens import codi_example
 
 # %% auto #0

@@ -12,7 +12,8 @@ from functools import partial
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from .latent import codi_forward, CodiOptions
+from .latent import CodiOptions
+from .objective import codi_forward
 from .tokens import codi_example, encode
 from .generate import generate_latent, Rollout, seeded
 

@@ -13,7 +13,8 @@ import torch.nn as nn
 from .tokens import IGNORE_INDEX
 from .models import backbone, lm_head, lm_head_weight, load_model
 from .logprobs import token_logprobs
-from .latent import LatentModel, grouped_student_pass, CALL_COST
+from .latent import LatentModel
+from .student import grouped_student_pass, CALL_COST
 from .generate import Rollout, generate_text, generate_latent
 from .serve import check_exposure
 from fastcore.basics import patch
@@ -118,7 +119,7 @@ class Policy:
                  latent_noise: bool = False) -> Rollout:
         """Sample (or greedy-decode, `temperature <= 0`) completions; `keys` make each row's samples batch-independent;
         `latent_noise` samples a stochastic latent policy's vectors (`LatentModel.set_noise`) too."""
-        if latent_noise and (self.kind != "latent" or self.model.noise is None):
+        if latent_noise and not self.stochastic:
             raise ValueError("latent_noise needs a stochastic latent policy (LatentModel.set_noise)")
         kw = (
             {"return_latents": return_latents, "noise": self.model.noise if latent_noise else None}
@@ -128,6 +129,25 @@ class Policy:
         fn = generate_latent if self.kind == "latent" else generate_text
         return fn(self.model, prompts, eos_id=self.eos_id, pad_id=self.pad_id, max_new_tokens=max_new_tokens,
                   temperature=temperature, generator=generator, keys=keys, **kw)
+
+    def sample(self, prompts, **kw) -> Rollout:
+        """`generate` (its keywords) in eval mode, back in train mode after, for a training stage; `latent_at` is a list
+        per row, empty where no block ran (always, for a text policy)."""
+        self.model.eval()
+        try: ro = self.generate(prompts, **kw)
+        finally: self.model.train()
+        ro.latent_at = ro.latent_at or [[] for _ in ro.completion_ids]
+        return ro
+
+    @property
+    def has_blocks(self) -> bool:
+        "Whether the policy runs latent blocks (a latent model): its samples carry `latent_at` and may carry latents."
+        return self.kind == "latent"
+
+    @property
+    def stochastic(self) -> bool:
+        "Whether its latent vectors are sampled (`LatentModel.set_noise`): GRPO replays them as actions."
+        return self.kind == "latent" and self.model.noise is not None
 
     def hidden(self, prompts, completions, latent_at=None, latents=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(`[B, N, H]` final hidden state predicting each completion token, `[B, N]` real-token mask). A latent policy

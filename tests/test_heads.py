@@ -11,7 +11,8 @@ from latent_rl.logprobs import token_logprobs, token_logprobs_checkpointed, logp
 from latent_rl.losses import generalized_jsd, generalized_jsd_from_hidden, sft_loss, TeacherOutput
 from latent_rl.teachers import hidden_to_output
 from latent_rl.generate import generate_text
-from latent_rl.latent import LatentModel, LatentSpec, CodiOptions, codi_forward
+from latent_rl.latent import LatentModel, LatentSpec, CodiOptions
+from latent_rl.objective import codi_forward
 from latent_rl.reference import ref_forward
 
 V = 48

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, AutoModelForCausalLM
 
-from latent_rl.latent import LatentModel, LatentSpec, CodiOptions, codi_forward
+from latent_rl.latent import LatentModel, LatentSpec, CodiOptions
+from latent_rl.objective import codi_forward
+from latent_rl.student import Execution
 from latent_rl.models import cache_kw, out_cache
 from latent_rl.reference import ref_forward     # the per-example reference (the seed's algorithm): the oracle
 
@@ -62,7 +64,7 @@ def test_batched_equals_reference(case, call_cost, tail_cost):
     teacher = tiny(1).eval().requires_grad_(False) if case["frozen"] else None
     opts = CodiOptions(kd_target=case["kd"], single_anchor=case["single"], anchor_kd=2.0)
     exs = batch(0)
-    out = codi_forward(lm, exs, opts, teacher=teacher, call_cost=call_cost, tail_cost=tail_cost)
+    out = codi_forward(lm, exs, opts, teacher=teacher, how=Execution(call_cost, tail_cost))
     gb = torch.autograd.grad(out.loss, [p for p in lm.parameters()], allow_unused=True)
     ref_loss, ref_m = ref_forward(lm, exs, opts, teacher)
     gr = torch.autograd.grad(ref_loss, [p for p in lm.parameters()], allow_unused=True)
@@ -112,9 +114,9 @@ def test_scheduled_sampling_equals_reference():
     out = codi_forward(lm, exs, opts, ss_coins=coins)
     ref_loss, _ = ref_forward(lm, exs, opts, None, coins=coins)   # coins[b, k]: text segment k of example b
     assert abs(out.loss.item() - ref_loss.item()) < 1e-5
-    grouped = codi_forward(lm, exs, opts, ss_coins=coins, call_cost=0.0)
+    grouped = codi_forward(lm, exs, opts, ss_coins=coins, how=Execution(groups=0.0))
     assert abs(grouped.loss.item() - ref_loss.item()) < 1e-5
-    tails = codi_forward(lm, exs, opts, ss_coins=coins, tail_cost=0.0)
+    tails = codi_forward(lm, exs, opts, ss_coins=coins, how=Execution(tails=0.0))
     assert abs(tails.loss.item() - ref_loss.item()) < 1e-5
     plain = codi_forward(lm, exs, CodiOptions())
     assert abs(plain.loss.item() - out.loss.item()) > 1e-6   # the coins did change the student's inputs
@@ -128,7 +130,7 @@ def test_long_last_phases_run_apart_and_equal_reference(steps):
     exs[0] = {**exs[0], "trace_ids": exs[0]["trace_ids"][:-1] + [7] * 20 + [EOT]}
     exs[3] = {**exs[3], "trace_ids": exs[3]["trace_ids"][:-1] + [9] * 9 + [EOT]}
     opts = CodiOptions(anchor_kd=2.0)
-    lock, tails = codi_forward(lm, exs, opts), codi_forward(lm, exs, opts, tail_cost=0.0)
+    lock, tails = codi_forward(lm, exs, opts), codi_forward(lm, exs, opts, how=Execution(tails=0.0))
     ref_loss, _ = ref_forward(lm, exs, opts, None)
     assert abs(tails.loss.item() - ref_loss.item()) < 1e-5 and abs(lock.loss.item() - ref_loss.item()) < 1e-5
     assert tails.metrics["model_calls"] == lock.metrics["model_calls"] + 2            # the two tails, one chunk each
@@ -209,7 +211,7 @@ def test_kd_norm_std_divides_each_layer_loss_by_teacher_std():
     exs = batch(2)
     a = codi_forward(lm, exs, CodiOptions())
     b = codi_forward(lm, exs, CodiOptions(kd_norm_std=True))
-    from latent_rl.latent import teacher_pass
+    from latent_rl.objective import teacher_pass
     t_anc = teacher_pass(lm, exs, a.layers).anchors
     std = t_anc[a.kd_valid].std(dim=(0, 2))                                    # per layer
     assert torch.allclose(b.kd_dist * std[None, None, :], a.kd_dist, atol=1e-6)
@@ -366,7 +368,7 @@ def test_latent_teacher_forcing_equals_reference(steps, call_cost):
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps))
     exs = [with_targets(e, random.Random(5)) for e in batch(6)]
     opts = CodiOptions(anchor_kd=0.0, teacher_ce=0.0, latent_teacher_forcing=0.5, value_kd=1.0)
-    out = codi_forward(lm, exs, opts, tf_generator=torch.Generator().manual_seed(3), call_cost=call_cost)
+    out = codi_forward(lm, exs, opts, tf_generator=torch.Generator().manual_seed(3), how=Execution(groups=call_cost))
     coins = torch.rand(len(exs), max(len(e["spans"]) for e in exs), generator=torch.Generator().manual_seed(3)) < 0.5
     assert coins.any() and not coins.all()
     ref = ref_objectives(lm, exs, opts, coins=coins)
@@ -385,7 +387,7 @@ def test_latent_objectives_equal_reference(obj, steps, call_cost, tail_cost):
     rng = random.Random(11)
     exs = [with_targets(e, rng) for e in batch(6)]
     opts = CodiOptions(anchor_kd=0.0, teacher_ce=0.0, **obj)                                    # only the student CE and the new term
-    out = codi_forward(lm, exs, opts, call_cost=call_cost, tail_cost=tail_cost)
+    out = codi_forward(lm, exs, opts, how=Execution(call_cost, tail_cost))
     ref = ref_objectives(lm, exs, opts)
     name = next(k for k in ref if k != "student_loss") if len(ref) > 1 else "student_loss"
     assert abs(out.metrics["student_loss"] - ref["student_loss"].item()) < 1e-5
@@ -424,7 +426,7 @@ def test_gpt2_codi_equals_reference():
     exs, opts = batch(7), CodiOptions(anchor_kd=2.0)
     ref_loss, _ = ref_forward(lm, exs, opts)
     for cc in (None, 0.0):
-        assert abs(codi_forward(lm, exs, opts, call_cost=cc).loss.item() - ref_loss.item()) < 1e-5
+        assert abs(codi_forward(lm, exs, opts, how=Execution(groups=cc)).loss.item() - ref_loss.item()) < 1e-5
     add_lora(lm.model, 4, 8.0, "c_attn,c_proj,c_fc")
     trainable = [n for n, p in lm.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -443,7 +445,7 @@ def test_phase0_from_the_teacher_equals_running_it(obj, call_cost, tail_cost):
     exs = [{**e, "answer_tok": [0] + e["answer_tok"]} for e in exs]
     opts, params = CodiOptions(**obj), list(lm.parameters())
     coins = torch.rand(len(exs), 4, generator=torch.Generator().manual_seed(0)) < 0.5
-    run = lambda share: codi_forward(lm, exs, opts, call_cost=call_cost, tail_cost=tail_cost, share_prefix=share,
+    run = lambda share: codi_forward(lm, exs, opts, how=Execution(call_cost, tail_cost, share),
                                      ss_coins=coins if opts.ss_p else None)
     a, b = run(True), run(False)
     assert abs(a.loss.item() - b.loss.item()) < 1e-5 and a.metrics["model_calls"] == b.metrics["model_calls"]
@@ -458,7 +460,7 @@ def test_phase0_is_run_when_the_teacher_is_frozen_or_checkpointed():
     """No shared pass to take phase 0 from (a frozen teacher, a recomputed one): the student runs it (same result:
     test_batched_equals_reference, test_gradient_checkpointing_gives_the_same_loss_and_gradients)."""
     lm, exs = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP)), batch(0)
-    from latent_rl.latent import teacher_pass
+    from latent_rl.objective import teacher_pass
     assert teacher_pass(lm, exs, [-1], keep_prefix=True).prefix is not None
     assert teacher_pass(lm, exs, [-1], teacher=tiny(1).eval(), keep_prefix=True).prefix is None
     lm.train()
@@ -472,7 +474,7 @@ def test_codi_steps_lower_the_codi_loss(call_cost, tail_cost):
         lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
         opt, exs, losses = torch.optim.Adam(lm.parameters(), lr=3e-3), batch(0), []
         for _ in range(12):
-            out = codi_forward(lm, exs, CodiOptions(), call_cost=call_cost, tail_cost=tail_cost)
+            out = codi_forward(lm, exs, CodiOptions(), how=Execution(call_cost, tail_cost))
             (sign * out.loss).backward()
             opt.step()
             opt.zero_grad()
@@ -494,7 +496,7 @@ def test_answer_kd_at_first_distils_where_codi_does(call_cost, tail_cost):
     first = [{**e, "answer_tok": [t for t in e["answer_tok"] if t - 1 not in e["answer_tok"]]} for e in exs]
     assert sum(map(len, (e["answer_tok"] for e in first))) < sum(map(len, (e["answer_tok"] for e in exs)))
     run = lambda xs, at: codi_forward(lm, xs, CodiOptions(anchor_kd=0.0, answer_kd=1.0, answer_kd_at=at),
-                                      call_cost=call_cost, tail_cost=tail_cost)
+                                      how=Execution(call_cost, tail_cost))
     a, b, every = run(exs, "first"), run(first, "each"), run(exs, "each")
     assert abs(a.loss.item() - b.loss.item()) < 1e-6 and abs(a.metrics["answer_kd_loss"] - b.metrics["answer_kd_loss"]) < 1e-6
     assert abs(a.metrics["answer_kd_loss"] - every.metrics["answer_kd_loss"]) > 1e-6
@@ -502,7 +504,7 @@ def test_answer_kd_at_first_distils_where_codi_does(call_cost, tail_cost):
 def test_phase_groups_replay_a_batch_where_some_or_no_row_opened_a_block():
     """A latent policy's replay (phase groups) of completions where no row, or only a later group's rows, opened a
     latent block (GRPO's samples can be all text) equals the lockstep pass; it raised IndexError."""
-    from latent_rl.latent import grouped_student_pass, student_pass
+    from latent_rl.student import grouped_student_pass, student_pass
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
     exs = batch(1)
     plain = [{**e, "spans": []} for e in exs]                                                    # no block anywhere

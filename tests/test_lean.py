@@ -100,7 +100,8 @@ def test_decoders_and_codi_are_unchanged_by_the_lean_path():
     "Greedy text and latent rollouts (tokens, logprobs, latent positions) and the CODI losses and gradients are the"
     "same with the lean path on and off (the tiny model, 3 latent steps: every latent step a one-position call)."
     from latent_rl.generate import generate_latent, generate_text
-    from latent_rl.latent import CodiOptions, LatentModel, LatentSpec, codi_forward
+    from latent_rl.latent import CodiOptions, LatentModel, LatentSpec
+    from latent_rl.objective import codi_forward
     from latent_rl.models import build_tiny, load_tokenizer
     from latent_rl.tokens import codi_example, encode
     from latent_rl.trace import prompt_text
