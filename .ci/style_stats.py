@@ -1,6 +1,8 @@
-"""The code-reading figures of issue 31, measured on the tree: module sizes, long lines, `;`-chained statements,
-methods attached to a class by assignment after its body, and each lesson's longest stretch of exported code without
-an example cell. `python .ci/style_stats.py [--json FILE]` prints a markdown table (and writes the figures as JSON)."""
+"""The code-reading figures, measured on the tree: module sizes, long lines, `;`-chained statements, methods attached
+to a class by assignment after its body, functions over 80 lines, docstrings written as several string statements,
+`policy.kind` branches outside `policy.py`, the README's length, and each lesson's longest stretch of exported code
+without an example cell. `python .ci/style_stats.py [--json FILE]` prints a markdown table (and writes the figures as
+JSON)."""
 import argparse, ast, io, json, re, tokenize
 from pathlib import Path
 
@@ -27,8 +29,27 @@ def attached_methods(tree: ast.Module) -> list[str]:
     return out
 
 
+def long_functions(tree: ast.Module, limit: int = 80) -> list[tuple[str, int]]:
+    "(name, lines) of every function or method longer than `limit` lines (nested functions count in their parent)."
+    return [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
+
+
+def split_docstrings(tree: ast.Module) -> list[str]:
+    "Functions whose docstring is followed by more bare string statements (`help()` shows only the first)."
+    out = []
+    for n in ast.walk(tree):
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or len(n.body) < 2: continue
+        is_str = lambda s: isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str)
+        if is_str(n.body[0]) and is_str(n.body[1]): out.append(n.name)
+    return out
+
+
+KIND_BRANCH = re.compile(r"\bpolicy\.kind\s*[!=]=|\bself\.policy\.kind\s*[!=]=")
+
+
 def module_stats(pkg: Path) -> dict:
-    mods, lines, over100, over120, semi, attached = {}, 0, 0, 0, 0, []
+    mods, lines, over100, over120, semi, attached, long, split, kind = {}, 0, 0, 0, 0, [], [], [], []
     for p in sorted(pkg.glob("*.py")):
         if p.name in GENERATED: continue
         src = p.read_text()
@@ -38,9 +59,14 @@ def module_stats(pkg: Path) -> dict:
         over100 += sum(len(l) > 100 for l in ls)
         over120 += sum(len(l) > 120 for l in ls)
         semi += semicolons(src)
-        attached += [f"{p.stem}: {a}" for a in attached_methods(ast.parse(src))]
+        tree = ast.parse(src)
+        attached += [f"{p.stem}: {a}" for a in attached_methods(tree)]
+        long += [f"{p.stem}.{f} {n}" for f, n in long_functions(tree)]
+        split += [f"{p.stem}.{f}" for f in split_docstrings(tree)]
+        if p.name != "policy.py": kind += [f"{p.stem}:{i}" for i, l in enumerate(ls, 1) if KIND_BRANCH.search(l)]
     return {"modules": mods, "lines": lines, "over_100": over100, "over_120": over120, "semicolons": semi,
-            "attached": attached, "over_700": sorted(m for m, n in mods.items() if n > 700)}
+            "attached": attached, "over_700": sorted(m for m, n in mods.items() if n > 700), "over_80_lines": long,
+            "split_docstrings": split, "kind_branches": kind}
 
 
 def silent_stretch(nb: Path) -> int:
@@ -71,6 +97,11 @@ def main(argv=None):
     print(f"| lines over 100 / 120 characters | {m['over_100'] / m['lines']:.1%} / {m['over_120'] / m['lines']:.1%} |")
     print(f"| `;`-chained statements | {m['semicolons']} |")
     print(f"| methods attached by assignment | {len(m['attached'])} |")
+    print(f"| functions over 80 lines | {len(m['over_80_lines'])} {m['over_80_lines'] or ''} |")
+    print(f"| docstrings of several string statements | {len(m['split_docstrings'])} |")
+    print(f"| `policy.kind` branches outside policy.py | {len(m['kind_branches'])} {m['kind_branches'] or ''} |")
+    m["readme_lines"] = len((ROOT / "README.md").read_text().splitlines())
+    print(f"| README lines | {m['readme_lines']} |")
     worst = sorted(nbs.items(), key=lambda kv: -kv[1])[:5]
     print(f"| longest exported stretch without an example | {', '.join(f'{k} {v}' for k, v in worst)} lines |")
     if a.json: Path(a.json).write_text(json.dumps(m, indent=1))

@@ -142,7 +142,6 @@ def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list
     hook.remove()
     return rows
 
-
 # %% ../nbs/27_bench.ipynb #74e37a65
 def _cached(body, B: int, T: int, grad: bool):
     "A KV cache of `T` columns for `B` rows (leaves that require a gradient when `grad`), its mask and next positions."
@@ -203,7 +202,6 @@ def codi_bench(quick: bool = False, settings=CODI_SETTINGS, size: str = "tiny", 
         "them (phase 0 taken from the teacher is in neither).",
     }
 
-
 # %% ../nbs/27_bench.ipynb #6406444f
 def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
     "GRPO samples of a rollout: the demo's rewards, group advantages, and the rollout's logprobs (and latents)."
@@ -227,6 +225,45 @@ def _frozen_copy(pol: Policy) -> Policy:
     ref = copy.deepcopy(pol)
     ref.module.requires_grad_(False)
     return ref
+
+def _grpo_variants(smp: dict, ro: dict) -> dict:
+    "(policy, replay) -> the samples each training variant replays (recorded latents and densities where it needs them)."
+    return {
+        ("text", "exact"): smp["text"],
+        ("latent", "exact"): smp["latent"],
+        ("latent", "exact, one pass"): smp["latent"],
+        ("latent", "truncated"): [dict(x, latents=z) for x, z in zip(smp["latent"], ro["latent"].latents)],
+        ("text", "exact + KL to ref"): smp["text"],
+        ("latent", "exact + KL to ref"): smp["latent"],
+        **{
+            ("stochastic", r): [
+                dict(x, latents=z, latent_lp=d)
+                for x, z, d in zip(smp["stochastic"], ro["stochastic"].latents, ro["stochastic"].latent_logprobs)
+            ]
+            for r in ("sampled z", "sampled z, pathwise")
+        },
+    }
+
+def _time_training(pols: dict, variants: dict, reps: int, timed) -> tuple[dict, dict, dict]:
+    "Each variant's training step (replay + GRPO loss + backward) timed `reps` times after a warm-up: (times, replay stats, metrics)."
+    refs = {k: _frozen_copy(p) for k, p in pols.items()}                             # for kl_beta > 0
+    t_train, stats, metrics = {v: [] for v in variants}, {}, {}
+    for pol in pols.values(): pol.module.train()
+    for it in range(1 + reps):                                                       # the first round is a warm-up
+        for (k, replay), s_ in variants.items():
+            pols[k].call_cost = math.inf if replay == "exact, one pass" else CALL_COST   # one lockstep pass, or groups
+            kl = "KL" in replay
+            def step():
+                loss, m = grpo_micro_loss(pols[k], s_, ref=refs[k] if kl else None, kl_beta=0.04 if kl else 0.0,
+                                          latent_pathwise="pathwise" in replay)
+                loss.backward()
+                pols[k].module.zero_grad()
+                return m
+            metrics[k, replay], dt = timed(step)
+            # exact replays
+            stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}
+            if it: t_train[k, replay].append(dt)
+    return t_train, stats, metrics
 
 def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teacher", group_size: int = 8) -> dict:
     """Rollout and training tokens/s of GRPO for a text and a latent policy built from the same weights, timed
@@ -257,38 +294,8 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
             ro[k], dt = timed(lambda: gen(k))
             t_gen[k].append(dt)
     smp = {k: _grpo_samples(pols[k], P, ro[k], rows, group_size) for k in pols}
-    variants = {
-        ("text", "exact"): smp["text"],
-        ("latent", "exact"): smp["latent"],
-        ("latent", "exact, one pass"): smp["latent"],
-        ("latent", "truncated"): [dict(x, latents=z) for x, z in zip(smp["latent"], ro["latent"].latents)],
-        ("text", "exact + KL to ref"): smp["text"],
-        ("latent", "exact + KL to ref"): smp["latent"],
-        **{
-            ("stochastic", r): [
-                dict(x, latents=z, latent_lp=d)
-                for x, z, d in zip(smp["stochastic"], ro["stochastic"].latents, ro["stochastic"].latent_logprobs)
-            ]
-            for r in ("sampled z", "sampled z, pathwise")
-        },
-    }
-    refs = {k: _frozen_copy(p) for k, p in pols.items()}                             # for kl_beta > 0
-    t_train, stats, metrics = {v: [] for v in variants}, {}, {}
-    for pol in pols.values(): pol.module.train()
-    for it in range(1 + reps):                                                       # the first round is a warm-up
-        for (k, replay), s_ in variants.items():
-            pols[k].call_cost = math.inf if replay == "exact, one pass" else CALL_COST   # one lockstep pass, or groups
-            kl = "KL" in replay
-            def step():
-                loss, m = grpo_micro_loss(pols[k], s_, ref=refs[k] if kl else None, kl_beta=0.04 if kl else 0.0,
-                                          latent_pathwise="pathwise" in replay)
-                loss.backward()
-                pols[k].module.zero_grad()
-                return m
-            metrics[k, replay], dt = timed(step)
-            # exact replays
-            stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}
-            if it: t_train[k, replay].append(dt)
+    variants = _grpo_variants(smp, ro)
+    t_train, stats, metrics = _time_training(pols, variants, reps, timed)
     dec = call_costs(pols["latent"].model, B=len(P), T=256, L=32, reps=5 if quick else 30, grad=False)
     return {
         "name": "grpo",

@@ -77,7 +77,6 @@ class CodiConfig(TrainConfig):
         shared = {f.name for f in fields(CodiOptions)} & {f.name for f in fields(self)} - {"kd_layers"}
         return CodiOptions(**{n: getattr(self, n) for n in shared}, kd_layers=layers)
 
-
 # %% ../nbs/18_codi.ipynb #2ad13f50
 def example_coins(seed: int, step: int, part: list[int], n: int, p: float, salt: str) -> torch.Tensor:
     """`[B, n]` coins that come up with probability `p`, one generator per (seed, step, example): the same on any number

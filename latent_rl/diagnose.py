@@ -13,14 +13,6 @@ import torch
 from .latent import LatentModel
 from .loop import load_traced
 from .models import load_model
-
-# %% auto #0
-__all__ = ['BUCKETS', 'OUTCOMES', 'MODE_COLORS', 'record_frames', 'length_bucket', 'accuracy_by_length', 'length_table',
-           'frame_path', 'compare_paths', 'classify', 'faithfulness', 'smooth', 'plateau_step', 'kd_floor',
-           'usage_markdown', 'fig_usage', 'fig_accuracy_by_length', 'fig_faithfulness', 'fig_probes', 'fig_kd_floor',
-           'diagnostics_figures', 'render_markdown', 'load_report', 'write_report', 'resolve_run', 'diagnose', 'main']
-
-# %% ../nbs/22_diagnose.ipynb #6568a70b
 from .trace import parse_trace
 from .rewards import common_prefix
 from .evaluate import (frames_json, true_line_frames, save_records, within_noise, evaluate,
@@ -28,6 +20,12 @@ from .evaluate import (frames_json, true_line_frames, save_records, within_noise
 # run records are read as a running job writes them (half-written last line skipped)
 from .records import RunRecord
 from .latent_probes import collect_states, run_probes, latent_usage
+
+# %% auto #0
+__all__ = ['BUCKETS', 'OUTCOMES', 'MODE_COLORS', 'record_frames', 'length_bucket', 'accuracy_by_length', 'length_table',
+           'frame_path', 'compare_paths', 'classify', 'faithfulness', 'smooth', 'plateau_step', 'kd_floor',
+           'usage_markdown', 'fig_usage', 'fig_accuracy_by_length', 'fig_faithfulness', 'fig_probes', 'fig_kd_floor',
+           'diagnostics_figures', 'render_markdown', 'load_report', 'write_report', 'resolve_run', 'diagnose', 'main']
 
 # %% ../nbs/22_diagnose.ipynb #b9012a7d
 def record_frames(rec: dict) -> list[dict]:
@@ -417,7 +415,7 @@ def _findings(rep: dict) -> list[str]:
 # %% ../nbs/22_diagnose.ipynb #a96a7996
 # Long on purpose: the report's sections in reading order; each is a few lines of string formatting.
 def render_markdown(rep: dict) -> str:
-    "The text of `diagnosis.md`."
+    "The text of `diagnosis.md`: its sections in order."
     L = [f"# Diagnosis: {rep.get('run') or rep.get('model')}", "",
          f"Latent student `{rep.get('model')}`, evaluated on `{rep.get('rows')}` ({rep.get('n')} programs); "
          f"written {rep.get('date', '')} by `latent-rl diagnose`.", ""]
@@ -439,7 +437,11 @@ def render_markdown(rep: dict) -> str:
     L += ["## 3. Accuracy by trace length", "",
           "Exact match and format validity per bucket of LINE frames in the true trace (= latent blocks the student runs).", "",
           length_table(rep.get("by_length") or {}), "", "![accuracy by trace length](accuracy_by_length.png)", ""]
-    L += [
+    L += _md_faithfulness(rep) + _md_probes(rep) + _md_kd_floor(rep)
+    return "\n".join(L) + "\n"
+def _md_faithfulness(rep: dict) -> list[str]:
+    "Section 4: control-flow faithfulness per mode."
+    L = [
         "## 4. Control-flow faithfulness",
         "",
         "The path of a trace is its frames' `(kind, source line)` sequence, values ignored. *right path, wrong value*: "
@@ -460,7 +462,11 @@ def render_markdown(rep: dict) -> str:
             )
         L += ["", "![control-flow faithfulness](faithfulness.png)", ""]
     else: L += ["_no trace-writing mode was evaluated_", ""]
-    L += ["## 5. Latent probes", ""]
+    return L
+
+def _md_probes(rep: dict) -> list[str]:
+    "Section 5: the latent probes' table."
+    L = ["## 5. Latent probes", ""]
     pb = rep.get("probes")
     if isinstance(pb, dict) and pb.get("rows"):
         tg = pb["targets"]
@@ -480,7 +486,11 @@ def render_markdown(rep: dict) -> str:
             L.append(f"| {r['features']} | {_pct(r.get('var'))} | {_pct(r.get('value'))} |")
         L += ["", "![latent probes](probes.png)", ""]
     else: L += [f"_probes not run: {pb.get('error') if isinstance(pb, dict) else 'disabled'}_", ""]
-    L += ["## 6. Distillation floor", ""]
+    return L
+
+def _md_kd_floor(rep: dict) -> list[str]:
+    "Section 6: the distillation floor (KD residual per layer and span, the losses)."
+    L = ["## 6. Distillation floor", ""]
     kd = rep.get("kd_floor")
     if kd and kd.get("table"):
         L += [
@@ -509,7 +519,7 @@ def render_markdown(rep: dict) -> str:
         for k, v in kd["losses"].items():
             L.append(f"| {k} | {v['first']:.4g} | {v['min']:.4g} | {v['min_step']} | {v['final']:.4g} | {v['plateau_step']} |")
     if kd: L += ["", "![distillation floor](kd_floor.png)", ""]
-    return "\n".join(L) + "\n"
+    return L
 
 # %% ../nbs/22_diagnose.ipynb #b1cfb97d
 def load_report(path) -> dict:
@@ -653,11 +663,8 @@ def _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, m
 # %% ../nbs/22_diagnose.ipynb #fcf94f4b
 def main(argv: list[str] | None = None):
     "`latent-rl diagnose`: write `diagnosis.md` (+ figures, report.json) for a CODI run or latent model."
-    ap = argparse.ArgumentParser(
-        prog="latent-rl diagnose",
-        description="Why a latent student falls short of its teacher: accuracy by "
-        "trace length, control-flow faithfulness, latent probes and the distillation floor.",
-    )
+    ap = argparse.ArgumentParser(prog="latent-rl diagnose", description="Why a latent student falls short of its "
+                                 "teacher: accuracy by trace length, control-flow faithfulness, latent probes and the distillation floor.")
     ap.add_argument("run", help="CODI run directory (with final/ and kd_anchors.jsonl) or a latent model directory")
     ap.add_argument("--teacher", default=None, help="explicit-trace teacher (default: the run's config.json 'model')")
     ap.add_argument("--notrace", default=None, help="no-trace baseline model")
@@ -666,14 +673,12 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--limit", type=int, default=0, help="evaluate at most this many rows (0: all)")
     ap.add_argument("--probe_train", type=int, default=2000, help="training rows for the probes (0: all)")
     ap.add_argument("--out", default=None, help="output directory (default: RUN/diagnosis)")
-    ap.add_argument(
-        "--records", action="append", default=[], help="another directory to look for *.records.jsonl in (repeatable)"
-    )
+    ap.add_argument("--records", action="append", default=[],
+                    help="another directory to look for *.records.jsonl in (repeatable)")
     ap.add_argument("--fresh", action="store_true", help="evaluate again even when records exist")
     ap.add_argument("--no_probes", action="store_true", help="skip the latent probes")
-    ap.add_argument(
-        "--no_usage", action="store_true", help="skip the latent-usage counterfactuals (shuffled, zeroed, ... latents)"
-    )
+    ap.add_argument("--no_usage", action="store_true",
+                    help="skip the latent-usage counterfactuals (shuffled, zeroed, ... latents)")
     ap.add_argument("--batch_size", type=int, default=32)
     ap.add_argument("--max_new_tokens", type=int, default=384)
     ap.add_argument("--max_len", type=int, default=384, help="longest prompt+trace used for the probes")

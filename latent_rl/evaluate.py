@@ -187,8 +187,7 @@ def find_records(mode: str, dirs, ids: list, model=None) -> tuple[list[dict], Pa
 # %% ../nbs/21_evaluate.ipynb #9032edad
 def load_eval_rows(path, limit: int = 0, progress: bool = True) -> list[dict]:
     """Every row of a CRUXEval-format file, its own `output` the truth; untraced rows get `trace`/`n_line_frames` when
-    the"""
-    "sandbox can. A step-data file (multiplication, GSM8k-Aug, GSM8K) gives its rows as traces (`to_trace_row`)."
+    the sandbox can. A step-data file (multiplication, GSM8k-Aug, GSM8K) gives its rows as traces (`to_trace_row`)."""
     if is_step_file(path): return [to_trace_row(r) for r in load_step_rows(path, limit or None)]
     rows = load_rows(path, limit or None)
     bad = [r["id"] for r in rows if foreign_special(r)]

@@ -154,9 +154,44 @@ def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, 
         list(map(list, prompts)), comp, logp, temperature, [[] for _ in range(B)], [eos_id in c for c in comp], passes
     )
 
+# %% ../nbs/08_generate.ipynb #870ded31
+def _latent_prefill(lm, prompts: list[list[int]], pad_id: int):
+    "The prompts' forward: (KV cache, last state `[B, H]`, mask `[B, L]`, next positions `[B]`, rows opening a block `[B]`)."
+    dev = lm.head.weight.device
+    ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))                 # [B, L]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = lm.body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    starts = torch.tensor([bool(p) and p[-1] == lm.spec.line_sep_id for p in prompts], device=dev)   # ends in <|line_sep|>
+    return out_cache(out), out.last_hidden_state[:, -1], mask, pos[:, -1] + 1, starts
+
+def _forced_table(forced: list[list[int]] | None, eos_id: int, dev):
+    "Forced completions as `[B, N+1]` ids (eos-padded) and their lengths `[B]` (None, None without any)."
+    if forced is None: return None, None
+    return (torch.tensor([list(f) + [eos_id] * (max(map(len, forced)) + 1 - len(f)) for f in forced], device=dev),
+            torch.tensor([len(f) for f in forced], device=dev))
+
+def _pick(logp, emit, temperature: float, Fpad, n_fed, kt, it: int, generator):
+    "The token each row emits now from `logp [n, V]`: forced, greedy, keyed by its row, or drawn."
+    if Fpad is not None: return Fpad.gather(1, n_fed.clamp(max=Fpad.shape[1] - 1)[:, None]).squeeze(1)
+    if temperature <= 0: return logp.argmax(-1)
+    if kt is not None: return keyed_sample(logp, kt, it) if emit.any() else logp.argmax(-1)
+    return multinomial(logp.exp(), generator)
+
+def _block_input(lm, h, noise, latent_fn, rows, B: int, blk, step, kt, it: int, generator):
+    "The vector a block step feeds: `μ = prj(h)`, sampled around μ with `noise`, replaced by `latent_fn`: (z, μ) `[n, H]`."
+    z = mu = lm.prj(h)
+    if noise is not None: z = mu + noise.sigma.to(mu.dtype) * _eps(mu, kt, it, generator)
+    if latent_fn is not None: z = _by_row(latent_fn, rows, B, z, blk, step)
+    return z, mu
+
+def _next_state(state, blk, emit, nxt, line_sep_id: int, s: int):
+    "A fed `<|line_sep|>` opens a block (state 1, next block); a block runs its steps; after `<|action_sep|>`, sample."
+    fed_line_sep = emit & (nxt == line_sep_id)
+    state = torch.where(fed_line_sep, torch.ones_like(state),
+                        torch.where((state >= 1) & (state <= s + 2), state + 1, torch.zeros_like(state)))
+    return state, blk + fed_line_sep.long()
+
 # %% ../nbs/08_generate.ipynb #bd846753
-# Long on purpose: the latent decoder's state machine (text, <|latent_start|>, latent steps, <|latent_end|>) reads as
-# one loop over decode steps; its phases share the batch's KV cache and per-row positions.
 @torch.no_grad()
 def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int = 256,
                     temperature: float = 0.0, generator: torch.Generator | None = None,
@@ -167,32 +202,18 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     in a block use the result; indexed by the prompts' rows, also after finished rows left the batch); `return_latents`
     records them. `noise` (a `LatentNoise`, used when `temperature > 0`) samples each fed vector `z = μ + σ·ε` (keyed
     like the tokens) and records its log-density. A prompt ending in `<|line_sep|>` starts in a block.
-    Finished rows leave the batch once they are a quarter of it (`_keep_rows`)."""
-    sp, body, head = lm.spec, lm.body, lm.head
+    Finished rows leave the batch once they are a quarter of it (`_keep_rows`). Each row is a state machine: 0 =
+    sample a token from h; 1 = feed `<|latent_start|>`; 2..s+1 = feed prj(h); s+2 = feed `<|latent_end|>`; s+3 =
+    force `<|action_sep|>`."""
+    sp, head, s, B = lm.spec, lm.head, lm.spec.latent_steps, len(prompts)
     dev = head.weight.device
-    ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))                 # [B, L]
-    B, s = ids.shape[0], sp.latent_steps
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache, h, passes = out_cache(out), out.last_hidden_state[:, -1], 1     # h: [B, H]
-    next_pos = pos[:, -1] + 1
-    # state per row: 0 = sample a token from h; 1 = feed <ls>; 2..s+1 = feed prj(h); s+2 = feed <le>; s+3 = force <as>
-    # [B] prompt opens a block
-    starts = torch.tensor([bool(p) and p[-1] == sp.line_sep_id for p in prompts], device=dev)
-    state = starts.long()                                                     # 1 = feed <|latent_start|> next
-    blk = starts.long() - 1                                                   # [B] index of the current block
+    cache, h, mask, next_pos, starts = _latent_prefill(lm, prompts, pad_id)
+    passes, state, blk = 1, starts.long(), starts.long() - 1                   # blk [B]: index of the current block
     done, rows = torch.zeros(B, dtype=torch.bool, device=dev), torch.arange(B, device=dev)   # rows: each slot's row
     steps, fed = [], []                              # per call: (rows, token, logprob, emitted); (rows, z, in a block)
     n_fed = torch.zeros(B, dtype=torch.long, device=dev)                       # text tokens emitted per row
-    if forced is not None:
-        # [B, N+1]
-        Fpad = torch.tensor([list(f) + [eos_id] * (max(map(len, forced)) + 1 - len(f)) for f in forced], device=dev)
-        f_len = torch.tensor([len(f) for f in forced], device=dev)
-    else: Fpad = f_len = None
-    e_ls, e_le = (
-        lm.embed(torch.tensor([sp.latent_start_id], device=dev)),
-        lm.embed(torch.tensor([sp.latent_end_id], device=dev)),
-    )
+    Fpad, f_len = _forced_table(forced, eos_id, dev)                            # [B, N+1], [B]
+    e_ls, e_le = (lm.embed(torch.tensor([i], device=dev)) for i in (sp.latent_start_id, sp.latent_end_id))
     T = temperature if temperature > 0 else 1.0
     noise = noise if temperature > 0 else None                                # greedy feeds μ
     kt, it = (torch.tensor(keys, device=dev) if keys is not None else None), 0
@@ -203,10 +224,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         # 1) rows that emit a text token now: sample (state 0) or force <|action_sep|> (state s+3)
         emit = (state == 0) | (state == s + 3)
         logp = torch.log_softmax(head.logits(h).float() / T, -1)               # [n, V]
-        if forced is not None: nxt = Fpad.gather(1, n_fed.clamp(max=Fpad.shape[1] - 1)[:, None]).squeeze(1)
-        elif temperature <= 0: nxt = logp.argmax(-1)
-        elif kt is not None: nxt = keyed_sample(logp, kt, it) if emit.any() else logp.argmax(-1)
-        else: nxt = multinomial(logp.exp(), generator)
+        nxt = _pick(logp, emit, temperature, Fpad, n_fed, kt, it, generator)
         it += 1
         nxt = torch.where(state == s + 3, torch.full_like(nxt, sp.action_sep_id), nxt)
         live_emit = emit & ~done
@@ -217,32 +235,31 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         done = done | finished_now
         if done.all() or (max_forward_passes is not None and passes >= max_forward_passes): break
         # 2) what each row feeds next
-        tok_emb = lm.embed(torch.where(emit, nxt, torch.full_like(nxt, pad_id)))  # [n, H]
-        inp = torch.where((state == 1)[:, None], e_ls, tok_emb)
+        inp = torch.where((state == 1)[:, None], e_ls, lm.embed(torch.where(emit, nxt, torch.full_like(nxt, pad_id))))
         in_block = (state >= 2) & (state <= s + 1)
         if in_block.any():
-            z = mu = lm.prj(h)                                                # [n, H]
-            if noise is not None: z = mu + noise.sigma.to(mu.dtype) * _eps(mu, kt, it, generator)
-            if latent_fn is not None: z = _by_row(latent_fn, rows, B, z, blk, state - 2)
+            z, mu = _block_input(lm, h, noise, latent_fn, rows, B, blk, state - 2, kt, it, generator)     # [n, H]
             if return_latents:
                 fed.append((rows, z, in_block & ~done, None if noise is None else noise.log_density(z, mu)))
             inp = torch.where(in_block[:, None], z, inp)
         inp = torch.where((state == s + 2)[:, None], e_le, inp)
         col = (~done).long()[:, None]
         mask = torch.cat([mask, col], 1)
-        h, passes = one_step(body, cache, mask, next_pos, embeds=inp), passes + 1                 # cache extended
+        h, passes = one_step(lm.body, cache, mask, next_pos, embeds=inp), passes + 1              # cache extended
         next_pos = next_pos + col[:, 0]
-        # 3) state transitions: a fed <|line_sep|> starts a block; a block runs its steps; after <|action_sep|>, sample
-        fed_line_sep = emit & (nxt == sp.line_sep_id)
-        blk = blk + fed_line_sep.long()
-        state = torch.where(fed_line_sep, torch.ones_like(state),
-                torch.where((state >= 1) & (state <= s + 2), state + 1, torch.zeros_like(state)))
+        state, blk = _next_state(state, blk, emit, nxt, sp.line_sep_id, s)     # 3) transitions
+    return _latent_rollout(lm, prompts, steps, fed, eos_id, temperature, passes, return_latents, h.shape[-1],
+                           noise is not None)
+
+def _latent_rollout(lm, prompts, steps, fed, eos_id, temperature, passes, return_latents, H, noisy) -> Rollout:
+    "The `Rollout` of a latent decode: each row's tokens and logprobs, where its blocks ran, the fed vectors."
+    B, sp = len(prompts), lm.spec
     comp, lps = _per_row(steps, B)                   # each row's emitted tokens, gathered once after decoding
     # a block ran after every <|line_sep|> except one that ended the completion
     lat = [[i for i, t in enumerate(c) if t == sp.line_sep_id and i + 1 < len(c)] for c in comp]
     fin = [bool(c) and c[-1] == eos_id for c in comp]
     ro = Rollout(list(map(list, prompts)), comp, lps, temperature, lat, fin, passes)
-    if return_latents: ro.latents, ro.latent_logprobs = _per_row_latents(fed, B, s, h.shape[-1], noise is not None)
+    if return_latents: ro.latents, ro.latent_logprobs = _per_row_latents(fed, B, sp.latent_steps, H, noisy)
     return ro
 
 # %% ../nbs/08_generate.ipynb #61090c7e

@@ -50,7 +50,7 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     st = policy.replay_stats if Z is None else {}                                       # an exact latent replay's cost
     N, dev = logp.shape[1], logp.device
     mask = sampled_mask(C, LA, N, dev)                                                  # [B, N]
-    # [B, N]; 1.0 = placeholder (seed)
+    # [B, N]; 1.0 = placeholder (Atropos's)
     li = pad_to([s["logp_inf"] for s in samples], N, 1.0).to(dev)
     A = torch.tensor([s["adv"] for s in samples], device=dev)                           # [B]
     ref_lp = None
@@ -97,7 +97,7 @@ class GRPOConfig(VLLMConfig):
     eps_low: float = 0.2                 # PPO clip below: ratio ≥ 1 − eps_low for negative advantages
     eps_high: float = 0.2                # PPO clip above: ratio ≤ 1 + eps_high for positive advantages
     replay: str = "exact"                # latent policies: exact | truncated (recorded latents, one-hop gradient; research option); stochastic latents replay their z
-    norm: str = "sequence"               # sequence (seed) | token
+    norm: str = "sequence"               # sequence (Atropos) | token
     adv_scale: str = "group"             # group | batch | none
     dynamic_sampling: int = 0            # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
     kl_beta: float = 0.0                 # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
@@ -106,7 +106,7 @@ class GRPOConfig(VLLMConfig):
     latent_sigma_learn: bool = False     # learn σ (log σ per dimension) with the policy; else σ stays fixed
     latent_pathwise: bool = False        # stochastic latents: the text tokens' gradient also reaches μ one hop (z = μ + σ·ε, ε held)
     steps: int = 50
-    min_lr_frac: float = 1.0             # constant after warmup (the seed's schedule)
+    min_lr_frac: float = 1.0             # constant after warmup (Atropos's schedule)
     warmup: int = 5
     save_every: int = 25
     log_every: int = 1
@@ -272,7 +272,6 @@ def take_groups(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
 @patch
 def metrics(self: GRPOStep, step: int) -> dict:
     return dict(drain(self.timing), **self.cycle_metrics)
-
 
 # %% ../nbs/20_grpo.ipynb #c1d2e302
 @patch

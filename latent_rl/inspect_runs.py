@@ -131,7 +131,7 @@ METRIC_PANELS = [
     ("clip", "fraction of tokens clipped", ["clip_frac_low", "clip_frac_high"]),
     ("align", "logp - logp_inf (nats)", ["align_mean", "align_abs_mean", "align_abs_max"]),
     ("adv_logp", "mean token logp (nats)", ["pos_adv_logp", "neg_adv_logp"]),
-    ("leak", "token count", ["placeholder_leak", "invalid_inf_logp"]),
+    ("placeholders", "token count", ["masked_placeholders", "invalid_inf_logp"]),
     ("policy", "on-policy (1) / dataset (0)", ["on_policy"]),
     ("time", "seconds per step", ["step_s", "gen_s", "teacher_s", "train_s", "sync_s"]),
     ("memory", "peak memory (MB)", ["peak_mem_mb"]),
@@ -550,47 +550,53 @@ class AnchorInspector(Inspector):
         ah.set_ylabel("anchor (span: source line)")
         ah.set_title(f"student-teacher distance at each anchor ({src})", fontsize=10)
         al = fig.add_subplot(gs[1, 1], gid="layers")
-        if self.records:
-            lay = self.records[0]["layers"]
-            per = [
-                np.concatenate([np.asarray(d, float).reshape(-1, len(r["layers"])) for d in r["dist"] if len(d)]).mean(
-                    0
-                )
-                for r in self.records
-            ]
-            M = np.array(per)                                                      # [steps, layers]
-            cols = [f"C{i % 10}" for i in range(len(lay))]
-            for j, l in enumerate(lay): al.plot(self.steps, M[:, j], color=cols[j], lw=1, label=f"layer {l}")
-            al.plot(self.steps, M.mean(1), color="k", lw=2.2, label="mean over layers")
-            if s is not None: al.axvline(s, color="tab:red", lw=0.8)
-            al.legend(fontsize=MIN_PT, ncol=2 if len(lay) > 6 else 1)
-        else: al.text(0.5, 0.5, "no kd_anchors.jsonl records", ha="center", transform=al.transAxes)
+        _layers_panel(al, self.records, self.steps, s)
         al.set_xlabel("step (record of the step's first micro-batch)")
         al.set_ylabel(f"mean {unit}")
         al.set_title("KD distance per layer over steps (all recorded anchors)", fontsize=10)
         al.grid(alpha=0.3)
         _int_steps(al)
-        if live:
-            lp, lt = L["lens_p"], L["lens_tokens"]
-            K, st, k = lp.shape
-            P = lp.reshape(K * st, k)
-            ax = fig.add_subplot(gs[2, :], gid="lens")                             # full width: one line per vector
-            ax.imshow(P, aspect="auto", cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
-            for i in range(K * st):
-                for j in range(k):
-                    ax.text(j, i, f"{lt[i // st][i % st][j]!r}"[:18] + f"  {P[i, j]:.2f}", ha="center", va="center",
-                            fontsize=MIN_PT + 0.5, family="monospace", color="white" if P[i, j] > 0.5 else "black")
-            ax.set_yticks(
-                range(K * st), [f"block {i // st + 1}" + (f".{i % st + 1}" if st > 1 else "") for i in range(K * st)],
-                fontsize=MIN_PT,
-            )
-            ax.set_xticks(range(k), [f"top {j + 1}" for j in range(k)], fontsize=MIN_PT)
-            ax.set_title(
-                "logit lens: nearest tokens of each latent vector (softmax of latent @ W_head.T) and their probability",
-                fontsize=10,
-            )
+        if live: _lens_panel(fig.add_subplot(gs[2, :], gid="lens"), L)      # full width: one line per vector
         fig.suptitle(f"{self.run.name if self.run else 'latent model'}: CODI KD anchors, example {ex_id}")
         return fig
+
+def _layers_panel(al, records: list, steps: list, s):
+    "The KD distance per layer over the recorded steps (mean over anchors), the shown step marked."
+    if records:
+        lay = records[0]["layers"]
+        per = [
+            np.concatenate([np.asarray(d, float).reshape(-1, len(r["layers"])) for d in r["dist"] if len(d)]).mean(
+                0
+            )
+            for r in records
+        ]
+        M = np.array(per)                                                      # [steps, layers]
+        cols = [f"C{i % 10}" for i in range(len(lay))]
+        for j, l in enumerate(lay): al.plot(steps, M[:, j], color=cols[j], lw=1, label=f"layer {l}")
+        al.plot(steps, M.mean(1), color="k", lw=2.2, label="mean over layers")
+        if s is not None: al.axvline(s, color="tab:red", lw=0.8)
+        al.legend(fontsize=MIN_PT, ncol=2 if len(lay) > 6 else 1)
+    else: al.text(0.5, 0.5, "no kd_anchors.jsonl records", ha="center", transform=al.transAxes)
+
+def _lens_panel(ax, L: dict):
+    "The logit lens of each latent vector: its nearest tokens under the head and their probabilities."
+    lp, lt = L["lens_p"], L["lens_tokens"]
+    K, st, k = lp.shape
+    P = lp.reshape(K * st, k)
+    ax.imshow(P, aspect="auto", cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    for i in range(K * st):
+        for j in range(k):
+            ax.text(j, i, f"{lt[i // st][i % st][j]!r}"[:18] + f"  {P[i, j]:.2f}", ha="center", va="center",
+                    fontsize=MIN_PT + 0.5, family="monospace", color="white" if P[i, j] > 0.5 else "black")
+    ax.set_yticks(
+        range(K * st), [f"block {i // st + 1}" + (f".{i % st + 1}" if st > 1 else "") for i in range(K * st)],
+        fontsize=MIN_PT,
+    )
+    ax.set_xticks(range(k), [f"top {j + 1}" for j in range(k)], fontsize=MIN_PT)
+    ax.set_title(
+        "logit lens: nearest tokens of each latent vector (softmax of latent @ W_head.T) and their probability",
+        fontsize=10,
+    )
 
 # %% ../nbs/23_inspect.ipynb #fd2c9d45
 def _verdict(c): return {True: "correct", False: "wrong"}.get(c, "correctness not recorded")

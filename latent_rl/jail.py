@@ -4,11 +4,12 @@
 
 # %% ../nbs/00a_jail.ipynb #7e8f92c5
 from __future__ import annotations
-import errno, io, json, os, platform, select, signal, struct, sys, time
+import errno, io, json, os, select, signal, struct, sys, time
 from .trace import TraceTimeout, _exc_reason, _result, trace_inprocess
+from .seccomp import seccomp_program, _seccomp_installer, _harden_server
 
 # %% auto #0
-__all__ = ['THREAT_MODEL', 'seccomp_program']
+__all__ = ['THREAT_MODEL']
 
 # %% ../nbs/00a_jail.ipynb #aa317fc3
 THREAT_MODEL = (
@@ -89,128 +90,6 @@ def _has_dir_fd(event, args) -> bool:
     if tail is None: return False
     return any(isinstance(a, int) and a >= 0 for a in args[tail:])
 
-# %% ../nbs/00a_jail.ipynb #87110cc8
-# x86_64 system calls a traced program never needs; each fails with EPERM. Signals, other processes, namespaces,
-# mounts, sockets, exec, new processes (clone without CLONE_THREAD: threads stay allowed), System V / POSIX IPC and
-# anonymous memory files (state or memory that would outlive the process), kernel interfaces with a record of bugs,
-# and every change of a file's mode, owner, times or extended attributes (ACLs): a program has no use for them, and
-# they are how a file it can reach (its scratch root, a device node of the host) would be changed for the rows after it.
-_X86_64_DENY = {
-    "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "kill": 62, "tkill": 200, "tgkill": 234,
-    "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297, "pidfd_open": 434, "pidfd_send_signal": 424,
-    "pidfd_getfd": 438, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
-    "process_madvise": 440, "process_mrelease": 448, "socket": 41, "socketpair": 53, "setsid": 112, "setpgid": 109,
-    "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
-    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-    "mount_setattr": 442, "keyctl": 250, "add_key": 248, "request_key": 249, "bpf": 321, "perf_event_open": 298,
-    "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-    "personality": 135, "modify_ldt": 154, "syslog": 103, "setpriority": 141, "sched_setparam": 142,
-    "sched_setscheduler": 144, "sched_setaffinity": 203, "sched_setattr": 314, "ioprio_set": 251,
-    "migrate_pages": 256, "move_pages": 279, "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30,
-    "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69,
-    "msgrcv": 70, "msgctl": 71, "mq_open": 240, "mq_unlink": 241, "open_by_handle_at": 304,
-    "chmod": 90, "fchmod": 91, "fchmodat": 268, "fchmodat2": 452, "chown": 92, "fchown": 93, "lchown": 94,
-    "fchownat": 260, "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280,
-    "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
-    "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "removexattrat": 466,
-    "sync": 162, "syncfs": 306, "membarrier": 324,
-    # what reaches the host or another jail through a file every jail can open (the host's libraries): advisory locks
-    # (a channel between two jails' rows), watches on them, and the page cache's state of them (a channel, and a view
-    # of what the host reads)
-    "flock": 73, "inotify_init": 253, "inotify_init1": 294, "inotify_add_watch": 254, "fanotify_init": 300,
-    "fanotify_mark": 301, "mincore": 27, "cachestat": 451,
-}
-
-# x86_64 system calls that return 0 without running: flushes and cache hints, which on a host file bound into the
-# jail would flush the host's block device or empty its page cache for every process. A program's own files live on
-# tmpfs, where they never did anything.
-_X86_64_IGNORE = {"fsync": 74, "fdatasync": 75, "sync_file_range": 277, "fadvise64": 221, "readahead": 187}
-
-_NR_CLONE, _NR_CLONE3, _NR_PRLIMIT64, _NR_PRCTL, _CLONE_THREAD, _PR_SET_DUMPABLE = 56, 435, 302, 157, 0x00010000, 4
-_NR_FCNTL, _NR_IOCTL, _F_SETFL, _O_ASYNC = 72, 16, 4, 0o20000
-# fcntl commands that make the kernel signal a process or watch a file: F_SETOWN, F_SETSIG, F_SETOWN_EX, F_SETLEASE,
-# F_NOTIFY (a SIGIO storm at the server once held a worker 15 s); ioctls that do the same: FIOASYNC, FIOSETOWN,
-# SIOCSPGRP. Also the record locks (F_GETLK, F_SETLK, F_SETLKW and
-# their F_OFD_ forms: a channel between jails like `flock`) and F_SETPIPE_SZ (kernel pipe memory outside the row's
-# memory limit)
-_FCNTL_DENY = (8, 10, 15, 1024, 1026, 5, 6, 7, 36, 37, 38, 1031)
-_IOCTL_DENY = (0x5452, 0x8901, 0x8902)
-
-# %% ../nbs/00a_jail.ipynb #4d210cda
-def seccomp_program(machine: str | None = None) -> bytes | None:
-    "The classic-BPF seccomp filter of traced children (x86_64; `None` elsewhere: that layer is then absent)."
-    if (machine or platform.machine()) != "x86_64": return None
-    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06       # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
-    ALLOW, KILL, ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
-    prog = [(LD, 0, 0, 4), (JEQ, 1, 0, 0xC000003E), (RET, 0, 0, KILL),        # another ABI (i386): kill the process
-            (LD, 0, 0, 0), (JGE, "deny", 0, 0x40000000),                       # the x32 ABI: refused
-            (JEQ, "clone", 0, _NR_CLONE), (JEQ, "enosys", 0, _NR_CLONE3), (JEQ, "self", 0, _NR_PRLIMIT64),
-            (JEQ, "prctl", 0, _NR_PRCTL), (JEQ, "fcntl", 0, _NR_FCNTL), (JEQ, "ioctl", 0, _NR_IOCTL)]
-    prog += [(JEQ, "deny", 0, nr) for nr in sorted(set(_X86_64_DENY.values()))]
-    prog += [(JEQ, "zero", 0, nr) for nr in sorted(set(_X86_64_IGNORE.values()))]
-    prog.append((RET, 0, 0, ALLOW))
-    labels = {}
-    labels["clone"] = len(prog)
-    prog += [(LD, 0, 0, 16), (JSET, "allow", "deny", _CLONE_THREAD)]  # threads only
-    labels["self"] = len(prog)
-    prog += [(LD, 0, 0, 16), (JEQ, "allow", "deny", 0)]    # prlimit64 of pid 0 only
-    labels["prctl"] = len(prog)
-    prog += [(LD, 0, 0, 16), (JEQ, "deny", "allow", _PR_SET_DUMPABLE)]  # stays undumpable
-    labels["fcntl"] = len(prog)
-    prog += [(LD, 0, 0, 24), *[(JEQ, "deny", 0, c) for c in _FCNTL_DENY],
-                                          (JEQ, "setfl", "allow", _F_SETFL)]        # its command: args[1]
-    labels["setfl"] = len(prog)
-    prog += [(LD, 0, 0, 32), (JSET, "deny", "allow", _O_ASYNC)]      # F_SETFL without O_ASYNC
-    labels["ioctl"] = len(prog)
-    prog += [(LD, 0, 0, 24), *[(JEQ, "deny", 0, c) for c in _IOCTL_DENY], (RET, 0, 0, ALLOW)]
-    labels["allow"] = len(prog)
-    prog.append((RET, 0, 0, ALLOW))
-    labels["deny"] = len(prog)
-    prog.append((RET, 0, 0, ERRNO | errno.EPERM))
-    labels["zero"] = len(prog)
-    prog.append((RET, 0, 0, ERRNO | 0))             # returns 0: done, as far as the program can tell
-    labels["enosys"] = len(prog)
-    prog.append((RET, 0, 0, ERRNO | errno.ENOSYS))  # clone3: libc falls back to clone
-    out = bytearray()
-    for i, (code, jt, jf, k) in enumerate(prog):
-        jt, jf = (labels[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
-        assert 0 <= jt < 256 and 0 <= jf < 256, "seccomp program too long for 8-bit jumps"
-        out += struct.pack("=HBBI", code, jt, jf, k)
-    return bytes(out)
-
-# %% ../nbs/00a_jail.ipynb #443d534c
-def _libc_prctl():
-    "libc's `prctl` through ctypes, or None (a Python without ctypes: no seccomp either; the doctor says so)."
-    try: import ctypes
-    except ImportError: return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl.argtypes, prctl.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
-    return prctl
-
-def _seccomp_installer(prog: bytes, prctl=None):
-    "Prepared in the server: a function a child calls to load `prog` (irrevocably; no-new-privs is set in the server)."
-    import ctypes
-    prctl = prctl or _libc_prctl()
-    class _Fprog(ctypes.Structure): _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-    buf = ctypes.create_string_buffer(prog, len(prog))
-    fprog = _Fprog(len(prog) // 8, ctypes.addressof(buf))
-    addr = ctypes.addressof(fprog)
-    def install():                                    # PR_SET_SECCOMP = 22, SECCOMP_MODE_FILTER = 2
-        if prctl(22, 2, addr, 0, 0) != 0: raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
-    install._keep = (buf, fprog)
-    return install
-
-def _harden_server():
-    "No new privileges for the server and its children (PR_SET_NO_NEW_PRIVS, which seccomp needs), and undumpable"
-    "(PR_SET_DUMPABLE 0): no process without CAP_SYS_PTRACE may ptrace it or open its /proc files (mem, fd, environ)."
-    "Returns libc's `prctl` (None without ctypes)."
-    prctl = _libc_prctl()
-    if prctl is None: return None
-    import ctypes
-    for opt, val in ((38, 1), (4, 0)):
-        if prctl(opt, val, 0, 0, 0) != 0: raise OSError(ctypes.get_errno(), f"prctl({opt}, {val})")
-    return prctl
-
 # %% ../nbs/00a_jail.ipynb #bae848c0
 class _Discard(io.TextIOBase):
     "stdout/stderr of traced programs: accepts and drops everything."
@@ -256,8 +135,8 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 def _confine(cfg: dict, rfd: int, wfd: int, seccomp) -> dict:
-    "First thing in a fresh child: keep only its two pipes, leave the zygote's session, read its request, enter the"
-    "scratch dir, cap memory and CPU, load seccomp. Returns the request (which only this child ever held)."
+    """First thing in a fresh child: keep only its two pipes, leave the zygote's session, read its request, enter the
+    scratch dir, cap memory and CPU, load seccomp. Returns the request (which only this child ever held)."""
     import resource
     _close_all_but((rfd, wfd))                                # the zygote's socket (0-2 are /dev/null)
     os.setsid()                                               # own session, process group and scheduler autogroup
@@ -319,8 +198,8 @@ _CLONE_NEWNS, _CLONE_NEWPID, _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_
 _ROW_INODES = 4096          # files and directories of one row's scratch: its cleanup costs the kernel no more
 
 class _NsCalls:
-    "libc's `unshare`, `setns`, `mount` and `capset` through ctypes (libc's wrappers: no syscall numbers of one CPU),"
-    "prepared once in the server."
+    """libc's `unshare`, `setns`, `mount` and `capset` through ctypes (libc's wrappers: no syscall numbers of one CPU),
+    prepared once in the server."""
     def __init__(self):
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
@@ -342,8 +221,8 @@ def _can_mount() -> bool:
 
 # %% ../nbs/00a_jail.ipynb #02d60ad7
 def _fresh_row(cfg: dict, probe: bool = False) -> None:
-    "In the row's process (PID 1 of its namespace): its own mount namespace, a fresh scratch, `/proc` hidden, then no"
-    "capabilities. The doctor's probe keeps a descriptor of its own `/proc/self` to report from."
+    """In the row's process (PID 1 of its namespace): its own mount namespace, a fresh scratch, `/proc` hidden, then no
+    capabilities. The doctor's probe keeps a descriptor of its own `/proc/self` to report from."""
     ns, scratch = cfg["ns"], cfg["scratch"].encode()
     ns.check(ns.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     ns.check(ns.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
@@ -360,9 +239,9 @@ _PROC_SELF: list = []       # the probe's descriptor of its /proc/self
 
 # %% ../nbs/00a_jail.ipynb #13f43e8c
 def _own_pid_namespace(cfg: dict) -> None:
-    "Before the split: a PID namespace of the jail's own user namespace, whose PID 1 returns to become the zygote (this"
-    "process waits for it, then ends as it ended). In it, the zygote may give each row a new PID namespace and come"
-    "back after each fork (`setns` to a namespace of the jail's user namespace: allowed)."
+    """Before the split: a PID namespace of the jail's own user namespace, whose PID 1 returns to become the zygote (this
+    process waits for it, then ends as it ended). In it, the zygote may give each row a new PID namespace and come
+    back after each fork (`setns` to a namespace of the jail's user namespace: allowed)."""
     ns = cfg["ns"]
     ns.check(ns.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
     if (pid := os.fork()) == 0:
@@ -391,10 +270,10 @@ def _exit_as(status: int) -> None:
 
 # %% ../nbs/00a_jail.ipynb #6c1e67a8
 def _empty_dir(top: str, seconds: float | None = None) -> bool:
-    "Remove everything under `top` (kept); True when it is empty, False when it is not by `seconds` from now (then"
-    "the server asks for a fresh jail: its tmpfs goes with the old one). Iterative, one directory at a time by"
-    "relative `chdir`: a child may leave read-only or unlistable directories, or a tree thousands of levels deep that"
-    "neither a path (PATH_MAX), a descriptor per level (64 open files) nor recursion could reach."
+    """Remove everything under `top` (kept); True when it is empty, False when it is not by `seconds` from now (then
+    the server asks for a fresh jail: its tmpfs goes with the old one). Iterative, one directory at a time by
+    relative `chdir`: a child may leave read-only or unlistable directories, or a tree thousands of levels deep that
+    neither a path (PATH_MAX), a descriptor per level (64 open files) nor recursion could reach."""
     import stat as S
     depth, budget = 0, 1 << 20
     end = None if seconds is None else time.monotonic() + seconds
@@ -444,8 +323,8 @@ def _scratch_state(root: str) -> tuple:
     return (st.st_mode, st.st_uid, attrs)
 
 def _scratch_problem(root: str, want: tuple) -> str | None:
-    "None when the scratch root is as the server left it at start (`want`, from `_scratch_state`) and empty; else what"
-    "is wrong (a default ACL there, for one, would be inherited by every later work directory)."
+    """None when the scratch root is as the server left it at start (`want`, from `_scratch_state`) and empty; else what
+    is wrong (a default ACL there, for one, would be inherited by every later work directory)."""
     try:
         got = _scratch_state(root)
         if got != want:
@@ -455,8 +334,8 @@ def _scratch_problem(root: str, want: tuple) -> str | None:
     return None
 
 def _end_child(pid: int, jailed: bool):
-    "SIGKILL the child and anything it started; in the jail that is every process of the PID namespace but the zygote"
-    "(its PID 1, which `kill(-1)` spares) and the server (the caller)."
+    """SIGKILL the child and anything it started; in the jail that is every process of the PID namespace but the zygote
+    (its PID 1, which `kill(-1)` spares) and the server (the caller)."""
     # kill(-1) only as the zygote's child inside the jail's PID namespace: anywhere else it would mean every process
     # of this user
     kills = [lambda: os.kill(-1, signal.SIGKILL)] if jailed and os.getppid() == 1 else []
@@ -473,9 +352,9 @@ def _reap():
 
 # %% ../nbs/00a_jail.ipynb #1f912265
 def _zygote(cfg: dict, sock, seccomp) -> None:
-    "The zygote: forks one child per message from the server, handing it the two pipe ends that came with the"
-    "message (its request in, its result out), as PID 1 of a new PID namespace where it can (`_row_pidns`); answers"
-    "the child's pid, then its wait status. Never returns."
+    """The zygote: forks one child per message from the server, handing it the two pipe ends that came with the
+    message (its request in, its result out), as PID 1 of a new PID namespace where it can (`_row_pidns`); answers
+    the child's pid, then its wait status. Never returns."""
     import socket
     try:
         while True:
@@ -551,8 +430,8 @@ def _prepare_scratch(cfg: dict) -> str | None:
     return None
 
 def _clean_scratch(cfg: dict) -> None:
-    "Empty the scratch after a child, `cleanup_s` at most (else retried before the next child, then a fresh jail); a"
-    "fresh row's scratch went with its mount namespace."
+    """Empty the scratch after a child, `cleanup_s` at most (else retried before the next child, then a fresh jail); a
+    fresh row's scratch went with its mount namespace."""
     if cfg.get("fresh_rows"): return
     root = cfg["scratch"]
     try:
@@ -562,8 +441,8 @@ def _clean_scratch(cfg: dict) -> None:
     except OSError: pass
 
 def _serve_one(cfg: dict, req: dict, zygote) -> tuple[dict, bytes]:
-    "Have the zygote fork a clean child for one request, hand the child its request on a pipe of its own, relay what it"
-    "writes on its result pipe, then end it and empty the scratch."
+    """Have the zygote fork a clean child for one request, hand the child its request on a pipe of its own, relay what it
+    writes on its result pipe, then end it and empty the scratch."""
     import socket
     t0 = time.monotonic()
     if why := _prepare_scratch(cfg): return {"seq": req.get("seq"), "status": "error", "why": why, "n": 0}, b""
@@ -602,9 +481,9 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 
 # %% ../nbs/00a_jail.ipynb #d814318e
 def _server_main(cfg: dict):
-    "Prepare once (imports, seccomp, warm caches, gc.freeze), then split: this process (PID 1 of the jail) becomes the"
-    "zygote, which never sees a row; its child becomes the server, which reads requests and has the zygote fork a clean"
-    "child per request. A server that finds its scratch root changed asks for its row to be retried and exits."
+    """Prepare once (imports, seccomp, warm caches, gc.freeze), then split: this process (PID 1 of the jail) becomes the
+    zygote, which never sees a row; its child becomes the server, which reads requests and has the zygote fork a clean
+    child per request. A server that finds its scratch root changed asks for its row to be retried and exits."""
     import socket
     rfd, wfd = os.dup(0), os.dup(1)                                  # requests in, results out; 0-2 become /dev/null
     null = os.open(os.devnull, os.O_RDWR)
@@ -660,8 +539,8 @@ def _server_main(cfg: dict):
 
 # %% ../nbs/00a_jail.ipynb #ac96fe4b
 def _own_proc(name: str) -> tuple[str, dict]:
-    "Where `name` under this process's `/proc/self` is: through the descriptor a fresh row's probe kept (its `/proc`"
-    "is hidden), as `(path, {'dir_fd': fd})` for `os` calls."
+    """Where `name` under this process's `/proc/self` is: through the descriptor a fresh row's probe kept (its `/proc`
+    is hidden), as `(path, {'dir_fd': fd})` for `os` calls."""
     return (name, {"dir_fd": _PROC_SELF[0]}) if _PROC_SELF else (f"/proc/self/{name}", {})
 
 def _read_own_proc(name: str) -> str:

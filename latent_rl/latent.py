@@ -168,7 +168,7 @@ VALUE_KD_AT = ("sequence", "predict", "tokens", "embed")
 class CodiOptions:
     teacher_ce: float = 1.0             # teacher CE weight, α in CODI (shared weights only)
     student_ce: float = 1.0             # student CE weight, β in CODI
-    anchor_kd: float = 1.0              # KD weight at the <|action_sep|> anchors, γ in CODI (the seed's)
+    anchor_kd: float = 1.0              # KD weight at the <|action_sep|> anchors, γ in CODI (multi-codi's)
     kd_target: str = "hidden"           # 'hidden' (smooth-L1) or 'logit' (KL on the head)
     kd_layers: tuple | None = None      # indices into hidden_states; None = all layers (frozen teacher: last)
     kd_temp: float = 2.0

@@ -350,4 +350,3 @@ class OracleStudent:
             comp.append(encode(self.tok, text))
             lats.append(z[:, None])
         return Rollout([list(p) for p in prompts], comp, [[0.0] * len(c) for c in comp], latents=lats)
-

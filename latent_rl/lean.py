@@ -25,8 +25,8 @@ def lean_off():
 
 # %% ../nbs/05a_lean.ipynb #0be30751
 def _dropout_on(body: nn.Module, drops: list) -> bool:
-    "Would a forward of `body` drop anything (training mode, a dropout probability above 0 in `drops`, its"
-    "`nn.Dropout` modules, or in its config's attention dropout)? Read live: a probability may change."
+    """Would a forward of `body` drop anything (training mode, a dropout probability above 0 in `drops`, its
+    `nn.Dropout` modules, or in its config's attention dropout)? Read live: a probability may change."""
     if not body.training: return False
     return any(m.p > 0 for m in drops) or (getattr(getattr(body, "config", None), "attention_dropout", 0.0) or 0.0) > 0
 
@@ -55,9 +55,9 @@ def _family(body: nn.Module) -> tuple[str | None, list]:
     return got
 
 def lean_kind(body: nn.Module) -> str | None:
-    "'rope' (Llama, Qwen2, Qwen3 decoder layers), 'gpt2', or None: the full call (another family, sliding-window or"
-    "cross attention, dropout on, FSDP2 shards). The structure is read once per backbone; training and sharding each"
-    "time."
+    """'rope' (Llama, Qwen2, Qwen3 decoder layers), 'gpt2', or None: the full call (another family, sliding-window or
+    cross attention, dropout on, FSDP2 shards). The structure is read once per backbone; training and sharding each
+    time."""
     kind, drops = _family(body)
     if kind is None or _dropout_on(body, drops): return None
     return None if _sharded(body, body.h if kind == "gpt2" else body.layers) else kind

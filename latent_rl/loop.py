@@ -210,7 +210,6 @@ def write_config(cfg, acc):
         raise err
     acc.wait_for_everyone()
 
-
 # %% ../nbs/16_loop.ipynb #b207210a
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     "Indices of the global batch of optimizer step `step` over a dataset of `n` examples."
@@ -372,7 +371,6 @@ def load_train(cfg, progress: bool = True) -> list[dict]:
     "A stage's training rows: `load_traced(cfg.train)`, then `split_traced` by `cfg.traced_frac` and `cfg.traced_seed`."
     rows = load_traced(cfg.train, cfg.max_train, progress=progress, step_blocks=cfg.step_blocks)
     return split_traced(rows, cfg.traced_frac, cfg.traced_seed)
-
 
 # %% ../nbs/16_loop.ipynb #0ba4bd17
 def wandb_settings(cfg, stage: str) -> dict | None:

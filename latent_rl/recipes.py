@@ -103,7 +103,6 @@ RECIPES["cpu-tiny-answers10"] = {
                        steps_per_generation=2, save_every=60, record_every=10),
 }
 
-
 # %% ../nbs/13_recipes.ipynb #3f429e49
 _MULT4 = dict(train="runs/mult4/train.txt", val="runs/mult4/val.txt")
 # `latent-rl mult --out runs/mult4` writes the lines; the shipped models: data/mult4/* (30_mult4 says how each was made)

@@ -14,8 +14,8 @@ __all__ = ['UNSAFE_ENV', 'ROOT_ENV', 'SandboxUnavailable', 'unsafe_allowed', 'ro
 
 # %% ../nbs/00b_sandbox.ipynb #1460e4af
 UNSAFE_ENV = "LATENT_RL_UNSAFE_NO_SANDBOX"
-_JAIL_DIR = "/opt/latent_rl"                  # where the jail side (trace.py, jail.py) appears inside the jail
-_JAIL_FILES = ("trace.py", "jail.py")         # the modules a jail loads: the standard library is all they import
+_JAIL_DIR = "/opt/latent_rl"                  # where the jail side (trace.py, seccomp.py, jail.py) appears inside the jail
+_JAIL_FILES = ("trace.py", "seccomp.py", "jail.py")         # the modules a jail loads: the standard library is all they import
 _JAIL_ENV = {"PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
              "PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"}
 
@@ -76,17 +76,17 @@ def _empty_file() -> str:
     return p
 
 def _jail_caps(bwrap: str) -> list[str]:
-    "CAP_SYS_ADMIN in the jail's own user namespace, for a fresh PID namespace, scratch and /proc per row (the jail"
-    "side gives it up before any program runs); none for a setuid bwrap, which refuses --cap-add to non-root callers"
-    "(the rows then share the jail's scratch and PID counter, and the doctor says so)."
+    """CAP_SYS_ADMIN in the jail's own user namespace, for a fresh PID namespace, scratch and /proc per row (the jail
+    side gives it up before any program runs); none for a setuid bwrap, which refuses --cap-add to non-root callers
+    (the rows then share the jail's scratch and PID counter, and the doctor says so)."""
     try: setuid = bool(os.stat(shutil.which(bwrap) or bwrap).st_mode & 0o4000)
     except OSError: setuid = False
     return ["--cap-drop", "ALL"] if setuid else ["--cap-add", "CAP_SYS_ADMIN"]
 
 def _jail_argv(bwrap: str, scratch_mb: int, code_fds: dict[str, int] | None = None) -> list[str]:
-    "The bwrap command line of a jail, up to the command: namespaces, uid 65534, the read-only view (`/proc/sys` and"
-    "device nodes included), tmpfs scratch; `code_fds`: file name -> a descriptor whose content becomes"
-    " /opt/latent_rl/<name>."
+    """The bwrap command line of a jail, up to the command: namespaces, uid 65534, the read-only view (`/proc/sys` and
+    device nodes included), tmpfs scratch; `code_fds`: file name -> a descriptor whose content becomes
+     /opt/latent_rl/<name>."""
     data = [a for name, fd in (code_fds or {}).items() for a in ("--ro-bind-data", str(fd), f"{_JAIL_DIR}/{name}")]
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1", "--clearenv", "--uid", "65534", "--gid", "65534", "--hostname", "jail", *_jail_caps(bwrap),
@@ -181,8 +181,8 @@ def _as_unprivileged(argv: list[str], uid: int, cgroup: str | None = None) -> li
 
 # %% ../nbs/00b_sandbox.ipynb #d50b876d
 def _pids_cgroup_base() -> str | None:
-    "A directory where this process may make pids cgroups: its own cgroup in the v1 `pids` hierarchy, or in v2 when"
-    "its `cgroup.subtree_control` enables `pids` (delegated). None where it may not (an ordinary user, mostly)."
+    """A directory where this process may make pids cgroups: its own cgroup in the v1 `pids` hierarchy, or in v2 when
+    its `cgroup.subtree_control` enables `pids` (delegated). None where it may not (an ordinary user, mostly)."""
     try: lines = open("/proc/self/cgroup").read().splitlines()
     except OSError: return None
     for l in lines:
@@ -266,8 +266,8 @@ def _jail_files() -> list[str]:
 _STATUS: dict = {}
 
 def sandbox_status(refresh: bool = False) -> dict:
-    "Can the jail start here? `{'available': bool, 'reason': str, 'bwrap': path or None, 'drop_uid': bool}` (probed"
-    "once, ~50 ms; `drop_uid`: root starts jails as an unprivileged uid, else `root_problem` says why not)."
+    """Can the jail start here? `{'available': bool, 'reason': str, 'bwrap': path or None, 'drop_uid': bool}` (probed
+    once, ~50 ms; `drop_uid`: root starts jails as an unprivileged uid, else `root_problem` says why not)."""
     if _STATUS and not refresh: return dict(_STATUS)
     import subprocess
     b, st = _bwrap(), {"available": False, "bwrap": None}

@@ -230,8 +230,8 @@ def same_answer(pred: str | None, truth: str) -> bool:
 # %% ../nbs/01_steps.ipynb #441c6663
 def multiplication_files(out, n: int = 4, m: int = 4, count: int = 79_000, val: int = 200, seed: int = 1,
                          exclude=None) -> tuple[Path, Path]:
-    "`OUT/train.txt` (`count` lines) and `OUT/val.txt` (`val` more) of n×m multiplication, none a pair of `exclude`"
-    "(default: the implicit-CoT validation file of that size, where `find_data` finds it)."
+    """`OUT/train.txt` (`count` lines) and `OUT/val.txt` (`val` more) of n×m multiplication, none a pair of `exclude`
+    (default: the implicit-CoT validation file of that size, where `find_data` finds it)."""
     if (
         exclude is None
         and (d := find_data("icot")) is not None
@@ -250,8 +250,8 @@ def step_prompt(row: dict) -> str:
 STEP_BLOCKS = ("each", "one")   # a latent block per step | one block for the whole chain (the CODI paper's GSM8k-Aug)
 
 def step_trace(row: dict, blocks: str = "each") -> str:
-    "A step row's target as a trace: a LINE frame per step (the compressible part as its state, the visible part as"
-    "its line), or with `blocks='one'` one LINE frame holding every step; then the answer as the RETURN frame."
+    """A step row's target as a trace: a LINE frame per step (the compressible part as its state, the visible part as
+    its line), or with `blocks='one'` one LINE frame holding every step; then the answer as the RETURN frame."""
     if blocks not in STEP_BLOCKS: raise ValueError(f"step_blocks must be one of {STEP_BLOCKS}, got {blocks!r}")
     if blocks == "one": frames = [Frame("line", "steps\n", {"steps": steps_body(row)})]
     else: frames = [Frame("line", (s["visible"] or "step") + "\n", {"step": s["latent"]}) for s in row["steps"]]
@@ -259,7 +259,6 @@ def step_trace(row: dict, blocks: str = "each") -> str:
 
 def to_trace_row(row: dict, blocks: str = "each") -> dict:
     """A step row with the fields a traced row has besides its own: `prompt` (which the stages read through
-    `row_prompt`),"""
-    "`trace`, `output`, `n_line_frames`, an empty `code` and the question as `input`."
+    `row_prompt`), `trace`, `output`, `n_line_frames`, an empty `code` and the question as `input`."""
     return {**row, "code": "", "input": row["question"], "prompt": step_prompt(row), "trace": step_trace(row, blocks),
             "output": row["answer"], "n_line_frames": len(row["steps"]) if blocks == "each" else 1}

@@ -73,7 +73,7 @@ def _scheduled_input(body, head, call: tuple[dict, int], cache, ids, lens, coins
     with torch.no_grad():
         side = body(**kw, use_cache=True, **cache_kw(body, copy_cache(cache)))
         am = head.logits(side.last_hidden_state[:, off:]).argmax(-1)                 # [B, L]
-    end = torch.where(final, lens - 1, lens - 3)                                      # [B] last replaced column (seed)
+    end = torch.where(final, lens - 1, lens - 3)                                      # [B] last replaced column (multi-codi's)
     repl = (col >= 2) & (col <= end[:, None]) & coins[:, None].to(ids.device)
     return torch.where(repl, torch.cat([am[:, :1], am[:, :-1]], 1), ids)              # argmax at p-1 feeds position p
 
@@ -89,7 +89,6 @@ def _leave(stay: torch.Tensor, cache, cols: list, *xs):
     keep = stay.nonzero()[:, 0]                                                       # [b']
     cache.batch_select_indices(keep)
     return cache, [c[keep] for c in cols], *(x[keep] for x in xs)
-
 
 # %% ../nbs/07b_student.ipynb #af1d98ec
 @dataclass
@@ -122,7 +121,6 @@ class _Pass:
     lat_hs: list = field(default_factory=list)      # per latent step: [B, L+1, H] its states
     at_parts: list = field(default_factory=list)    # (rows, trace index, states) at `states_at`
     pred_parts: list = field(default_factory=list)  # (rows, trace index, state) predicting each scored token
-
 
 # %% ../nbs/07b_student.ipynb #fe24cabe
 @dataclass

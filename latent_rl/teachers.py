@@ -160,7 +160,6 @@ def given_locals(given: list[list[list[int] | None]] | None, B: int, device) -> 
             if x is not None: G[b, k, :len(x)], GL[b, k] = torch.tensor(x, dtype=torch.long), len(x)
     return G.to(device), GL.to(device)
 
-
 # %% ../nbs/11_teachers.ipynb #a156887b
 @torch.no_grad()
 def explicit_fill(model, spec: LatentSpec, prompts, completions, latent_at, *, pad_id: int, max_locals: int = 48,

@@ -129,13 +129,13 @@ def surely_too_long(tok, texts, max_len: int | None) -> bool:
 def encode(tok, text: str) -> list[int]: return tok.encode(text, add_special_tokens=False)
 
 def control_tokens(tok) -> tuple[str, ...]:
-    "Every string `tok` reads as one token whatever surrounds it: its special and added tokens, whatever their shape"
-    "(Llama-3's `<|eot_id|>`, Qwen's `<tool_call>`, GPT-2's `<|endoftext|>`), the trace tokens included."
+    """Every string `tok` reads as one token whatever surrounds it: its special and added tokens, whatever their shape
+    (Llama-3's `<|eot_id|>`, Qwen's `<tool_call>`, GPT-2's `<|endoftext|>`), the trace tokens included."""
     return _controls(tok)[0]
 
 def _controls(tok) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    "`tok`'s control tokens, and those of them not shaped `<|name|>` (which the shape's pattern finds anyway: Llama-3"
-    "has 256 such), kept on `tok` and computed again when tokens were added."
+    """`tok`'s control tokens, and those of them not shaped `<|name|>` (which the shape's pattern finds anyway: Llama-3
+    has 256 such), kept on `tok` and computed again when tokens were added."""
     n, got = getattr(tok, "_latent_rl_controls", (None, None))
     if n != len(tok):
         found = set(getattr(tok, "get_added_vocab", dict)()) | set(getattr(tok, "all_special_tokens", ()))
@@ -145,9 +145,9 @@ def _controls(tok) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return got
 
 def foreign_special(row: dict, tok=None) -> str | None:
-    "Where a row's own text (code, input, a trace frame's fields) holds a special token (`<|name|>`, or any control"
-    "token of `tok`), which `encode` would read as a control token (the tracer refuses the `<|name|>` shape; a file"
-    "traced elsewhere may still have one); None when it holds none."
+    """Where a row's own text (code, input, a trace frame's fields) holds a special token (`<|name|>`, or any control
+    token of `tok`), which `encode` would read as a control token (the tracer refuses the `<|name|>` shape; a file
+    traced elsewhere may still have one); None when it holds none."""
     also = _controls(tok)[1] if tok is not None else ()
     if t := special_token_in(row["code"], row["input"], also=also): return f"special token {t!r} in the code or input"
     if not row.get("trace"): return None
@@ -161,8 +161,8 @@ def answer_text(trace: str) -> str:
     return frames[-2] + "<|frame_sep|>" + END_OF_TEXT
 
 def sft_example(tok, row: dict, mode: str = "trace", max_len: int | None = None) -> dict | None:
-    "`{input_ids, labels}` for a traced row; `mode` 'trace' (explicit trace) or 'answer' (no-trace). None if too long"
-    "or if its own text holds a special token (`foreign_special`)."
+    """`{input_ids, labels}` for a traced row; `mode` 'trace' (explicit trace) or 'answer' (no-trace). None if too long
+    or if its own text holds a special token (`foreign_special`)."""
     if mode == "trace" and "trace" not in row:
         raise ValueError(f"row {row.get('id')!r} has no trace (answer-only, `traced_frac`): use mode 'answer' for it")
     text = row["trace"] if mode == "trace" else row.get("answer") or answer_text(row["trace"])   # answer-only rows

@@ -32,8 +32,8 @@ TRACE_TOKENS = [TRACE_CONTEXT_START, CALL_SEP, LINE_SEP, RETURN_SEP, EXCEPTION_S
 SPECIAL_TOKEN_RE = re.compile(r"<\|[A-Za-z0-9_.:-]{1,64}\|>")
 
 def special_token_in(*texts: str, also: tuple[str, ...] = ()) -> str | None:
-    "The first string in `texts` shaped like a special token (`<|name|>`) or equal to one of `also` (a tokenizer's"
-    "own control tokens, whatever their shape: Qwen's `<tool_call>`), or None."
+    """The first string in `texts` shaped like a special token (`<|name|>`) or equal to one of `also` (a tokenizer's
+    own control tokens, whatever their shape: Qwen's `<tool_call>`), or None."""
     for t in texts:
         if "<|" in t and (m := SPECIAL_TOKEN_RE.search(t)): return m.group()
         for s in also:

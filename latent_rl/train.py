@@ -108,9 +108,8 @@ def cmd_data(argv):
 
 def _return_large_blocks(threshold: int = 1 << 20):
     """glibc: blocks of `threshold` bytes and more are their own mappings, returned to the system when freed (by default
-    the"""
-    "threshold rises with the blocks freed, and a run of 5 MB values leaves the heap fragmented: a peak that depends on"
-    "timing). Elsewhere (musl, macOS) nothing changes."
+    the threshold rises with the blocks freed, and a run of 5 MB values leaves the heap fragmented: a peak that depends
+    on timing). Elsewhere (musl, macOS) nothing changes."""
     try:
         import ctypes
         ctypes.CDLL(None).mallopt(-3, threshold)          # M_MMAP_THRESHOLD
@@ -118,8 +117,7 @@ def _return_large_blocks(threshold: int = 1 << 20):
 
 def _peak_rss_mb() -> float:
     """This process's peak resident memory since it started (VmHWM: `ru_maxrss` would also count the memory of the
-    process"""
-    "that spawned it, which a child keeps as its maxrss across exec)."
+    process that spawned it, which a child keeps as its maxrss across exec)."""
     try:
         for line in open("/proc/self/status"):
             if line.startswith("VmHWM:"): return int(line.split()[1]) / 1024

@@ -1,5 +1,5 @@
 """The documentation site (`make docs`): built from the notebooks, opened in a real headless browser (Chromium)."""
-import os, shutil, subprocess, sys
+import os, re, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +52,28 @@ def test_site_renders_index_and_lessons_with_figures(site):
         ["trace", "losses", "codi", "gkd", "grpo", "diagnose"]
     # API entries (signature + docstring)
     assert "def grpo_loss" in losses["text"] and "def generalized_jsd" in losses["text"]
+
+
+def test_pages_read_like_nbdevs(site):
+    """Three pages as a reader sees them (the index, a stage lesson, a guide page): no `#|` directive, no `In [ ]:`
+    prompt, headings that keep their code in the table of contents; every stage lesson shows a figure; the guide is
+    several pages; an exported function shows as its signature and docstring, its code folded."""
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = b.new_page()
+        pages = {n: page_facts(page, site / f"{n}.html") for n in ("index", "18_codi", "guide_03")}
+        stages = {n: page_facts(page, site / f"{n}.html")["images"] for n in ("18_codi", "19_gkd", "20_grpo")}
+        page.goto((site / "index.html").as_uri())
+        toc = page.inner_text("nav.md-nav--secondary")
+        page.goto((site / "18_codi.html").as_uri())
+        folded = page.eval_on_selector_all("article details.src", "els => els.filter(e => !e.open).length")
+        b.close()
+    for name, f in pages.items():
+        assert not re.search(r"(^|\n)\s*#\|", f["text"]), f"{name} shows a directive"
+        assert "In [" not in f["text"] and "Out[" not in f["text"], f"{name} shows a prompt"
+    assert "What make demo measures" in toc, toc
+    assert all(n >= 1 for n in stages.values()), stages
+    guide = [x for x in pages["index"]["nav"] if x.strip()]
+    assert {"The command line", "The tracer's sandbox", "GRPO"} <= set(guide), guide
+    assert "class CodiConfig" in pages["18_codi"]["text"] and folded >= 3
+    assert "def run_codi" in pages["18_codi"]["text"] and "acc = setup(" not in pages["18_codi"]["text"]

@@ -122,7 +122,7 @@ def test_greedy_decoding_follows_the_models_own_logits(name):
         for _ in range(6): seq.append(int(m(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
     assert ro.completion_ids[0] == seq[len(x):]
 
-# ---------------------------------------------------------------- the latent student against the seed's algorithm
+# ---------------------------------------------------------------- the latent student against multi-codi's algorithm
 from test_latent import LS, LE, LSEP, ASEP, make_example   # the same synthetic traces as the other CODI tests
 
 def latent_batch(seed=0):

@@ -1,4 +1,4 @@
-"""The batched multi-span CODI forward against a per-example reference written to the seed's algorithm (train_codi.py):
+"""The batched multi-span CODI forward against a per-example reference written to multi-codi's algorithm (yile-liu/multi-codi train_codi.py):
 one example at a time, 3 + latent_steps model calls per span, a DynamicCache, full logits."""
 import itertools
 import pytest
@@ -10,7 +10,7 @@ from latent_rl.latent import LatentModel, LatentSpec, CodiOptions
 from latent_rl.objective import codi_forward
 from latent_rl.student import Execution
 from latent_rl.models import cache_kw, out_cache
-from latent_rl.reference import ref_forward     # the per-example reference (the seed's algorithm): the oracle
+from latent_rl.reference import ref_forward     # the per-example reference (multi-codi's algorithm): the oracle
 
 V, LS, LE, LSEP, ASEP, EOT = 48, 40, 41, 42, 43, 44
 
@@ -252,7 +252,7 @@ def with_targets(ex, rng):
     return e
 
 def ref_objectives(lm, examples, opts, teacher=None, coins=None):
-    "The value/answer/recon terms and the answer-weighted student CE, one example at a time (the seed's call pattern)."
+    "The value/answer/recon terms and the answer-weighted student CE, one example at a time (multi-codi's call pattern)."
     model, prj, S = lm.model, lm.prj, lm.spec.latent_steps
     body, emb = model.model, model.get_input_embeddings()
     E, tmodel = emb.weight, teacher if teacher is not None else model

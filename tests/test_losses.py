@@ -210,7 +210,7 @@ def test_grpo_equals_naive(norm):
     loss, met = grpo_loss(logp, logp_inf, adv, mask, norm=norm, grad_accum=2, **kw)
     (g,) = torch.autograd.grad(loss, logp)
     assert close(loss, ref, VAL) and close(g, ref_g, GRAD)
-    assert met["n_tokens"] == mask.sum().item() and met["placeholder_leak"] == (~mask).sum().item()
+    assert met["n_tokens"] == mask.sum().item() and met["masked_placeholders"] == (~mask).sum().item()
     assert met["invalid_inf_logp"] == 0
     d = (logp - logp_inf).detach()[mask]
     assert abs(met["align_mean"] - d.mean().item()) < VAL and abs(met["align_abs_max"] - d.abs().max().item()) < VAL
@@ -297,10 +297,10 @@ def test_grpo_requires_inference_logprobs():
         grpo_loss(logp, None, adv, mask)
 
 
-def test_grpo_placeholder_leak_is_reported():
+def test_grpo_masked_placeholders_are_counted():
     logp, logp_inf, adv, mask = grpo_batch()
     _, met = grpo_loss(logp, logp_inf, adv, mask)
-    assert met["placeholder_leak"] == (~mask).sum().item() and met["invalid_inf_logp"] == 0
+    assert met["masked_placeholders"] == (~mask).sum().item() and met["invalid_inf_logp"] == 0
     # an off-by-one alignment: the engine's logprobs shifted by one position puts placeholders on scored tokens
     shifted = torch.roll(logp_inf, 1, dims=1)
     loss, met = grpo_loss(logp, shifted, adv, mask)
@@ -554,7 +554,7 @@ def test_jsd_empty_mask_no_nan():
 
 # ----------------------------------------------------------------------------------------------- CODI KD
 def test_anchor_kd_loss_equals_naive():
-    "Per example: the mean over its real anchors of smooth-L1 per layer (÷ the teacher's per-layer std), as the seed."
+    "Per example: the mean over its real anchors of smooth-L1 per layer (÷ the teacher's per-layer std), as multi-codi."
     g = torch.Generator().manual_seed(0)
     B, K, L, H = 3, 4, 2, 8
     student = torch.randn(B, K, L, H, generator=g, dtype=torch.float64, requires_grad=True)
