@@ -249,6 +249,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'latent_rl.gkd.GKDStep.cycle_coin': ('gkd.html#gkdstep.cycle_coin', 'latent_rl/gkd.py'),
                                'latent_rl.gkd.GKDStep.fill': ('gkd.html#gkdstep.fill', 'latent_rl/gkd.py'),
                                'latent_rl.gkd.GKDStep.fits': ('gkd.html#gkdstep.fits', 'latent_rl/gkd.py'),
+                               'latent_rl.gkd.GKDStep.load_state': ('gkd.html#gkdstep.load_state', 'latent_rl/gkd.py'),
                                'latent_rl.gkd.GKDStep.loss': ('gkd.html#gkdstep.loss', 'latent_rl/gkd.py'),
                                'latent_rl.gkd.GKDStep.metrics': ('gkd.html#gkdstep.metrics', 'latent_rl/gkd.py'),
                                'latent_rl.gkd.GKDStep.pack': ('gkd.html#gkdstep.pack', 'latent_rl/gkd.py'),

@@ -326,6 +326,15 @@ def pack(self: GKDStep, item: dict) -> dict:
 @patch
 def unpack(self: GKDStep, item: dict) -> dict: return dict(item, row=self.data[item["idx"]]["row"])
 
+@patch
+def load_state(self: GKDStep, st: dict) -> None:
+    """A checkpoint's state (`OnPolicyStage.load_state`); one written before GKD shared the on-policy stage kept each
+    step's coin beside its items, `(on, items)`, and is read too."""
+    buf = st.get("buffer", {})
+    if any(isinstance(v, tuple) for v in buf.values()):
+        st = {**st, "buffer": {s: v[1] for s, v in buf.items()}, "on_policy": {s: v[0] for s, v in buf.items()}}
+    OnPolicyStage.load_state(self, st)
+
 # %% ../nbs/19_gkd.ipynb #84216c56
 def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     "GKD: returns `{out}/final` (a model directory of the student's kind)."
