@@ -17,7 +17,7 @@ from .latent import LatentModel, CodiOptions
 from .student import CALL_COST, Execution
 from .objective import codi_forward
 from .records import RunRecord
-from .config import TrainConfig, ConfigError, teacher_dtype
+from .config import TrainConfig, ConfigError, teacher_dtype, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction
 from .engine import setup, log0, shard_frozen
 from .generate import seeded
 from .sft import sft_batch_loss
@@ -36,40 +36,40 @@ class CodiConfig(TrainConfig):
     teacher: str = ""                   # frozen teacher path; "" = shared weights (teacher CE trains them too)
     val: str = "data/corpus/val.jsonl"   # validation rows for the held-out losses ("" = none)
     out: str = "runs/codi"
-    latent_steps: int = 1                # latent vectors per block (each the projected last hidden state)
-    teacher_ce: float = 1.0             # teacher CE weight (α in CODI; was `a`)
-    student_ce: float = 1.0             # student CE weight (β in CODI; was `b`)
-    anchor_kd: float = 1.0              # KD weight at the <|action_sep|> anchors (γ in CODI; was `g`)
+    latent_steps: PosInt = 1             # latent vectors per block (each the projected last hidden state)
+    teacher_ce: NonNegFloat = 1.0       # teacher CE weight (α in CODI; was `a`)
+    student_ce: NonNegFloat = 1.0       # student CE weight (β in CODI; was `b`)
+    anchor_kd: NonNegFloat = 1.0        # KD weight at the <|action_sep|> anchors (γ in CODI; was `g`)
     kd_target: str = "hidden"           # hidden | logit
     kd_layers: str = ""                 # comma-separated hidden_states indices; "" = default
-    kd_temp: float = 2.0                 # temperature of logit KD (kd_target = logit; the loss is ×T²)
+    kd_temp: PosFloat = 2.0              # temperature of logit KD (kd_target = logit; the loss is ×T²)
     kd_norm_std: bool = False            # divide the hidden-state KD by the teacher states' std (large models)
     single_anchor: bool = False          # distil at the last span's anchor only
-    scheduled_sampling: float = 0.0      # scheduled sampling: final probability of feeding the student's own argmax after a block
-    scheduled_sampling_ramp: float = 0.5 # scheduled sampling: share of the steps over which scheduled_sampling ramps up from 0
+    scheduled_sampling: Fraction = 0.0   # scheduled sampling: final probability of feeding the student's own argmax after a block
+    scheduled_sampling_ramp: Fraction = 0.5 # scheduled sampling: share of the steps over which scheduled_sampling ramps up from 0
     teacher_checkpointing: bool = False  # gradient checkpointing of the shared-weight teacher forward (was `grad_ckpt`)
-    value_kd: float = 0.0               # distil each block's latent states to the teacher's at the value it replaced
+    value_kd: NonNegFloat = 0.0         # distil each block's latent states to the teacher's at the value it replaced
     value_kd_at: str = "sequence"       # sequence | predict | tokens | embed: which teacher states each latent step matches
-    answer_kd: float = 0.0              # distil the states predicting the RETURN value
+    answer_kd: NonNegFloat = 0.0        # distil the states predicting the RETURN value
     answer_kd_at: str = "each"          # at every RETURN-value token (each), or at the state predicting its first (first: CODI's position)
-    answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
-    answer_ce: float = 0.0              # traced_frac < 1: CE weight of the answer-only rows (answers as plain SFT targets, a seeded one beside each CODI example); 0 = they are unused
-    recon: float = 0.0                  # block-local reconstruction of each block's replaced state
-    latent_teacher_forcing: float = 0.0  # latent teacher forcing probability per block (decays linearly to 0 with latent_teacher_forcing_decay)
+    answer_weight: NonNegFloat = 1.0    # weight of RETURN-value tokens in the student CE
+    answer_ce: NonNegFloat = 0.0        # traced_frac < 1: CE weight of the answer-only rows (answers as plain SFT targets, a seeded one beside each CODI example); 0 = they are unused
+    recon: NonNegFloat = 0.0            # block-local reconstruction of each block's replaced state
+    latent_teacher_forcing: Fraction = 0.0  # latent teacher forcing probability per block (decays linearly to 0 with latent_teacher_forcing_decay)
     latent_teacher_forcing_decay: bool = False # latent_teacher_forcing decays linearly to 0 over the run
-    curriculum: float = 0.0             # fraction of the steps over which the latent share of spans grows to all (0: off)
+    curriculum: Fraction = 0.0          # fraction of the steps over which the latent share of spans grows to all (0: off)
     curriculum_from: str = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
     prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
     bucket: bool = False                # span-aware batching: each batch from examples of similar span count
     phase_groups: bool = False          # run each batch's student in phase groups (same result, less padding when span counts mix)
     split_tails: bool = False           # rows whose last phase runs long finish it apart, in chunks (same result, less padding)
-    steps: int = 300
-    lr: float = 1e-3
-    warmup: int = 20
-    weight_decay: float = 0.01
-    max_len: int = 384                   # prompt + trace tokens (longer rows are dropped)
-    max_spans: int = 0                  # 0 = no limit
-    anchor_every: int = 10              # steps between kd_anchors.jsonl records (0 = never)
+    steps: PosInt = 300
+    lr: PosFloat = 1e-3
+    warmup: NonNegInt = 20
+    weight_decay: NonNegFloat = 0.01
+    max_len: PosInt = 384                # prompt + trace tokens (longer rows are dropped)
+    max_spans: NonNegInt = 0            # 0 = no limit
+    anchor_every: NonNegInt = 10        # steps between kd_anchors.jsonl records (0 = never)
 
     def options(self) -> CodiOptions:
         "The `CodiOptions` of this run: every field the two share, by name (`kd_layers` parsed from its string)."

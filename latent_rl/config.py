@@ -15,28 +15,24 @@ from .losses import NORMS, KD_TARGETS
 from .latent import VALUE_KD_AT
 
 # %% auto #0
-__all__ = ['POSITIVE', 'NON_NEGATIVE', 'FRACTION', 'STAGES', 'CHOICES', 'STAGE_CONFIGS', 'RENAMED', 'ConfigError', 'check_field',
-           'upgrade_keys', 'config_from_dict', 'load_config_file', 'field_comments', 'parse_config', 'check_config',
-           'TrainConfig', 'VLLMConfig', 'check_precision', 'teacher_dtype']
+__all__ = ['PosInt', 'PosFloat', 'NonNegInt', 'NonNegFloat', 'Fraction', 'RANGES', 'STAGES', 'CHOICES', 'STAGE_CONFIGS',
+           'RENAMED', 'ConfigError', 'check_field', 'upgrade_keys', 'config_from_dict', 'load_config_file',
+           'field_comments', 'parse_config', 'check_config', 'TrainConfig', 'VLLMConfig', 'check_precision',
+           'teacher_dtype']
 
 # %% ../nbs/14_config.ipynb #3e8955f4
 class ConfigError(ValueError):
     "A bad config value, file, section or resume: the message names where, the field and what it expects (CLI: exit 2)."
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-POSITIVE = {"steps", "batch_size", "grad_accum", "max_len", "latent_steps", "log_every", "group_size", "max_new_tokens",
-            "steps_per_generation", "max_resample_rounds", "lora_alpha", "max_locals", "vllm_tensor_parallel_size",
-            "lr", "max_grad_norm", "kd_temp", "temperature", "http_timeout",
-            "gpus", "gpu_mem", "seq", "micro_batch", "pad_ratio"}
-NON_NEGATIVE = {
-    "lora_r", "warmup", "save_every", "max_train", "max_spans", "anchor_every", "record_every", "topk", "weight_decay",
-    "teacher_ce", "student_ce", "anchor_kd", "value_kd", "answer_kd", "recon", "answer_weight", "answer_ce", "sft_alpha",
-    "http_retries", "http_backoff",
-    "vllm_max_model_len", "seed", "traced_seed", "eps_low", "eps_high", "kl_beta", "latent_sigma", "dynamic_sampling",
-    "spans", "completion", "runtime_gb",
+PosInt, PosFloat = int, float            # ≥ 1, > 0
+NonNegInt, NonNegFloat = int, float      # ≥ 0
+Fraction = float                         # between 0 and 1
+RANGES = {  # a field's annotation -> (the type it parses as, its rule in words, the rule)
+    "PosInt": ("int", "≥ 1", lambda x: x > 0), "PosFloat": ("float", "> 0", lambda x: x > 0),
+    "NonNegInt": ("int", "≥ 0", lambda x: x >= 0), "NonNegFloat": ("float", "≥ 0", lambda x: x >= 0),
+    "Fraction": ("float", "between 0 and 1", lambda x: 0 <= x <= 1),
 }
-FRACTION = {"min_lr_frac", "scheduled_sampling", "scheduled_sampling_ramp", "latent_teacher_forcing", "curriculum",
-            "lmbda", "beta", "traced_frac", "vllm_gpu_memory_utilization", "latent_share", "prefix_share", "rollout_share"}
 STAGES = ("sft", "codi", "gkd", "grpo")   # the training stages, in pipeline order
 CHOICES = {
     "stage": STAGES, "attention": ("flash", "math"),
@@ -71,21 +67,11 @@ def _typed(tp: str, v):
 
 def check_field(name: str, tp: str, v, where: str = "config"):
     "The value of field `name` (declared type `tp`) checked for type, range and choices, or a `ConfigError` saying why."
-    x = _typed(str(tp), v)
-    what = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}.get(
-        str(tp), str(tp)
-    )
+    base, rule, ok = RANGES.get(str(tp), (str(tp), "", None))
+    x = _typed(base, v)
+    what = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}.get(base, base)
     if x is None: raise ConfigError(f"{where}: field '{name}' expects {what}, got {v!r}")
-    rule = (
-        ("≥ 1" if str(tp) == "int" else "> 0")
-        if name in POSITIVE and not x > 0
-        else "≥ 0"
-        if name in NON_NEGATIVE and not x >= 0
-        else "between 0 and 1"
-        if name in FRACTION and not 0 <= x <= 1
-        else ""
-    )
-    if rule: raise ConfigError(f"{where}: field '{name}' must be {rule}, got {v!r}")
+    if ok and not ok(x): raise ConfigError(f"{where}: field '{name}' must be {rule}, got {v!r}")
     if name in CHOICES and x not in CHOICES[name]:
         raise ConfigError(f"{where}: field '{name}' must be one of {', '.join(CHOICES[name])}; got {v!r}")
     return x
@@ -190,11 +176,13 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
     for f in fields(cls):
         h = f.metadata.get("help", "") or helps.get(f.name, "")
         dflt = f"{rd[f.name]!r}, recipe {default_recipe}; bare {f.default!r}" if f.name in rd else repr(f.default)
+        if rule := RANGES.get(str(f.type), ("", "", None))[1]: dflt = f"{rule}; default: {dflt}"
+        else: dflt = f"default: {dflt}"
         if str(f.type) == "bool":
             ap.add_argument(
-                f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})"
+                f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} ({dflt})"
             )
-        else: ap.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{h} (default: {dflt})")
+        else: ap.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{h} ({dflt})")
     kinds = {f.name: str(f.type) for f in fields(cls)}
     for old, new in RENAMED.items():                                    # an old flag still works, hidden from --help
         if new in kinds and old not in kinds:
@@ -245,29 +233,29 @@ class TrainConfig:
     "The fields every training stage shares; each stage's config adds its own and may change these defaults."
     train: str = "data/corpus/train.jsonl"   # CRUXEval-format JSONL (traced in the sandbox when rows lack a trace)
     out: str = "runs/train"             # run directory: config, records, checkpoints, final/
-    steps: int = 100                     # optimizer steps
-    batch_size: int = 16                # global batch per optimizer step (over all processes and micro-batches)
-    grad_accum: int = 1                  # micro-batches per optimizer step (per process)
-    lr: float = 1e-4                     # peak learning rate (AdamW)
-    min_lr_frac: float = 0.1            # cosine decay to this fraction of lr after warmup (1.0 = constant)
-    warmup: int = 10                     # linear warmup steps
-    weight_decay: float = 0.0            # AdamW weight decay
-    max_grad_norm: float = 1.0           # gradient-norm clip
-    max_train: int = 0                  # 0 = all training rows
-    traced_frac: float = 1.0            # answers outnumber traces: a seeded share of the training programs keeps its traces, the rest only their answers (the same programs in every stage)
-    traced_seed: int = 0                # which programs keep their traces (`latent_rl.loop.split_traced`)
+    steps: PosInt = 100                  # optimizer steps
+    batch_size: PosInt = 16             # global batch per optimizer step (over all processes and micro-batches)
+    grad_accum: PosInt = 1               # micro-batches per optimizer step (per process)
+    lr: PosFloat = 1e-4                  # peak learning rate (AdamW)
+    min_lr_frac: Fraction = 0.1         # cosine decay to this fraction of lr after warmup (1.0 = constant)
+    warmup: NonNegInt = 10               # linear warmup steps
+    weight_decay: NonNegFloat = 0.0      # AdamW weight decay
+    max_grad_norm: PosFloat = 1.0        # gradient-norm clip
+    max_train: NonNegInt = 0            # 0 = all training rows
+    traced_frac: Fraction = 1.0         # answers outnumber traces: a seeded share of the training programs keeps its traces, the rest only their answers (the same programs in every stage)
+    traced_seed: NonNegInt = 0          # which programs keep their traces (`latent_rl.loop.split_traced`)
     step_blocks: str = "each"           # step-data files: a latent block per step (each) or one for the whole chain (one)
-    seed: int = 0                        # seeds the data order, sampling keys and initialisation
+    seed: NonNegInt = 0                  # seeds the data order, sampling keys and initialisation
     dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
     precision: str = "fp32"             # fp32 | bf16: bf16 compute over fp32 weights, gradients and AdamW states
     pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
     strategy: str = "ddp"               # ddp (torch DDP: replicated) | fsdp (FSDP2: sharded weights, grads, states)
-    lora_r: int = 0                     # LoRA rank (0 = train every weight); the base stays frozen (latent_rl.models.add_lora)
-    lora_alpha: float = 16.0            # LoRA scale α (updates are α/r · B·A)
+    lora_r: NonNegInt = 0               # LoRA rank (0 = train every weight); the base stays frozen (latent_rl.models.add_lora)
+    lora_alpha: PosFloat = 16.0         # LoRA scale α (updates are α/r · B·A)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"   # comma-separated module names
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (text passes; not latent ones)
-    save_every: int = 100               # steps between checkpoints (0 = none)
-    log_every: int = 10                  # steps between metrics.jsonl rows (and progress-bar updates)
+    save_every: NonNegInt = 100         # steps between checkpoints (0 = none)
+    log_every: PosInt = 10               # steps between metrics.jsonl rows (and progress-bar updates)
     wandb: str = "disabled"             # disabled / offline / online (WANDB_* environment variables win)
     resume: bool = False                 # continue from the newest good checkpoint in `out`
     overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
@@ -281,9 +269,9 @@ class VLLMConfig(TrainConfig):
     use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
     vllm_mode: str = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
     vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL
-    vllm_gpu_memory_utilization: float = 0.3    # colocate: the engine's share of each GPU
-    vllm_tensor_parallel_size: int = 1   # colocate: ranks that share one engine
-    vllm_max_model_len: int = 0          # colocate: 0 = the model's context
+    vllm_gpu_memory_utilization: Fraction = 0.3  # colocate: the engine's share of each GPU
+    vllm_tensor_parallel_size: PosInt = 1  # colocate: ranks that share one engine
+    vllm_max_model_len: NonNegInt = 0    # colocate: 0 = the model's context
     vllm_sleep: bool = True              # colocate: release the engine's memory between generations
     vllm_group_port: int = 51216         # server mode: port of the NCCL weight-sync group (on rank 0's machine)
     vllm_sync_host: str = ""             # server mode: an address of rank 0's machine the server reaches for the weight sync ('' = $MASTER_ADDR)

@@ -19,7 +19,7 @@ from .models import n_params
 from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
-from .config import ConfigError, VLLMConfig, teacher_dtype
+from .config import ConfigError, VLLMConfig, teacher_dtype, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
 from .loop import (train_loop, finish_run, write_config, load_train, batch_indices, lora_student,
     generation_cycle, drain, stage_summary, losses_line)
@@ -123,15 +123,14 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
     n = sum(jm["n_tokens"] for _, jm in parts.values())
     w = {"rest": 1.0, "value": value_weight}
     jsd = sum(w[k] * l * jm["n_tokens"] for k, (l, jm) in parts.items()) / max(1.0, n) if parts else h.sum() * 0
-    loss, metrics = jsd, {"jsd_loss": float(jsd), "n_tokens": n,
-                          **{f"jsd_{k}": parts[k][1]["loss"] if k in parts else 0.0 for k in w},
-                          "value_tokens": parts["value"][1]["n_tokens"] if "value" in parts else 0.0}
-    # never on the student's own samples
-    if sft_alpha > 0 and not on_policy:
+    loss, ce = jsd, None
+    if sft_alpha > 0 and not on_policy:                                                 # never on its own samples
         ce, _ = sft_loss(h, policy.head, torch.where(mask, completion_labels(C, N, policy.device), IGNORE_INDEX))
         loss = loss + sft_alpha * ce
-        metrics["sft_loss"] = ce.item()
-    metrics.update(loss=loss.item(), on_policy=float(on_policy))
+    vals = torch.stack([x.detach().float() for x in (jsd, loss, loss if ce is None else ce)]).tolist()   # one sync
+    metrics = {"jsd_loss": vals[0], "n_tokens": n, **{f"jsd_{k}": parts[k][1]["loss"] if k in parts else 0.0 for k in w},
+               "value_tokens": parts["value"][1]["n_tokens"] if "value" in parts else 0.0,
+               **({} if ce is None else {"sft_loss": vals[2]}), "loss": vals[1], "on_policy": float(on_policy)}
     if return_hidden: metrics["hidden"] = h.detach()
     return loss, metrics
 
@@ -142,27 +141,27 @@ class GKDConfig(VLLMConfig):
     model: str = "runs/demo/codi/final"  # student: latent model dir (CODI) or any HF causal LM
     teacher: str = "data/teacher"        # model path | self | base (the student, LoRA adapters off) | http://host:port
     out: str = "runs/gkd"
-    lmbda: float = 0.5                   # probability of on-policy completions per generation cycle
-    beta: float = 0.5                    # JSD interpolation (0 = forward KL, 1 = reverse KL)
-    temperature: float = 1.0             # sampling and loss temperature
-    sft_alpha: float = 0.0               # CE weight on dataset completions
+    lmbda: Fraction = 0.5                # probability of on-policy completions per generation cycle
+    beta: Fraction = 0.5                 # JSD interpolation (0 = forward KL, 1 = reverse KL)
+    temperature: PosFloat = 1.0          # sampling and loss temperature
+    sft_alpha: NonNegFloat = 0.0         # CE weight on dataset completions
     value_weight: float = 1.0            # weight of the return value's tokens in the JSD (1 = a plain token mean)
-    topk: int = 0                        # teacher top-k (0 = full distribution)
+    topk: NonNegInt = 0                  # teacher top-k (0 = full distribution)
     tail: bool = False                   # top-k with a tail bucket
-    steps_per_generation: int = 1        # optimizer steps that share one generation (on-policy samples are buffered)
-    max_new_tokens: int = 256            # longest on-policy completion
-    max_len: int = 384                   # prompt + completion
+    steps_per_generation: PosInt = 1     # optimizer steps that share one generation (on-policy samples are buffered)
+    max_new_tokens: PosInt = 256         # longest on-policy completion
+    max_len: PosInt = 384                # prompt + completion
     truncation_strategy: str = "delete"  # delete | keep
-    max_resample_rounds: int = 10        # truncation_strategy delete: draws per over-long slot before an error
-    max_locals: int = 48                 # explicit-trace teacher: longest locals it writes per block
+    max_resample_rounds: PosInt = 10     # truncation_strategy delete: draws per over-long slot before an error
+    max_locals: PosInt = 48              # explicit-trace teacher: longest locals it writes per block
     teacher_locals: str = "greedy"       # explicit-trace teacher: each block's locals are its greedy guess | true (the row's real ones while the student follows the real trace)
-    http_timeout: float = 60.0           # HTTP teacher: seconds per request
-    http_retries: int = 3                # HTTP teacher: retries after a 5xx, 408, 429 or a dropped connection
-    http_backoff: float = 1.0            # seconds before the first retry (doubling)
-    lr: float = 2e-4
-    save_every: int = 50
-    log_every: int = 5
-    record_every: int = 10               # steps between logprobs.jsonl samples (0 = never)
+    http_timeout: PosFloat = 60.0        # HTTP teacher: seconds per request
+    http_retries: NonNegInt = 3          # HTTP teacher: retries after a 5xx, 408, 429 or a dropped connection
+    http_backoff: NonNegFloat = 1.0      # seconds before the first retry (doubling)
+    lr: PosFloat = 2e-4
+    save_every: NonNegInt = 50
+    log_every: PosInt = 5
+    record_every: NonNegInt = 10         # steps between logprobs.jsonl samples (0 = never)
 
 # %% ../nbs/19_gkd.ipynb #60958a91
 def make_teacher(cfg: GKDConfig, policy: Policy, acc=None) -> Teacher:

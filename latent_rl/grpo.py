@@ -18,7 +18,7 @@ from .generate import row_key
 from .rewards import weighted
 from .models import n_params
 from .records import RunRecord
-from .config import ConfigError, VLLMConfig
+from .config import ConfigError, VLLMConfig, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
 from .loop import train_loop, finish_run, write_config, load_train, lora_student, drain, batch_indices, stage_summary
 from .onpolicy import OnPolicyStage, token_strings
@@ -89,28 +89,28 @@ class GRPOConfig(VLLMConfig):
     model: str = "runs/demo/gkd/final"   # text model or latent model directory
     out: str = "runs/grpo"
     rewards: str = "correct:1,format:0.1"  # weighted sum of latent_rl.rewards (correct, format, executed, path) and your own module:function=w
-    group_size: int = 8                  # completions sampled per prompt (advantages compare them)
-    batch_size: int = 8                  # prompts per optimizer step (× group_size completions)
-    temperature: float = 1.0             # sampling temperature; the loss scores log_softmax(logits / T) of the same samples
-    max_new_tokens: int = 256            # longest completion
-    steps_per_generation: int = 1        # optimizer steps that share one generation (later steps' ratios move off 1)
-    eps_low: float = 0.2                 # PPO clip below: ratio ≥ 1 − eps_low for negative advantages
-    eps_high: float = 0.2                # PPO clip above: ratio ≤ 1 + eps_high for positive advantages
+    group_size: PosInt = 8               # completions sampled per prompt (advantages compare them)
+    batch_size: PosInt = 8               # prompts per optimizer step (× group_size completions)
+    temperature: PosFloat = 1.0          # sampling temperature; the loss scores log_softmax(logits / T) of the same samples
+    max_new_tokens: PosInt = 256         # longest completion
+    steps_per_generation: PosInt = 1     # optimizer steps that share one generation (later steps' ratios move off 1)
+    eps_low: NonNegFloat = 0.2           # PPO clip below: ratio ≥ 1 − eps_low for negative advantages
+    eps_high: NonNegFloat = 0.2          # PPO clip above: ratio ≤ 1 + eps_high for positive advantages
     replay: str = "exact"                # latent policies: exact | truncated (recorded latents, one-hop gradient; research option); stochastic latents replay their z
     norm: str = "sequence"               # sequence (Atropos) | token
     adv_scale: str = "group"             # group | batch | none
-    dynamic_sampling: int = 0            # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
-    kl_beta: float = 0.0                 # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
+    dynamic_sampling: NonNegInt = 0      # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
+    kl_beta: NonNegFloat = 0.0           # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
     tis_cap: float = -1.0                # truncated importance sampling: ratio against the trainer's own π_old, tokens weighted by min(π_old/π_engine, cap); -1 = 2.0 with vLLM rollouts, off for exact engines; 0 = off
-    latent_sigma: float = 0.0            # stochastic latents: z = μ + σ·ε, σ = this × the latents' scale per dim; 0 = off (a saved σ is kept)
+    latent_sigma: NonNegFloat = 0.0      # stochastic latents: z = μ + σ·ε, σ = this × the latents' scale per dim; 0 = off (a saved σ is kept)
     latent_sigma_learn: bool = False     # learn σ (log σ per dimension) with the policy; else σ stays fixed
     latent_pathwise: bool = False        # stochastic latents: the text tokens' gradient also reaches μ one hop (z = μ + σ·ε, ε held)
-    steps: int = 50
-    min_lr_frac: float = 1.0             # constant after warmup (Atropos's schedule)
-    warmup: int = 5
-    save_every: int = 25
-    log_every: int = 1
-    record_every: int = 5                # steps between logprobs/rollouts records (0 = never)
+    steps: PosInt = 50
+    min_lr_frac: Fraction = 1.0          # constant after warmup (Atropos's schedule)
+    warmup: NonNegInt = 5
+    save_every: NonNegInt = 25
+    log_every: PosInt = 1
+    record_every: NonNegInt = 5          # steps between logprobs/rollouts records (0 = never)
 
 def tis_cap(cfg: GRPOConfig) -> float:
     "The truncated-IS cap in force: `cfg.tis_cap`, or with -1 (auto) 2.0 for vLLM rollouts and 0 (off) otherwise."

@@ -222,6 +222,36 @@ def _answer_kd(sp: StudentPass, tp: TeacherPass, plan):
     if len(rb) != len(t): raise RuntimeError(f"answer_kd: {len(rb)} student states for {len(t)} teacher states")
     return state_kd_loss(s[:, 1:], t[:, 1:])
 
+def _weighed(opts: CodiOptions, lm: LatentModel, examples, plan, sp: StudentPass, tp: TeacherPass, n_sp, K: int,
+             chunk_size: int):
+    """The losses `opts` weighs, each a per-example mean averaged over the batch: (loss, `{name: term}`, anchor
+    distances `[B, K, L_sel]`, valid anchors `[B, K]`, the student's anchors `[B, K, L_sel, H]`)."""
+    anchors = torch.stack(sp.anchors, 1)                                              # [B, K, L_sel, H]
+    k = torch.arange(K, device=n_sp.device)[None]                                     # [1, K]
+    valid = k == (n_sp[:, None] - 1) if opts.single_anchor else k < n_sp[:, None]     # [B, K]
+    kd_ex, dist = _anchor_kd(opts, anchors, tp, valid, lm.head)
+    terms = {"student_loss": (sp.ce_sum / sp.ce_cnt.clamp_min(1)).mean(), "kd_loss": kd_ex.mean()}
+    loss = opts.student_ce * terms["student_loss"] + opts.anchor_kd * terms["kd_loss"]
+    if tp.ce is not None:
+        terms = {"teacher_loss": tp.ce.mean(), **terms}
+        loss = loss + opts.teacher_ce * terms["teacher_loss"]
+    for w, name, fn in ((opts.value_kd, "value_kd", lambda: _value_kd(opts, plan, sp, tp, lm)),
+                        (opts.answer_kd, "answer_kd", lambda: _answer_kd(sp, tp, plan)),
+                        (opts.recon, "recon", lambda: recon_loss(lm, examples, sp.latents, chunk_size))):
+        if not w: continue
+        terms[f"{name}_loss"] = fn()[0]
+        loss = loss + w * terms[f"{name}_loss"]
+    return loss, terms, dist, valid, anchors
+
+def _draw_coins(opts: CodiOptions, B: int, K: int, ss_coins, tf_coins, generator, tf_generator):
+    "The scheduled-sampling coins `[B, K+1]` and latent-teacher-forcing coins `[B, K]`: those given, else drawn."
+    if tf_coins is None and opts.latent_teacher_forcing > 0:
+        tf_coins = torch.rand(B, K, generator=tf_generator) < opts.latent_teacher_forcing
+    if ss_coins is None:
+        ss_coins = (torch.rand(B, K + 1, generator=generator) < opts.ss_p if opts.ss_p > 0
+                    else torch.zeros(B, K + 1, dtype=torch.bool))
+    return ss_coins, tf_coins
+
 # %% ../nbs/07c_objective.ipynb #6b5cc13f
 def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = CodiOptions(), teacher=None,
                  ss_coins: torch.Tensor | None = None, chunk_size: int = 1024, return_logprobs: bool = False,
@@ -241,19 +271,12 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     layers = kd_layer_indices(opts, n_layers, teacher is not None)                  # the student's
     # the teacher's own
     t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)
-    if tf_coins is None and opts.latent_teacher_forcing > 0:
-        tf_coins = torch.rand(B, K, generator=tf_generator) < opts.latent_teacher_forcing
+    ss_coins, tf_coins = _draw_coins(opts, B, K, ss_coins, tf_coins, generator, tf_generator)
     plan = _objective_plan(examples, opts, lm.spec.latent_steps, dev, tf_coins)
     tp = teacher_pass(
         lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.teacher_checkpointing,
         plan["gather"], keep_prefix=how.share_prefix, call_cost=how.teacher_cost,
     )
-    if ss_coins is None:
-        ss_coins = (
-            torch.rand(B, K + 1, generator=generator) < opts.ss_p
-            if opts.ss_p > 0
-            else torch.zeros(B, K + 1, dtype=torch.bool)
-        )
     sp = how.student(
         lm, examples, layers=layers if opts.kd_target == "hidden" else None, ss_coins=ss_coins, chunk_size=chunk_size,
         return_logprobs=return_logprobs,
@@ -263,27 +286,11 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
         token_weight=plan["weight"] if opts.answer_weight != 1.0 else None, forced_latents=plan.get("forced"),
         prefix=tp.prefix,
     )
-    # ---- losses, each a per-example mean averaged over the batch
-    anchors = torch.stack(sp.anchors, 1)                                              # [B, K, L_sel, H]
-    valid = torch.arange(K, device=dev)[None] < n_sp[:, None]                         # [B, K]
-    if opts.single_anchor: valid = torch.arange(K, device=dev)[None] == (n_sp[:, None] - 1)
-    kd_ex, dist = _anchor_kd(opts, anchors, tp, valid, lm.head)
-    L_t = tp.ce.mean() if tp.ce is not None else None
-    L_s, L_kd = (sp.ce_sum / sp.ce_cnt.clamp_min(1)).mean(), kd_ex.mean()
-    loss = opts.student_ce * L_s + opts.anchor_kd * L_kd + (opts.teacher_ce * L_t if L_t is not None else 0.0)
-    metrics = {
-        "teacher_loss": L_t.item() if L_t is not None else 0.0, "student_loss": L_s.item(), "kd_loss": L_kd.item(),
-        "model_calls": sp.calls, "n_spans": int(n_sp.sum()), "n_tokens": sp.n_scored,
-        "pad_ratio": sp.n_run / max(1, sp.n_real),
-    }
-    for w, name, fn in ((opts.value_kd, "value_kd", lambda: _value_kd(opts, plan, sp, tp, lm)),
-                        (opts.answer_kd, "answer_kd", lambda: _answer_kd(sp, tp, plan)),
-                        (opts.recon, "recon", lambda: recon_loss(lm, examples, sp.latents, chunk_size))):
-        if not w: continue
-        l, m = fn()
-        loss = loss + w * l
-        metrics[f"{name}_loss"] = l.item()
-    metrics["loss"] = loss.item()
+    loss, terms, dist, valid, anchors = _weighed(opts, lm, examples, plan, sp, tp, n_sp, K, chunk_size)
+    vals = torch.stack([x.detach().double() for x in (*terms.values(), loss)]).tolist()   # one sync for the metrics
+    metrics = {"teacher_loss": 0.0, **dict(zip(terms, vals)), "loss": vals[-1], "model_calls": sp.calls,
+               "n_spans": sum(len(e["spans"]) for e in examples), "n_tokens": sp.n_scored,
+               "pad_ratio": sp.n_run / max(1, sp.n_real)}
     out = CodiOutput(loss, metrics, dist, valid, layers, sp.trace_lp)
     if return_states:
         out.latents, out.student_states, out.teacher_states = sp.latents.detach(), anchors.detach(), tp.anchors

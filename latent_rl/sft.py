@@ -16,7 +16,7 @@ from .models import (load_model, load_tokenizer, build_tiny, n_params, backbone,
                               export_state, save_lora, load_lora)
 from .logprobs import shift_labels
 from .losses import sft_loss
-from .config import TrainConfig
+from .config import TrainConfig, PosInt, PosFloat, NonNegInt, NonNegFloat
 from .engine import setup, log0
 from .loop import Stage, train_loop, finish_run, write_config, load_traced, load_train, lora_student
 
@@ -33,14 +33,14 @@ class SFTConfig(TrainConfig):
     arch: str = "qwen2"                  # tiny-model architecture (qwen2 | llama)
     val: str = "data/corpus/val.jsonl"   # validation rows for the held-out loss ("" = none)
     mode: str = "trace"                 # 'trace' (explicit) or 'answer' (no-trace baseline)
-    max_len: int = 384                   # prompt + target tokens (longer rows are dropped)
+    max_len: PosInt = 384                # prompt + target tokens (longer rows are dropped)
     out: str = "runs/sft"
-    steps: int = 600
-    batch_size: int = 32
-    lr: float = 3e-3
-    warmup: int = 30
-    weight_decay: float = 0.01
-    save_every: int = 200
+    steps: PosInt = 600
+    batch_size: PosInt = 32
+    lr: PosFloat = 3e-3
+    warmup: NonNegInt = 30
+    weight_decay: NonNegFloat = 0.01
+    save_every: NonNegInt = 200
 
 # %% ../nbs/17_sft.ipynb #bdf64f4b
 def build_or_load(cfg):

@@ -321,6 +321,32 @@ def test_every_flag_explains_itself(stage):
         assert f"--{f.name} " in out and " ".join(helps[f.name].split())[:40] in out, (f.name, helps[f.name])
 
 
+@pytest.mark.parametrize("stage", ["sft", "codi", "gkd", "grpo", "plan"])
+def test_range_rules_sit_on_the_fields(stage):
+    """Each field's range is its annotation (`steps: PosInt`): a subclass that re-defaults a field keeps its base's rule,
+    `check_config` refuses a value out of that range by the field's name, and `--help` states the range."""
+    from dataclasses import fields
+    from latent_rl.config import RANGES, ConfigError, check_config
+    from latent_rl.sft import SFTConfig
+    from latent_rl.codi import CodiConfig
+    from latent_rl.gkd import GKDConfig
+    from latent_rl.grpo import GRPOConfig
+    from latent_rl.plan import PlanConfig
+    cls = {"sft": SFTConfig, "codi": CodiConfig, "gkd": GKDConfig, "grpo": GRPOConfig, "plan": PlanConfig}[stage]
+    for base in cls.__mro__[1:]:
+        for f in getattr(base, "__dataclass_fields__", {}).values():
+            assert str(cls.__dataclass_fields__[f.name].type) == str(f.type), (cls.__name__, f.name, base.__name__)
+    bad = {"PosInt": 0, "PosFloat": 0.0, "NonNegInt": -1, "NonNegFloat": -0.5, "Fraction": 1.5}
+    ruled = [f for f in fields(cls) if str(f.type) in RANGES]
+    assert len(ruled) >= 10, [f.name for f in ruled]
+    for f in ruled:
+        with pytest.raises(ConfigError, match=f"field '{f.name}' must be {RANGES[str(f.type)][1]}"):
+            check_config(cls(**{f.name: bad[str(f.type)]}))
+    if stage != "plan":
+        out = " ".join(run_cli(stage, "--help").stdout.split())
+        assert "optimizer steps (≥ 1; default:" in out
+
+
 def test_eval_reads_step_files(tmp_path):
     "`latent-rl eval --rows` takes the implicit-CoT line format (.txt) and GSM8K's jsonl as they are published."
     from latent_rl.steps import find_data
