@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 FROM_SCRATCH ?= 0
 DEMO_ARGS ?=
 
-.PHONY: test-families lint venv lab docs docs-test demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
+.PHONY: test-families test-cluster lint venv lab docs docs-test demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -77,6 +77,11 @@ pytest: venv
 # (latent_rl.fixtures): its own CI step, about a minute a family on one core.
 test-families: venv
 	LATENT_RL_FAMILY_LANE=1 $(BIN)/python -m pytest tests/test_family_lane.py $(PYTEST_PAR) -q -ra --durations=3
+
+# The multi-process runs (tests/test_cluster.py: DDP and FSDP2 over gloo, SIGKILL + resume, resharding, two nodes by
+# rendezvous): its own CI step; each test starts two processes, so one test at a time.
+test-cluster: venv
+	LATENT_RL_CLUSTER_LANE=1 $(BIN)/python -m pytest tests/test_cluster.py -q -ra --durations=5
 
 # The unit tests (no CLI runs, no trained models): with the lessons, the quick check while editing a notebook.
 FAST_TESTS ?= tests/test_losses.py tests/test_trace.py tests/test_layout.py tests/test_heads.py tests/test_latent.py tests/test_rollouts.py
