@@ -67,8 +67,12 @@ def steps_of(run) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def latent_student(tmp_path_factory):
-    "The shipped teacher as a latent model (fresh projector): a latent policy without training."
+    """The shipped teacher as a latent model (a fresh projector, seeded: the tests that train it must not depend on
+    which tests ran before on the worker): a latent policy without training."""
+    import torch
     from latent_rl.latent import LatentModel
     d = tmp_path_factory.mktemp("latent")
-    lm, tok = LatentModel.load(TEACHER)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm, tok = LatentModel.load(TEACHER)
     return lm.save(d / "student", tok)

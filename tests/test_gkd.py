@@ -273,10 +273,11 @@ def test_true_locals_teacher_reads_the_real_state_and_trains(tmp_path, latent_st
         with torch.no_grad(): full = backbone(m)(input_ids=torch.tensor([seqs[b]])).last_hidden_state[0]   # [L, H]
         keep = [len(p) - 1 + j for j in range(len(trace)) if j not in _locals_at(trace, t.spec)]    # before each kept token
         assert len(keep) == len(C[b]) and (h[b, :len(C[b])] - full[keep]).abs().max() < 1e-4
-    gkd(tmp_path, "--model", latent_student, "--steps", 12, "--lmbda", 0, "--lr", 1e-3, "--warmup", 0,
+    # 24 steps: the last four's JSD is 0.32-0.42 of the first four's with projectors of seeds 0-2 (12 steps: 0.64-0.71)
+    gkd(tmp_path, "--model", latent_student, "--steps", 24, "--lmbda", 0, "--lr", 1e-3, "--warmup", 0,
         "--teacher_locals", "true", "--batch_size", 4)
     jsd = [r["jsd_loss"] for r in steps_of(tmp_path)]
-    assert sum(jsd[-3:]) < 0.7 * sum(jsd[:3]), jsd
+    assert sum(jsd[-4:]) < 0.6 * sum(jsd[:4]), jsd
     r = gkd(tmp_path / "text", "--teacher_locals", "true", "--steps", 1, check=False)
     assert r.returncode != 0 and "teacher_locals" in r.stderr
 
