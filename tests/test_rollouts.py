@@ -31,9 +31,11 @@ for name, t in named_weights(m):
     names.append(name); live[0] -= 1                 # the consumer drops it before asking for the next
 assert names == list(full) and peak[0] == 1, (peak, names[:3])
 assert sum(len(c) for c in layer_chunks(named_weights(m))) == len(full)
-print("OK", dist.get_rank(), len(names))
+print("OK", dist.get_rank(), len(names), flush=True)
 dist.barrier()
-dist.destroy_process_group()                         # a clean exit: gloo's threads joined before the interpreter ends
+# both ranks are done: leave without gloo's teardown (a rank once aborted with "terminate called without an active
+# exception" in a clean-clone run, the other then killed by the launcher; which step it died in was not kept)
+os._exit(0)
 '''
 
 def test_named_weights_gathers_fsdp2_shards_one_at_a_time(tmp_path):
@@ -52,7 +54,7 @@ def test_named_weights_gathers_fsdp2_shards_one_at_a_time(tmp_path):
         text=True,
         timeout=300,
     )
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, p.stdout + p.stderr[:1500] + " … " + p.stderr[-1500:]
     assert p.stdout.count("OK") == 2, p.stdout
 
 def test_seeded_streams_never_collide():
