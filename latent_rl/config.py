@@ -176,8 +176,8 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
     for f in fields(cls):
         h = f.metadata.get("help", "") or helps.get(f.name, "")
         dflt = f"{rd[f.name]!r}, recipe {default_recipe}; bare {f.default!r}" if f.name in rd else repr(f.default)
-        if rule := RANGES.get(str(f.type), ("", "", None))[1]: dflt = f"{rule}; default: {dflt}"
-        else: dflt = f"default: {dflt}"
+        rule = RANGES.get(str(f.type), ("", "", None))[1]
+        dflt = f"{rule}; default: {dflt}" if rule else f"default: {dflt}"
         if str(f.type) == "bool":
             ap.add_argument(
                 f"--{f.name}", nargs="?", const="true", default=argparse.SUPPRESS, help=f"{h} ({dflt})"

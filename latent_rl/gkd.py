@@ -127,10 +127,13 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
     if sft_alpha > 0 and not on_policy:                                                 # never on its own samples
         ce, _ = sft_loss(h, policy.head, torch.where(mask, completion_labels(C, N, policy.device), IGNORE_INDEX))
         loss = loss + sft_alpha * ce
-    vals = torch.stack([x.detach().float() for x in (jsd, loss, loss if ce is None else ce)]).tolist()   # one sync
-    metrics = {"jsd_loss": vals[0], "n_tokens": n, **{f"jsd_{k}": parts[k][1]["loss"] if k in parts else 0.0 for k in w},
+    vals = dict(zip(("jsd_loss", "loss", "sft_loss"),            # one sync, in the loss's dtype
+                    torch.stack([x.detach().to(loss.dtype) for x in (jsd, loss, ce) if x is not None]).tolist()))
+    metrics = {"jsd_loss": vals["jsd_loss"], "n_tokens": n,
+               **{f"jsd_{k}": parts[k][1]["loss"] if k in parts else 0.0 for k in w},
                "value_tokens": parts["value"][1]["n_tokens"] if "value" in parts else 0.0,
-               **({} if ce is None else {"sft_loss": vals[2]}), "loss": vals[1], "on_policy": float(on_policy)}
+               **({"sft_loss": vals["sft_loss"]} if ce is not None else {}), "loss": vals["loss"],
+               "on_policy": float(on_policy)}
     if return_hidden: metrics["hidden"] = h.detach()
     return loss, metrics
 

@@ -287,7 +287,7 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
         prefix=tp.prefix,
     )
     loss, terms, dist, valid, anchors = _weighed(opts, lm, examples, plan, sp, tp, n_sp, K, chunk_size)
-    vals = torch.stack([x.detach().double() for x in (*terms.values(), loss)]).tolist()   # one sync for the metrics
+    vals = torch.stack([x.detach().to(loss.dtype) for x in (*terms.values(), loss)]).tolist()   # one sync, metrics
     metrics = {"teacher_loss": 0.0, **dict(zip(terms, vals)), "loss": vals[-1], "model_calls": sp.calls,
                "n_spans": sum(len(e["spans"]) for e in examples), "n_tokens": sp.n_scored,
                "pad_ratio": sp.n_run / max(1, sp.n_real)}
