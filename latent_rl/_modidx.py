@@ -28,6 +28,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                  'latent_rl.bench.markdown_table': ('bench.html#markdown_table', 'latent_rl/bench.py'),
                                  'latent_rl.bench.measure_step_peak': ('bench.html#measure_step_peak', 'latent_rl/bench.py'),
                                  'latent_rl.bench.plan_bench': ('bench.html#plan_bench', 'latent_rl/bench.py'),
+                                 'latent_rl.bench.positions_floor': ('bench.html#positions_floor', 'latent_rl/bench.py'),
                                  'latent_rl.bench.run_bench': ('bench.html#run_bench', 'latent_rl/bench.py'),
                                  'latent_rl.bench.stages_bench': ('bench.html#stages_bench', 'latent_rl/bench.py')},
             'latent_rl.bench_losses': { 'latent_rl.bench_losses._bench': ('bench_losses.html#_bench', 'latent_rl/bench_losses.py'),

@@ -15,13 +15,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 from .trace import prompt_text
 from .corpus import load_rows
-from .tokens import encode, sft_example, codi_example, left_pad
-from .models import load_tokenizer, build_tiny, n_params, out_cache, cache_kw
+from .tokens import IGNORE_INDEX, encode, sft_example, codi_example, left_pad
+from .models import load_tokenizer, build_tiny, n_params, out_cache, cache_kw, copy_cache
 from .lean import final_norm, lean_off, one_step
 from .generate import generate_text
-from .latent import LatentModel, LatentSpec, CodiOptions
+from .latent import LatentModel, LatentSpec, CodiOptions, pack_phases, pad_ids
+from .logprobs import token_logprobs
 from .student import CALL_COST, Execution
-from .objective import CodiOutput, codi_forward
+from .objective import CodiOutput, codi_forward, teacher_pass
 from .steps import find_data, load_step_rows, to_trace_row
 from .policy import Policy, VLLMEngine
 from .teachers import ModelTeacher, ExplicitTraceTeacher, SelfTeacher
@@ -38,9 +39,9 @@ from .config import STAGES
 from .plan import MODEL_CONFIGS, PlanConfig, ModelShape, model_shape, plan_memory
 
 # %% auto #0
-__all__ = ['CODI_SETTINGS', 'ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'BENCHES', 'markdown_table', 'run_bench',
-           'call_costs', 'codi_bench', 'grpo_bench', 'stages_bench', 'engine_rows', 'main', 'ckpt_bench',
-           'measure_step_peak', 'plan_bench', 'decode_bench']
+__all__ = ['FLOOR', 'CODI_SETTINGS', 'ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'BENCHES', 'markdown_table',
+           'run_bench', 'positions_floor', 'call_costs', 'codi_bench', 'grpo_bench', 'stages_bench', 'engine_rows',
+           'main', 'ckpt_bench', 'measure_step_peak', 'plan_bench', 'decode_bench']
 
 # %% ../nbs/27_bench.ipynb #029202da
 def markdown_table(rows: list[dict]) -> str:
@@ -118,7 +119,33 @@ def _time_interleaved(lm, impls: dict, batches, calls) -> dict[str, dict]:
                    "mean_loss": sum(g["losses"]) / len(batches),
                    "pad_ratio": sum(g["pads"]) / len(g["pads"]) if g["pads"] else None} for name, g in got.items()}
 
+# %% ../nbs/27_bench.ipynb #f1a0c0df
+def positions_floor(lm: LatentModel, examples: list[dict], how: Execution = Execution(tails=CALL_COST)) -> torch.Tensor:
+    """A bound, not CODI: the teacher's pass as `codi_forward` runs it under `how`, then the student's positions after
+    the prefix it shares with the teacher (latent steps as pad tokens) in one call on that prefix's cache. Returns the
+    two passes' mean CE (a loss to backpropagate)."""
+    L = lm.model.config.num_hidden_layers
+    tp = teacher_pass(lm, examples, [L], keep_prefix=True, call_cost=how.teacher_cost)
+    t_cache, dev, S = tp.prefix[0], lm.head.weight.device, lm.spec.latent_steps
+    phases = pack_phases(examples, lm.spec, allow_empty=True)
+    seqs = [sum((list(phases[k][b][0]) + [0] * S * (k < len(e["spans"])) for k in range(len(e["spans"]) + 1)), [])
+            for b, e in enumerate(examples)]                                            # the student's positions
+    P = torch.tensor([len(phases[0][b][0]) - 1 for b in range(len(examples))], device=dev)   # [B] shared prefix
+    ids = pad_ids([s[p:] for s, p in zip(seqs, P.tolist())], 0).to(dev)                 # [B, R] the student's own
+    m = pad_ids([[1] * (len(s) - p) for s, p in zip(seqs, P.tolist())], 0).to(dev)      # [B, R]
+    keep = (torch.arange(int(P.max()), device=dev)[None] < P[:, None]).long()           # [B, P] each row's prefix
+    cache = copy_cache(t_cache, detach=False, cols=int(P.max()))
+    pos = P[:, None] + torch.arange(ids.shape[1], device=dev)[None]                     # [B, R]
+    h = lm.body(input_ids=ids, attention_mask=torch.cat([keep, m], 1), position_ids=pos, use_cache=True,
+                **cache_kw(lm.body, cache)).last_hidden_state                           # [B, R, H]
+    lab = torch.where(m.bool(), ids, IGNORE_INDEX).roll(-1, 1)                          # [B, R] p predicts p + 1
+    lab[:, -1] = IGNORE_INDEX
+    lp = token_logprobs(h, lm.head, lab, 1.0)                                           # [B, R]
+    return tp.ce.mean() - lp.sum() / (lab != IGNORE_INDEX).sum().clamp_min(1)
+
 # %% ../nbs/27_bench.ipynb #b1e4068b
+FLOOR = "the same positions, latent chain cut (a bound)"
+
 def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list[dict]:
     "The bench rows of one setting: each implementation on each kind of batch, against the per-example reference."
     calls, opts, rows, S = {"n": 0}, CodiOptions(), [], lm.spec.latent_steps
@@ -130,7 +157,8 @@ def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list
              "tails apart, lean off": lambda b: _lean_off(codi_forward, lm, b, opts, how=Execution(tails=CALL_COST)),
              "tails apart, phase 0 run again": lambda b: codi_forward(
                  lm, b, opts, how=Execution(tails=CALL_COST, share_prefix=False)),
-             "per-example reference": lambda b: ref_forward(lm, b, opts)[0]}
+             "per-example reference": lambda b: ref_forward(lm, b, opts)[0],
+             FLOOR: lambda b: positions_floor(lm, b)}
     for kind, batches in _bench_batches(tok, batch_size, n_batches).items():
         res = _time_interleaved(lm, impls, batches, calls)
         ref, spans = res["per-example reference"], [len(e["spans"]) for b in batches for e in b]
@@ -138,7 +166,7 @@ def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list
             rows.append({"setting": f"{batch_size} a batch, {S} latent step{'s' * (S > 1)} a block", "batches": kind,
                          "impl": name, "spans": f"{min(spans)}–{max(spans)} (mean {sum(spans) / len(spans):.1f})", **r,
                          "speedup": r["examples_per_s"] / ref["examples_per_s"],
-                         "max_loss_diff": abs(r["mean_loss"] - ref["mean_loss"])})
+                         "max_loss_diff": None if name == FLOOR else abs(r["mean_loss"] - ref["mean_loss"])})
     hook.remove()
     return rows
 
@@ -210,11 +238,14 @@ def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
     return [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": lp, "adv": a}
             for p, c, la, lp, a in zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, adv.tolist())]
 
-def _grpo_row(kind, replay, ro, t_gen, t_train, m, st) -> dict:
+def _grpo_row(kind, replay, ro, t_gen, t_train, m, st, S: int = 0) -> dict:
+    "One bench row; `S` latent steps a block: a block feeds S + 2 positions that emit no token (markers and steps)."
     toks = sum(len(c) for c in ro.completion_ids)
+    pos = toks + (S + 2) * sum(len(la) for la in ro.latent_at)                      # positions the decoder fed
     return {
         "policy": kind, "replay": replay, "sequences": len(ro.completion_ids), "gen_tokens": toks,
-        "rollout_tok_per_s": toks / t_gen, "train_tok_per_s": toks / t_train, "gen_share": t_gen / (t_gen + t_train),
+        "rollout_tok_per_s": toks / t_gen, "rollout_pos_per_s": pos / t_gen, "train_tok_per_s": toks / t_train,
+        "gen_share": t_gen / (t_gen + t_train),
         "align_abs_max": m["align_abs_max"], "forward_passes": ro.forward_passes, "replay_calls": st.get("calls"),
         "replay_pad_ratio": st["positions_run"] / st["positions_real"] if st else None,
     }
@@ -303,7 +334,7 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         "rows": [
             _grpo_row(
                 k, replay, ro[k], statistics.median(t_gen[k]), statistics.median(t_train[k, replay]),
-                metrics[k, replay], stats[k, replay],
+                metrics[k, replay], stats[k, replay], pols[k].model.spec.latent_steps if k != "text" else 0,
             )
             for k, replay in variants
         ],
@@ -315,7 +346,8 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         "replay_calls / replay_pad_ratio: the exact replay's model calls and positions run per real position; "
         "'+ KL to ref': kl_beta 0.04, a frozen copy of the policy scores the same tokens (no gradient); "
         "stochastic: the latent policy with latent_sigma 0.3 (its own rollouts, noise fed in the blocks), replayed "
-        "with the recorded z in one forward (sampled z) or two (pathwise); align_abs_max is the text tokens'.",
+        "with the recorded z in one forward (sampled z) or two (pathwise); align_abs_max is the text tokens'; "
+        "rollout_pos_per_s counts every position the decoder fed: tokens, and each latent block's markers and steps.",
     }
 
 # %% ../nbs/27_bench.ipynb #ef81f744
