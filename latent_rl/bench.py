@@ -138,8 +138,8 @@ def positions_floor(lm: LatentModel, examples: list[dict], how: Execution = Exec
     pos = P[:, None] + torch.arange(ids.shape[1], device=dev)[None]                     # [B, R]
     h = lm.body(input_ids=ids, attention_mask=torch.cat([keep, m], 1), position_ids=pos, use_cache=True,
                 **cache_kw(lm.body, cache)).last_hidden_state                           # [B, R, H]
-    lab = torch.where(m.bool(), ids, IGNORE_INDEX).roll(-1, 1)                          # [B, R] p predicts p + 1
-    lab[:, -1] = IGNORE_INDEX
+    lab = torch.full_like(ids, IGNORE_INDEX)                                            # [B, R]
+    lab[:, :-1] = torch.where(m[:, 1:].bool(), ids[:, 1:], IGNORE_INDEX)                # aligned: p predicts p + 1
     lp = token_logprobs(h, lm.head, lab, 1.0)                                           # [B, R]
     return tp.ce.mean() - lp.sum() / (lab != IGNORE_INDEX).sum().clamp_min(1)
 
@@ -239,7 +239,8 @@ def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
             for p, c, la, lp, a in zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, adv.tolist())]
 
 def _grpo_row(kind, replay, ro, t_gen, t_train, m, st, S: int = 0) -> dict:
-    "One bench row; `S` latent steps a block: a block feeds S + 2 positions that emit no token (markers and steps)."
+    """One bench row; `S` latent steps a block: each block in `latent_at` fed S + 2 positions that emit no token
+    (markers and steps; the bench's prompts do not end in `<|line_sep|>`, so no block opens before the completion)."""
     toks = sum(len(c) for c in ro.completion_ids)
     pos = toks + (S + 2) * sum(len(la) for la in ro.latent_at)                      # positions the decoder fed
     return {
