@@ -22,8 +22,8 @@ from accelerate.utils import set_seed, DistributedType
 from .config import ConfigError
 
 # %% auto #0
-__all__ = ['setup', 'log0', 'StepModule', 'decoder_layers', 'LayerKV', 'checkpointed_forward', 'checkpoint_layers', 'Engine',
-           'distributed', 'make_engine', 'gathered_weights', 'shard_frozen', 'local_tensor', 'param_checksum',
+__all__ = ['setup', 'log0', 'teardown', 'StepModule', 'decoder_layers', 'LayerKV', 'checkpointed_forward', 'checkpoint_layers',
+           'Engine', 'distributed', 'make_engine', 'gathered_weights', 'shard_frozen', 'local_tensor', 'param_checksum',
            'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb', 'sum_over_ranks',
            'reduce_metrics']
 
@@ -42,6 +42,11 @@ def setup(seed: int = 0):
 def log0(acc, *a, **k):
     "print on rank 0 only"
     if acc is None or acc.is_main_process: print(*a, **k, flush=True)
+
+# %% ../nbs/15_engine.ipynb #0d8c98e0
+def teardown() -> None:
+    "End a run that succeeded: destroy the process group (if any) before interpreter exit. Not after an error."
+    if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
 
 # %% ../nbs/15_engine.ipynb #d14a702d
 class StepModule(nn.Module):

@@ -29,6 +29,7 @@ from .recipes import RECIPES, recipe_toml
 from .serve import serve_teacher
 from .policy import serve_rollouts
 from .loop import CheckpointError, RunDirBusy
+from .engine import teardown
 
 # %% auto #0
 __all__ = ['TRACING', 'UNSAFE_FLAG', 'STEP_DATA', 'PENDING', 'DEFAULT_RECIPE', 'COMMANDS', 'PIPELINE', 'sandbox_flag',
@@ -269,8 +270,11 @@ def user_errors() -> tuple:
 
 def run_command(cmd: str, rest: list[str], debug: bool = False) -> int:
     """Run one subcommand: bad input prints one line and returns 2 (the traceback only with `--debug`); a machine where
-    the sandbox cannot start returns 1 with what to do; Ctrl-C returns 130."""
-    try: COMMANDS[cmd](rest)
+    the sandbox cannot start returns 1 with what to do; Ctrl-C returns 130. A command that succeeds ends its process
+    group (`teardown`): a multi-process run that finished must not abort at exit."""
+    try:
+        COMMANDS[cmd](rest)
+        teardown()
     except SandboxUnavailable as e:
         print(f"latent-rl {cmd}: {e}", file=sys.stderr)
         return 1

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
-from latent_rl.engine import setup, shard_frozen, gathered_weights, decoder_layers
+from latent_rl.engine import setup, shard_frozen, gathered_weights, decoder_layers, teardown
 from latent_rl.models import load_model
 
 acc = setup(0)
@@ -34,3 +34,4 @@ with gathered_weights(model):
 out["after_gathered_weights"] = gathered()
 if acc.is_main_process: Path(sys.argv[1]).write_text(json.dumps(out))
 acc.wait_for_everyone()
+teardown()                                       # before interpreter exit (see latent_rl.engine.teardown)

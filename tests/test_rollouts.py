@@ -33,9 +33,10 @@ assert names == list(full) and peak[0] == 1, (peak, names[:3])
 assert sum(len(c) for c in layer_chunks(named_weights(m))) == len(full)
 print("OK", dist.get_rank(), len(names), flush=True)
 dist.barrier()
-# both ranks are done: leave without gloo's teardown (a rank once aborted with "terminate called without an active
-# exception" in a clean-clone run, the other then killed by the launcher; which step it died in was not kept)
-os._exit(0)
+# both ranks are done: destroy the group before interpreter exit, where gloo's threads can abort the process
+# ("terminate called without an active exception", pytorch/pytorch#190489)
+from latent_rl.engine import teardown
+teardown()
 '''
 
 def test_named_weights_gathers_fsdp2_shards_one_at_a_time(tmp_path):
