@@ -46,7 +46,7 @@ def log0(acc, *a, **k):
 # %% ../nbs/15_engine.ipynb #0d8c98e0
 def teardown() -> None:
     "End a run that succeeded: destroy the process group (if any) before interpreter exit. Not after an error."
-    if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
+    if torch.distributed.is_available() and torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
 
 # %% ../nbs/15_engine.ipynb #d14a702d
 class StepModule(nn.Module):

@@ -272,9 +272,7 @@ def run_command(cmd: str, rest: list[str], debug: bool = False) -> int:
     """Run one subcommand: bad input prints one line and returns 2 (the traceback only with `--debug`); a machine where
     the sandbox cannot start returns 1 with what to do; Ctrl-C returns 130. A command that succeeds ends its process
     group (`teardown`): a multi-process run that finished must not abort at exit."""
-    try:
-        COMMANDS[cmd](rest)
-        teardown()
+    try: COMMANDS[cmd](rest)
     except SandboxUnavailable as e:
         print(f"latent-rl {cmd}: {e}", file=sys.stderr)
         return 1
@@ -286,6 +284,7 @@ def run_command(cmd: str, rest: list[str], debug: bool = False) -> int:
         if debug: raise
         print(f"latent-rl {cmd}: error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
         return 2
+    teardown()               # after the try: a failure here is no input error, and the work is already saved
     return 0
 
 # %% ../nbs/29_train.ipynb #6293437c
