@@ -22,10 +22,10 @@ from accelerate.utils import set_seed, DistributedType
 from .config import ConfigError
 
 # %% auto #0
-__all__ = ['setup', 'log0', 'teardown', 'StepModule', 'decoder_layers', 'LayerKV', 'checkpointed_forward', 'checkpoint_layers',
-           'Engine', 'distributed', 'make_engine', 'gathered_weights', 'shard_frozen', 'local_tensor', 'param_checksum',
-           'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb', 'sum_over_ranks',
-           'reduce_metrics']
+__all__ = ['setup', 'log0', 'distributed', 'teardown', 'StepModule', 'decoder_layers', 'LayerKV', 'checkpointed_forward',
+           'checkpoint_layers', 'Engine', 'make_engine', 'gathered_weights', 'shard_frozen', 'local_tensor',
+           'param_checksum', 'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb',
+           'sum_over_ranks', 'reduce_metrics']
 
 # %% ../nbs/15_engine.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -44,9 +44,11 @@ def log0(acc, *a, **k):
     if acc is None or acc.is_main_process: print(*a, **k, flush=True)
 
 # %% ../nbs/15_engine.ipynb #0d8c98e0
+def distributed() -> bool: return torch.distributed.is_available() and torch.distributed.is_initialized()
+
 def teardown() -> None:
     "End a run that succeeded: destroy the process group (if any) before interpreter exit. Not after an error."
-    if torch.distributed.is_available() and torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
+    if distributed(): torch.distributed.destroy_process_group()
 
 # %% ../nbs/15_engine.ipynb #d14a702d
 class StepModule(nn.Module):
@@ -133,8 +135,6 @@ class Engine:
         return self.root.no_sync() if self.wrapped and self.strategy == "ddp" and not last else contextlib.nullcontext()
 
 # %% ../nbs/15_engine.ipynb #659cd7df
-def distributed() -> bool: return torch.distributed.is_available() and torch.distributed.is_initialized()
-
 def make_engine(module: nn.Module, cfg, acc) -> Engine:
     """Wrap `module` for `cfg.strategy` (fsdp: bf16 compute over fp32 master weights when `cfg.precision` is bf16).
     One process outside a process group is not wrapped."""

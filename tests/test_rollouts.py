@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 sys.path.insert(0, os.environ["ROOT"])
 from latent_rl.policy import named_weights, layer_chunks
+from latent_rl.engine import teardown
 from transformers import Qwen2Config, AutoModelForCausalLM
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -35,7 +36,6 @@ print("OK", dist.get_rank(), len(names), flush=True)
 dist.barrier()
 # both ranks are done: destroy the group before interpreter exit, where gloo's threads can abort the process
 # ("terminate called without an active exception", pytorch/pytorch#190489)
-from latent_rl.engine import teardown
 teardown()
 '''
 
