@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 FROM_SCRATCH ?= 0
 DEMO_ARGS ?=
 
-.PHONY: test-families test-cluster lint venv lab docs docs-test demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
+.PHONY: test-hub test-families test-cluster lint venv lab docs docs-test demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -63,8 +63,9 @@ check-clean: venv
 	if [ "$$before" != "$$after" ]; then echo "nbdev-clean changed nbs/: notebooks were not clean (now cleaned; commit them)"; git status --short -- nbs; exit 1; fi; \
 	echo "nbdev-clean: nbs/ clean"
 
+# Prepared training data is cached (latent_rl.loop.prepared): the lessons run on an empty cache of their own.
 nbtest: venv
-	$(BIN)/nbdev-test --n-workers 2 --timing
+	LATENT_RL_CACHE=$$(mktemp -d) $(BIN)/nbdev-test --n-workers 2 --timing
 
 # Two workers (pytest-xdist), one thread each (tests/conftest.py); a test file stays on one worker, so a module's
 # fixtures are built once. PYTEST_WORKERS=0 runs serially.
@@ -77,6 +78,11 @@ pytest: venv
 # (latent_rl.fixtures): its own CI step, about a minute a family on one core.
 test-families: venv
 	LATENT_RL_FAMILY_LANE=1 $(BIN)/python -m pytest tests/test_family_lane.py $(PYTEST_PAR) -q -ra --durations=3
+
+# The README's hub commands as written (tests/test_hub_lane.py): tiny models and data published under their hub names in
+# a local Hugging Face cache, offline, each command with --fast-dev-run; single and 2-process. Its own CI step.
+test-hub: venv
+	LATENT_RL_HUB_LANE=1 $(BIN)/python -m pytest tests/test_hub_lane.py -q -ra --durations=3
 
 # The multi-process runs (tests/test_cluster.py: DDP and FSDP2 over gloo, SIGKILL + resume, resharding, two nodes by
 # rendezvous): its own CI step; each test starts two processes, so one test at a time.

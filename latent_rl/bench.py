@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 from .trace import prompt_text
 from .corpus import load_rows
-from .tokens import IGNORE_INDEX, encode, sft_example, codi_example, left_pad
+from .tokens import IGNORE_INDEX, prompt_ids, sft_example, codi_example, left_pad
 from .models import load_tokenizer, build_tiny, n_params, out_cache, cache_kw, copy_cache
 from .lean import final_norm, lean_off, one_step
 from .generate import generate_text
@@ -306,7 +306,7 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         "latent": Policy(*LatentModel.load(model, device=device), "latent"),
     }
     pols["stochastic"] = Policy(LatentModel.load(model, device=device)[0].set_noise(0.3), pols["text"].tok, "latent")
-    P = [encode(pols["text"].tok, prompt_text(r["code"], r["input"])) for r in rows]
+    P = [prompt_ids(pols["text"].tok, prompt_text(r["code"], r["input"])) for r in rows]
     sync, reps, ro = (torch.cuda.synchronize if device == "cuda" else lambda: None), 1 if quick else 3, {}
     def timed(fn):
         t0 = time.perf_counter()
@@ -691,7 +691,7 @@ def decode_bench(quick: bool = False, device: str = "cpu", model: str = "data/te
     pol = Policy.load(model, device=device)
     pol.model.eval()
     rows = load_rows("data/corpus/train.jsonl", 64)[:8 if quick else 32]
-    P = [encode(pol.tok, prompt_text(r["code"], r["input"])) for r in rows]
+    P = [prompt_ids(pol.tok, prompt_text(r["code"], r["input"])) for r in rows]
     m, reps = 64 if quick else 256, 1 if quick else 3
     decs = _decoders(model, pol.model, pol.tok, m)
     for fn in decs.values(): fn(P[:2])                                                  # warm-up

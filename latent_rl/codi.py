@@ -21,7 +21,7 @@ from .config import TrainConfig, ConfigError, teacher_dtype, PosInt, PosFloat, N
 from .engine import setup, log0, shard_frozen
 from .generate import seeded
 from .sft import sft_batch_loss
-from .loop import (Stage, train_loop, finish_run, write_config, load_train, bucket_groups, bucket_indices,
+from .loop import (Stage, train_loop, finish_run, write_config, prepared, bucket_groups, bucket_indices,
     lora_student, stage_summary, losses_line)
 
 # %% auto #0
@@ -189,18 +189,15 @@ class CodiStep(Stage):
 # %% ../nbs/18_codi.ipynb #4eba2744
 def codi_examples(cfg: CodiConfig, tok, opts: CodiOptions, acc, progress: bool = True) -> tuple[list, list]:
     """CODI examples (prompt, trace with its LINE spans) from the traced rows, and the answer-only rows' SFT examples
-    (`traced_frac` < 1; empty unless `answer_ce` uses them)."""
-    rows = load_train(cfg, progress and acc.is_main_process)
-    exs = [
-        e
-        for e in (codi_example(tok, r, cfg.max_len, cfg.max_spans or None, targets=opts.needs_targets)
-                  for r in rows if "trace" in r)
-        if e is not None
-    ]
+    (`traced_frac` < 1; empty unless `answer_ce` uses them); `prepared`: built once, then read from the cache."""
+    build = {"codi": lambda r: codi_example(tok, r, cfg.max_len, cfg.max_spans or None, targets=opts.needs_targets)
+             if "trace" in r else None}
+    if cfg.answer_ce: build["answers"] = lambda r: None if "trace" in r else sft_example(tok, r, "answer", cfg.max_len)
+    got = prepared(cfg, tok, acc, build, {"max_len": cfg.max_len, "max_spans": cfg.max_spans,
+                                          "targets": opts.needs_targets}, progress)
+    exs, answers = got["codi"], got.get("answers", [])
     if not exs:
         raise ValueError(f"{cfg.train}: no usable CODI examples (need ≥1 LINE frame within max_len={cfg.max_len})")
-    answers = [sft_example(tok, r, "answer", cfg.max_len) for r in rows if "trace" not in r] if cfg.answer_ce else []
-    answers = [a for a in answers if a is not None]
     if cfg.answer_ce and not answers:
         raise ConfigError(f"answer_ce = {cfg.answer_ce}: no answer-only rows to use (set traced_frac < 1)")
     return exs, answers

@@ -13,12 +13,13 @@ import torch
 from .recipes import RECIPES, recipe_fields
 from .losses import NORMS, KD_TARGETS
 from .latent import VALUE_KD_AT
+from .models import HUB_NAME
 
 # %% auto #0
 __all__ = ['PosInt', 'PosFloat', 'NonNegInt', 'NonNegFloat', 'Fraction', 'RANGES', 'STAGES', 'CHOICES', 'STAGE_CONFIGS',
-           'RENAMED', 'ConfigError', 'check_field', 'upgrade_keys', 'config_from_dict', 'load_config_file',
-           'field_comments', 'parse_config', 'check_config', 'TrainConfig', 'VLLMConfig', 'check_precision',
-           'teacher_dtype']
+           'RENAMED', 'FAST_DEV_RUN_ENV', 'FAST_DEV_RUN', 'ConfigError', 'check_field', 'upgrade_keys',
+           'config_from_dict', 'load_config_file', 'fast_dev_run_on', 'fast_dev_run', 'field_comments', 'parse_config',
+           'check_config', 'TrainConfig', 'VLLMConfig', 'check_precision', 'teacher_dtype']
 
 # %% ../nbs/14_config.ipynb #3e8955f4
 class ConfigError(ValueError):
@@ -137,6 +138,23 @@ def load_config_file(path) -> dict:
         raise ConfigError(f"config file {path}: expected a table of fields, got {type(d).__name__}")
     return d
 
+# %% ../nbs/14_config.ipynb #7cd2ca80
+FAST_DEV_RUN_ENV = "LATENT_RL_FAST_DEV_RUN"
+FAST_DEV_RUN = dict(steps=2, grad_accum=1, max_train=32, save_every=1, log_every=1, warmup=0, wandb="disabled",
+                    max_new_tokens=48, group_size=4, max_locals=32, record_every=1)    # each where the stage has it
+
+def fast_dev_run_on() -> bool: return os.environ.get(FAST_DEV_RUN_ENV) == "1"
+
+def fast_dev_run(cls, d: dict) -> dict:
+    """The fields `d` of a `cls` config scaled down as `FAST_DEV_RUN` says (a batch of 2 rows per process), said once
+    on rank 0's stderr."""
+    have, world = {f.name for f in fields(cls)}, int(os.environ.get("WORLD_SIZE", "1"))
+    small = {k: v for k, v in FAST_DEV_RUN.items() if k in have} | {"batch_size": 2 * world}
+    if os.environ.get("RANK", "0") == "0":
+        print(f"fast dev run (${FAST_DEV_RUN_ENV}): {cls.__name__} {small['steps']} steps × batch {small['batch_size']} "
+              f"of at most {small['max_train']} rows, a checkpoint each step, W&B off", file=sys.stderr)
+    return {**d, **small}
+
 # %% ../nbs/14_config.ipynb #6602f254
 def field_comments(cls) -> dict[str, str]:
     """`{field: the comment on its line}` of a config dataclass and its bases (a subclass's comment wins; a field it
@@ -155,8 +173,8 @@ def field_comments(cls) -> dict[str, str]:
     return out
 
 def _hub_name(model) -> bool:
-    "Is `model` a hub name (`gpt2`, `owner/name`) rather than a local directory?"
-    return bool(model) and not Path(model).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(model)) is not None
+    "Is `model` a hub name (`gpt2`, `owner/name`, `owner/name@revision`) rather than a local directory?"
+    return bool(model) and not Path(model).exists() and HUB_NAME.fullmatch(str(model)) is not None
 
 def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_recipe: str | None = None,
                  description: str | None = None):
@@ -214,7 +232,7 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
         config_from_dict(cls, fd, where=str(path))         # name the file when one of its fields is bad
         d.update(fd)
     config_from_dict(cls, ns, where="command line")
-    return config_from_dict(cls, {**d, **ns})
+    return config_from_dict(cls, fast_dev_run(cls, {**d, **ns}) if fast_dev_run_on() else {**d, **ns})
 
 # %% ../nbs/14_config.ipynb #b4c1d2e1
 def check_config(cfg, where: str | None = None):
@@ -240,6 +258,9 @@ class TrainConfig:
     min_lr_frac: Fraction = 0.1         # cosine decay to this fraction of lr after warmup (1.0 = constant)
     warmup: NonNegInt = 10               # linear warmup steps
     weight_decay: NonNegFloat = 0.0      # AdamW weight decay
+    decay_exempt: bool = False           # biases, norm weights and trained token rows take no weight decay (HF Trainer's rule; CODI's recipes)
+    adam_beta1: Fraction = 0.9           # AdamW β1
+    adam_beta2: Fraction = 0.95          # AdamW β2 (CODI's recipes: 0.999, HF's adamw_torch)
     max_grad_norm: PosFloat = 1.0        # gradient-norm clip
     max_train: NonNegInt = 0            # 0 = all training rows
     traced_frac: Fraction = 1.0         # answers outnumber traces: a seeded share of the training programs keeps its traces, the rest only their answers (the same programs in every stage)
@@ -255,6 +276,7 @@ class TrainConfig:
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"   # comma-separated module names
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (text passes; not latent ones)
     save_every: NonNegInt = 100         # steps between checkpoints (0 = none)
+    save_merged: bool = False           # LoRA: each checkpoint also holds the merged model (final/ always does; without it a checkpoint holds what trains)
     log_every: PosInt = 10               # steps between metrics.jsonl rows (and progress-bar updates)
     wandb: str = "disabled"             # disabled / offline / online (WANDB_* environment variables win)
     resume: bool = False                 # continue from the newest good checkpoint in `out`

@@ -12,12 +12,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .trace import parse_trace, same_value, row_prompt
-from .tokens import encode, foreign_special
+from .tokens import prompt_ids, foreign_special
 from .generate import generate_text, generate_latent
 from .corpus import load_rows, trace_and_fill
 from .steps import is_step_file, load_step_rows, to_trace_row
 from .latent import LatentModel
-from .models import load_model
+from .models import load_model, resolve_model
 
 # %% auto #0
 __all__ = ['MODE_FILES', 'score', 'bootstrap_mean', 'paired_delta', 'within_noise', 'frame_json', 'frames_json',
@@ -83,23 +83,38 @@ def steps_written(row: dict, frames: list[dict]) -> list[bool] | None:
     if not steps or row.get("n_line_frames") != len(steps) or not lines: return None
     return [k < len(lines) and lines[k] == s["latent"] for k, s in enumerate(steps)]
 
+# %% ../nbs/21_evaluate.ipynb #bf591276
+def _gathered(items: list, mine: list[int]) -> list:
+    "`items` with every process's entries filled in: each process holds those at the indices it decoded (`mine`)."
+    got = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(got, [(i, items[i]) for i in mine])
+    out = list(items)
+    for part in got:
+        for i, x in part: out[i] = x
+    return out
+
 # %% ../nbs/21_evaluate.ipynb #38af95ed
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_tokens: int = 384, progress: bool = True,
-             desc: str = "eval", generate_fn=None) -> dict:
-    """Greedy output prediction on `rows`; returns `{accuracy, ci, format_valid, n, seconds, records}` (+ `latents` per
-    row when the rollouts carry them, + `steps_written`, the share of rows writing each step exactly, on step rows)."""
+             desc: str = "eval", generate_fn=None, shard: tuple[int, int] = (0, 1)) -> dict:
+    """Greedy output prediction on `rows`, batched by prompt length (any row kind); returns `{accuracy, ci,
+    format_valid, n, seconds, records}` (+ `latents` per row when the rollouts carry them, + `steps_written`, the share
+    of rows writing each step exactly, on step rows). `shard = (rank, world)`: this process decodes every world-th row
+    of the length order and the records are gathered from every process (torch.distributed), so each returns the
+    whole result."""
     if model is not None: model.eval()
     gen = generate_fn or (
         lambda prompts: generate_text(
             model, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=max_new_tokens
         )
     )
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["code"]))   # similar lengths batch together
+    P = [prompt_ids(tok, row_prompt(r)) for r in rows]
+    rank, world = shard
+    mine = sorted(range(len(rows)), key=lambda i: len(P[i]))[rank::world]     # similar lengths batch together
     recs, lat, t0 = [None] * len(rows), [None] * len(rows), time.time()
-    for s in tqdm(range(0, len(rows), batch_size), desc=desc, disable=not progress):
-        idx = order[s:s + batch_size]
-        ro = gen([encode(tok, row_prompt(rows[i])) for i in idx])
+    for s in tqdm(range(0, len(mine), batch_size), desc=desc, disable=not progress):
+        idx = mine[s:s + batch_size]
+        ro = gen([P[i] for i in idx])
         for k, i in enumerate(idx):
             text = tok.decode(ro.completion_ids[k])
             r, p = rows[i], parse_trace(text)
@@ -111,6 +126,7 @@ def evaluate(model, tok, rows: list[dict], *, batch_size: int = 32, max_new_toke
             if ro.latents is not None: lat[i] = ro.latents[k]
             if not any(ro.latent_at) and (sw := steps_written(r, recs[i]["frames"])) is not None:   # a text policy's steps
                 recs[i]["steps_written"] = sw
+    if world > 1: recs, lat = _gathered(recs, mine), _gathered(lat, mine)
     n, ci = len(rows), bootstrap_mean([r["correct"] for r in recs])
     out = {
         "accuracy": sum(r["correct"] for r in recs) / max(n, 1), "ci": [ci["lo"], ci["hi"]],
@@ -208,7 +224,8 @@ def load_eval_rows(path, limit: int = 0, progress: bool = True) -> list[dict]:
 
 # %% ../nbs/21_evaluate.ipynb #8feec751
 def load_policy(path, max_new_tokens: int = 384, dtype="fp32", device="cpu"):
-    "`(tok, generate_fn, kind)` for a model directory; kind is 'latent' or 'text'."
+    "`(tok, generate_fn, kind)` for a model (a directory or hub name); kind is 'latent' or 'text'."
+    path = resolve_model(path)
     if LatentModel.is_latent_dir(path):
         lm, tok = LatentModel.load(path, dtype=dtype, device=device)
         lm.eval()
@@ -225,10 +242,10 @@ def load_policy(path, max_new_tokens: int = 384, dtype="fp32", device="cpu"):
 
 def evaluate_path(
     path, rows, max_new_tokens: int = 384, batch_size: int = 32, desc: str = "eval", progress: bool = True,
-    device: str = "cpu", dtype="fp32",
+    device: str = "cpu", dtype="fp32", shard: tuple[int, int] = (0, 1),
 ) -> dict:
-    "Evaluate the policy saved at `path` on `rows` (batched greedy decoding on `device` in `dtype`)."
+    "Evaluate the policy saved at `path` on `rows` (batched greedy decoding on `device` in `dtype`; `shard`: `evaluate`)."
     tok, fn, kind = load_policy(path, max_new_tokens, dtype=dtype, device=device)
-    r = evaluate(None, tok, rows, batch_size=batch_size, desc=desc, progress=progress, generate_fn=fn)
+    r = evaluate(None, tok, rows, batch_size=batch_size, desc=desc, progress=progress, generate_fn=fn, shard=shard)
     r["kind"] = kind
     return r

@@ -4,14 +4,16 @@
 
 # %% ../nbs/04a_fixtures.ipynb #26852ed8
 from __future__ import annotations
-import json
+import hashlib, json, os, tempfile
 from pathlib import Path
 
 import torch
 from .trace import TRACE_TOKENS, row_prompt
+from .steps import load_step_rows, steps_body
 
 # %% auto #0
-__all__ = ['FAMILIES', 'fixture_texts', 'fixture_tokenizer', 'fixture_config', 'build_fixture', 'pretrain_fixture']
+__all__ = ['FAMILIES', 'HUB_NAMES', 'fixture_texts', 'fixture_tokenizer', 'fixture_config', 'build_fixture', 'pretrain_fixture',
+           'publish', 'publish_dataset', 'codi_gsm8k_aug']
 
 # %% ../nbs/04a_fixtures.ipynb #e5e7caaa
 _LLAMA3 = ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
@@ -32,10 +34,11 @@ FAMILIES: dict[str, dict] = {
     "llama3": dict(arch="llama", specials=_LLAMA3, bos="<|begin_of_text|>", eos="<|end_of_text|>", pad=None,
                    gen_eos=("<|end_of_text|>",), tied=True, tokenizer_class="PreTrainedTokenizerFast"),
     "qwen2.5": dict(arch="qwen2", specials=_QWEN, bos=None, eos="<|endoftext|>", pad="<|endoftext|>",
-                    gen_eos=("<|endoftext|>",), tied=True, tokenizer_class="Qwen2Tokenizer"),
+                    gen_eos=("<|endoftext|>",), tied=True, tokenizer_class="Qwen2Tokenizer", spare=64),
     "qwen3": dict(arch="qwen3", specials=_QWEN3, bos=None, eos="<|endoftext|>", pad="<|endoftext|>",
-                  gen_eos=("<|endoftext|>",), tied=False, tokenizer_class="Qwen2Tokenizer"),
+                  gen_eos=("<|endoftext|>",), tied=False, tokenizer_class="Qwen2Tokenizer", spare=64),
 }
+FAMILIES["llama3"]["bos_first"] = True       # its tokenizer.json writes <|begin_of_text|> before every text
 FAMILIES["llama3-instruct"] = dict(FAMILIES["llama3"], eos="<|eot_id|>", chat_template=_LLAMA_CHAT,
                                    gen_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"))
 FAMILIES["qwen2.5-instruct"] = dict(FAMILIES["qwen2.5"], eos="<|im_end|>", chat_template=_CHATML, tied=False,
@@ -63,7 +66,7 @@ def fixture_texts(rows) -> list[str]:
 # %% ../nbs/04a_fixtures.ipynb #e1ba060b
 def fixture_tokenizer(family: str, texts, vocab_size: int = 400):
     "A fast tokenizer shaped like `family`'s (special tokens, eos, pad, chat template), trained on `texts`."
-    from tokenizers import Tokenizer, models, decoders, trainers, pre_tokenizers
+    from tokenizers import Tokenizer, models, decoders, trainers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     f = FAMILIES[family]
     tk = Tokenizer(models.BPE())
@@ -73,6 +76,10 @@ def fixture_tokenizer(family: str, texts, vocab_size: int = 400):
     tk.train_from_iterator(texts, trainer)
     roles = {k: f[k] for k in ("bos", "eos", "pad") if f[k]}
     if f["arch"] == "gpt2": roles["unk"] = f["eos"]
+    if f.get("bos_first"):                   # Llama-3's post-processor: "<|begin_of_text|> $A"
+        b = (f["bos"], tk.token_to_id(f["bos"]))
+        tk.post_processor = processors.TemplateProcessing(single=f"{b[0]} $A", pair=f"{b[0]} $A {b[0]} $B",
+                                                          special_tokens=[b])
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, **{f"{k}_token": v for k, v in roles.items()})
     if f.get("chat_template"): tok.chat_template = f["chat_template"]
     return tok
@@ -81,11 +88,11 @@ def fixture_tokenizer(family: str, texts, vocab_size: int = 400):
 _SIZES = dict(hidden=64, layers=2, heads=2, kv_heads=1, ffn=128)   # head_dim 32: the least vLLM's CPU attention takes
 
 def fixture_config(family: str, tok, **overrides):
-    "A tiny `transformers` config of `family`'s architecture over `tok`."
+    "A tiny `transformers` config of `family`'s architecture over `tok` (and the family's spare embedding rows)."
     from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
     f, s = FAMILIES[family], _SIZES
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-               tie_word_embeddings=f["tied"], vocab_size=len(tok))
+               tie_word_embeddings=f["tied"], vocab_size=len(tok) + f.get("spare", 0))
     if f["arch"] == "gpt2":
         return GPT2Config(n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"], n_inner=s["ffn"],
                           n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids, **overrides)
@@ -124,11 +131,12 @@ def _set_tokenizer_class(path: Path, cls: str) -> None:
 # %% ../nbs/04a_fixtures.ipynb #a9b8c702
 def pretrain_fixture(path, texts, steps: int = 300, batch_size: int = 16, lr: float = 3e-3, max_len: int = 256,
                      seed: int = 0) -> Path:
-    "Train the fixture at `path` as a plain causal LM on `texts` for `steps` AdamW steps and save it there."
+    """Train the fixture at `path` as a plain causal LM on `texts` (each with the family's BOS, where it has one) for
+    `steps` AdamW steps and save it there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-    ids = [x for t in texts if (x := tok.encode(t, add_special_tokens=False)[:max_len])]
+    ids = [x for t in texts if (x := tok.encode(t)[:max_len])]
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     opt, g = torch.optim.AdamW(model.parameters(), lr=lr), torch.Generator().manual_seed(seed)
     model.train()
@@ -142,3 +150,45 @@ def pretrain_fixture(path, texts, steps: int = 300, batch_size: int = 16, lr: fl
         opt.zero_grad()
     model.save_pretrained(path)
     return path
+
+# %% ../nbs/04a_fixtures.ipynb #a561a19a
+HUB_NAMES = {   # the README's and the recipes' hub names -> the family a fixture published under that name is shaped like
+    "gpt2": "gpt2", "meta-llama/Llama-3.2-1B-Instruct": "llama3-instruct", "Qwen/Qwen2.5-Coder-1.5B": "qwen2.5",
+}
+
+def publish(src, repo_id: str, cache, revision: str = "main", repo_type: str = "model") -> Path:
+    """Put the files of the directory `src` into the Hugging Face cache `cache` as `repo_id` at `revision` (a branch or
+    tag: `refs/<revision>`; the commit is the content's hash), laid out as `huggingface_hub` writes a download.
+    Returns the snapshot directory."""
+    src, repo = Path(src), Path(cache) / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    h = hashlib.sha1()
+    for p in files: h.update(str(p.relative_to(src)).encode() + b"\0" + p.read_bytes())
+    snap = repo / "snapshots" / h.hexdigest()
+    for p in files:
+        data = p.read_bytes()
+        blob, link = repo / "blobs" / hashlib.sha256(data).hexdigest(), snap / p.relative_to(src)
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / revision).write_text(h.hexdigest())
+    return snap
+
+# %% ../nbs/04a_fixtures.ipynb #82a789b9
+def publish_dataset(splits: dict[str, list[dict]], repo_id: str, cache, revision: str = "main") -> Path:
+    """`{split: rows}` as a hub dataset repository in the cache `cache` (each split one parquet file under `data/`, as
+    `datasets` pushes it); needs pyarrow (`latent-rl[data]`). Returns the snapshot directory."""
+    import pyarrow as pa, pyarrow.parquet as pq
+    with tempfile.TemporaryDirectory() as d:
+        for split, rows in splits.items():
+            (Path(d) / "data").mkdir(exist_ok=True)
+            pq.write_table(pa.Table.from_pylist(rows), Path(d) / "data" / f"{split}-00000-of-00001.parquet")
+        return publish(d, repo_id, cache, revision, "dataset")
+
+def codi_gsm8k_aug(path, limit: int | None = None) -> list[dict]:
+    """Implicit-CoT GSM8k-Aug lines (e.g. `data/external/icot/gsm8k/valid.txt`) as CODI's GSM8k-Aug export holds them:
+    `{question, cot, answer}`, the cot its `<<…>>` equations separated by spaces."""
+    return [{"question": r["question"], "cot": steps_body(r), "answer": r["answer"]} for r in load_step_rows(path, limit)]

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 from .trace import LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, row_prompt
-from .tokens import encode, trace_token_ids, find_spans, IGNORE_INDEX
+from .tokens import encode, prompt_ids, trace_token_ids, find_spans, IGNORE_INDEX
 from .losses import generalized_jsd_from_hidden, sft_loss
 from .logprobs import token_logprobs
 from .generate import row_key, seeded
@@ -27,8 +27,8 @@ from .onpolicy import OnPolicyStage
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['gkd_coin', 'dataset_completion', 'resample_overlong', 'value_mask', 'gkd_loss', 'GKDConfig', 'make_teacher',
-           'teacher_token_logprobs', 'GKDStep', 'run_gkd']
+__all__ = ['UNPRIVILEGED_HTTP', 'gkd_coin', 'dataset_completion', 'resample_overlong', 'value_mask', 'gkd_loss', 'GKDConfig',
+           'make_teacher', 'teacher_token_logprobs', 'GKDStep', 'run_gkd']
 
 # %% ../nbs/19_gkd.ipynb #1d5e8d0d
 def gkd_coin(seed: int, step: int, lmbda: float) -> bool:
@@ -39,7 +39,7 @@ def gkd_coin(seed: int, step: int, lmbda: float) -> bool:
 def dataset_completion(tok, row: dict, kind: str) -> dict:
     """`{prompt, completion, latent_at, row}` of a traced row for a 'text' or 'latent' student; an answer-only row
     (`traced_frac` < 1) has no completion of its own and is drawn only when the student samples."""
-    p = encode(tok, row_prompt(row))
+    p = prompt_ids(tok, row_prompt(row))
     if "trace" not in row: return {"prompt": p, "completion": [], "latent_at": [], "row": row, "traced": False}
     t = encode(tok, row["trace"])
     if kind == "text": return {"prompt": p, "completion": t, "latent_at": [], "row": row}
@@ -167,6 +167,11 @@ class GKDConfig(VLLMConfig):
     record_every: NonNegInt = 10         # steps between logprobs.jsonl samples (0 = never)
 
 # %% ../nbs/19_gkd.ipynb #60958a91
+UNPRIVILEGED_HTTP = (
+    "gkd: warning: an HTTP teacher scores the latent student's completions as they are, without the locals its latent "
+    "blocks replaced (it reads <|line_sep|><|action_sep|> where the explicit trace has values): an unprivileged teacher, "
+    "not the explicit-trace teacher a model path gives (--teacher PATH)")
+
 def make_teacher(cfg: GKDConfig, policy: Policy, acc=None) -> Teacher:
     "The teacher `cfg.teacher` names; a frozen model's decoder layers sharded over the processes under FSDP2."
     k = cfg.topk or None
@@ -177,6 +182,7 @@ def make_teacher(cfg: GKDConfig, policy: Policy, acc=None) -> Teacher:
         return AdapterOffTeacher(policy, k)
     if cfg.teacher.startswith(("http://", "https://")):
         if not k: raise ValueError("GKDConfig.teacher is an HTTP server: set topk > 0 (servers return top-k logprobs)")
+        if policy.has_blocks: log0(acc, UNPRIVILEGED_HTTP)
         return HTTPTeacher(cfg.teacher, topk=k, timeout=cfg.http_timeout, retries=cfg.http_retries,
                            backoff=cfg.http_backoff)
     if policy.has_blocks:

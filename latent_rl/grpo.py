@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 from .trace import row_prompt
-from .tokens import encode
+from .tokens import prompt_ids
 from .losses import grpo_loss, group_advantages
 from .policy import Policy, sampled_mask, make_rollout_engine
 from .generate import row_key
@@ -381,7 +381,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     if "path" in reward_fn.weights and any("trace" not in r for r in rows):
         raise ConfigError("the path reward compares with each row's trace; answer-only rows (traced_frac < 1) have "
                           "none: drop 'path' from rewards")
-    prompts = [encode(policy.tok, row_prompt(r)) for r in rows]
+    prompts = [prompt_ids(policy.tok, row_prompt(r)) for r in rows]
     rollout_engine = make_rollout_engine(cfg, policy) if cfg.use_vllm else None
     log0(acc, f"grpo: {policy.kind} policy {cfg.model} ({n_params(policy.module):,} params), {len(rows)} prompts, "
               f"{cfg.steps} steps × {cfg.batch_size} prompts × {cfg.group_size} samples, rewards {reward_fn.weights}")

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from .trace import LATENT_START, LATENT_END, LINE_SEP, ACTION_SEP
 from .tokens import trace_token_ids
-from .models import backbone, lm_head, lm_head_weight, load_model
+from .models import backbone, lm_head, lm_head_weight, load_model, resolve_model
 from .losses import KD_TARGETS
 
 # %% auto #0
@@ -74,8 +74,9 @@ class LatentModel(nn.Module):
 
     @classmethod
     def load(cls, path, dtype="fp32", device="cpu", latent_steps: int | None = None):
-        "Load a saved latent model; a plain HF model directory gets a fresh projector (and `latent_steps` or 1)."
-        path = Path(path)
+        """Load a saved latent model (a path or hub name: `resolve_model`); a plain HF model gets a fresh projector (and
+        `latent_steps` or 1)."""
+        path = resolve_model(path)
         model, tok = load_model(path, dtype=dtype, device=device)
         if (path / "latent_spec.json").exists():
             spec = LatentSpec(**json.loads((path / "latent_spec.json").read_text()))
@@ -89,7 +90,9 @@ class LatentModel(nn.Module):
         return lm.to(device), tok
 
     @staticmethod
-    def is_latent_dir(path) -> bool: return (Path(path) / "latent_spec.json").exists()
+    def is_latent_dir(path) -> bool:
+        "Is `path` (a path or hub name) a saved latent model?"
+        return (resolve_model(path) / "latent_spec.json").exists()
 
     @torch.no_grad()
     def init_projector_to_embeddings(self):

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 from .latent import CodiOptions
 from .objective import codi_forward
-from .tokens import codi_example, encode
+from .tokens import codi_example, encode, prompt_ids
 from .generate import generate_latent, Rollout, seeded
 
 # %% auto #0
@@ -265,7 +265,7 @@ def _decode_rows(generate, tok, rows, prefixes, fn_for, batch_size, desc, progre
     correct, lat = [False] * len(rows), [None] * len(rows)
     for s in tqdm(range(0, len(rows), batch_size), desc=desc, disable=not progress, leave=False):
         idx = order[s:s + batch_size]
-        prompts = [encode(tok, row_prompt(rows[i]) + prefixes[i]) for i in idx]
+        prompts = [prompt_ids(tok, row_prompt(rows[i]) + prefixes[i]) for i in idx]
         ro = generate(prompts, latent_fn=fn_for(idx) if fn_for else None, return_latents=return_latents)
         for k, i in enumerate(idx):
             v = parse_trace(prefixes[i] + tok.decode(ro.completion_ids[k])).value
@@ -328,7 +328,7 @@ class OracleStudent:
     Called like `generate_latent` (`latent_usage(..., generate=OracleStudent(tok, rows, uses))`)."""
     def __init__(self, tok, rows, uses: bool, H: int = 16):
         self.tok, self.uses = tok, uses
-        self.rows = {tuple(encode(tok, prompt_text(r["code"], r["input"]))): r for r in rows}
+        self.rows = {tuple(prompt_ids(tok, prompt_text(r["code"], r["input"]))): r for r in rows}
         vals = sorted({r["output"] for r in rows})
         g = torch.Generator().manual_seed(0)
         self.code = dict(zip(vals, torch.randn(len(vals), H, generator=g)))              # value -> its latent code

@@ -4,7 +4,7 @@
 
 # %% ../nbs/16_loop.ipynb #616a759b
 from __future__ import annotations
-import fcntl, hashlib, json, math, os, random, shutil, signal, sys, threading, time, uuid
+import fcntl, hashlib, json, math, netrc, os, random, shutil, signal, sys, threading, time, urllib.parse, uuid
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,8 +15,9 @@ from tqdm.auto import tqdm
 
 from .corpus import load_rows, trace_and_fill
 from .steps import is_step_file, load_step_rows, to_trace_row
-from .tokens import answer_text
-from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale
+from .tokens import answer_text, bos_ids
+from . import trace as _trace, steps as _steps, corpus as _corpus, tokens as _tokens
+from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale, ROW_DELTA
 from .generate import seeded
 from .records import RunRecord, RECORD_FILES, trim_records
 from .config import ConfigError, check_precision, check_config, upgrade_keys
@@ -24,12 +25,13 @@ from .engine import (Engine, make_engine, log0, peak_memory_mb, added_peak_mb, p
                               save_shards, load_shards, reduce_metrics, local_tensor)
 
 # %% auto #0
-__all__ = ['RESUME_MAY_CHANGE', 'lr_lambda', 'CheckpointError', 'rng_state', 'set_rng_state', 'file_manifest', 'save_checkpoint',
-           'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint', 'load_checkpoint_state',
-           'latest_checkpoint', 'RunDirBusy', 'lock_run_dir', 'release_run_dir', 'config_changes', 'write_config',
-           'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage', 'generation_cycle', 'drain',
-           'StopRequest', 'lora_student', 'load_traced', 'program_key', 'answer_only', 'split_traced', 'load_train',
-           'wandb_settings', 'wandb_run', 'resume_run', 'write_checkpoint', 'train_step', 'step_record',
+__all__ = ['RESUME_MAY_CHANGE', 'CACHE_ENV', 'lr_lambda', 'CheckpointError', 'rng_state', 'set_rng_state', 'file_manifest',
+           'save_checkpoint', 'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint',
+           'load_checkpoint_state', 'latest_checkpoint', 'RunDirBusy', 'lock_run_dir', 'release_run_dir',
+           'config_changes', 'write_config', 'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage',
+           'generation_cycle', 'drain', 'StopRequest', 'lora_student', 'load_traced', 'program_key', 'answer_only',
+           'split_traced', 'load_train', 'cache_root', 'data_key', 'prepared', 'wandb_logged_in', 'wandb_settings',
+           'wandb_run', 'resume_run', 'checkpoint_weights', 'write_checkpoint', 'train_step', 'step_record', 'no_decay',
            'make_optimizer', 'log_step', 'train_loop', 'finish_run', 'stage_summary', 'losses_line']
 
 # %% ../nbs/16_loop.ipynb #22ccd1d3
@@ -372,15 +374,84 @@ def load_train(cfg, progress: bool = True) -> list[dict]:
     rows = load_traced(cfg.train, cfg.max_train, progress=progress, step_blocks=cfg.step_blocks)
     return split_traced(rows, cfg.traced_frac, cfg.traced_seed)
 
+# %% ../nbs/16_loop.ipynb #1146d212
+CACHE_ENV = "LATENT_RL_CACHE"
+_BUILDERS = (_trace, _steps, _corpus, _tokens)                    # the code that reads rows and builds examples
+
+def cache_root() -> Path:
+    "Where prepared data is cached: `$LATENT_RL_CACHE/prepared`, else `~/.cache/latent_rl/prepared`."
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "latent_rl") / "prepared"
+
+def data_key(cfg, tok, kinds, options: dict) -> str:
+    "The cache key of a stage's prepared data: the training file's bytes, the tokenizer, the row and stage options."
+    h = hashlib.sha256()
+    with open(cfg.train, "rb") as fh:
+        for blk in iter(lambda: fh.read(1 << 20), b""): h.update(blk)
+    backend = getattr(tok, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)).encode())
+    rows = {k: getattr(cfg, k) for k in ("max_train", "traced_frac", "traced_seed", "step_blocks")}
+    h.update(json.dumps({"kinds": sorted(kinds), "tokens": len(tok), "bos": bos_ids(tok), "eos": tok.eos_token,
+                         "rows": rows, "options": options}, sort_keys=True, default=str).encode())
+    for m in _BUILDERS: h.update(Path(m.__file__).read_bytes())
+    return h.hexdigest()[:32]
+
+# %% ../nbs/16_loop.ipynb #634cf449
+def _part(d: Path, i: int, W: int) -> Path: return d / f"part-{i}-of-{W}.pt"
+
+def _build_part(rows, builders: dict, i: int, W: int, progress: bool) -> dict:
+    "Every W-th row's examples from row `i` on, one list per kind (None where a row gives none, to keep the order)."
+    mine = rows[i::W]
+    out = {k: [] for k in builders}
+    for r in tqdm(mine, desc=f"prepare {len(rows):,} rows", disable=not progress, total=len(mine), miniters=1000):
+        for k, fn in builders.items(): out[k].append(fn(r))
+    return out
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+# %% ../nbs/16_loop.ipynb #e81def80
+def prepared(cfg, tok, acc, builders: dict, options: dict, progress: bool = True) -> dict[str, list]:
+    """`{kind: [builder(row) for each training row (load_train), None dropped]}` for `builders = {kind: fn(row)}`,
+    built once per `data_key` — every process builds its W-th of the rows — and read from the cache after that."""
+    d = cache_root() / data_key(cfg, tok, builders, options)
+    done = d / "COMPLETE"
+    if done.exists(): W = int(done.read_text())
+    else:
+        rows, W, r = load_train(cfg, progress and acc.is_main_process), acc.num_processes, acc.process_index
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_save(_build_part(rows, builders, r, W, progress and acc.is_main_process), _part(d, r, W))
+        acc.wait_for_everyone()
+        for i in range(W):                   # a part another node wrote where this one cannot see it: built here
+            if not _part(d, i, W).exists(): _atomic_save(_build_part(rows, builders, i, W, False), _part(d, i, W))
+        done.write_text(str(W))
+    parts = [torch.load(_part(d, i, W), weights_only=False) for i in range(W)]
+    n = sum(len(next(iter(p.values()))) for p in parts)
+    log0(acc, f"prepared data: {n:,} rows from {d}")
+    return {k: [e for j in range(n) if (e := parts[j % W][k][j // W]) is not None] for k in builders}
+
+# %% ../nbs/16_loop.ipynb #dbd80ce8
+def wandb_logged_in() -> bool:
+    "Has this machine W&B credentials: `WANDB_API_KEY`, or a `.netrc` entry for the W&B host (`wandb login` writes one)?"
+    if os.environ.get("WANDB_API_KEY"): return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try: return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError): return False
+
 # %% ../nbs/16_loop.ipynb #0ba4bd17
 def wandb_settings(cfg, stage: str) -> dict | None:
     """`wandb.init` arguments as a cluster expects them: `WANDB_MODE`, `WANDB_PROJECT`, `WANDB_ENTITY` and
-    `WANDB_RUN_GROUP`
-    win over the config; the run is named after its directory and grouped by the parent directory; its id is kept in
-    `OUT/wandb_id`, so `--resume` continues the same W&B run. None when W&B is off."""
+    `WANDB_RUN_GROUP` win over the config; the run is named after its directory and grouped by the parent directory;
+    its id is kept in `OUT/wandb_id`, so `--resume` continues the same W&B run. Online without a W&B login on this
+    machine, it logs offline (one line says so: `wandb sync` uploads it later). None when W&B is off."""
     mode = os.environ.get("WANDB_MODE") or cfg.wandb
     if mode in ("disabled", "off", ""): return None
     out = Path(cfg.out).resolve()
+    if mode == "online" and not wandb_logged_in():
+        print(f"wandb: no W&B login on this machine (WANDB_API_KEY or `wandb login`): logging offline under {out}/wandb "
+              "(`wandb sync` uploads it later)", file=sys.stderr)
+        mode = "offline"
     rid = (out / "wandb_id").read_text().strip() if cfg.resume and (out / "wandb_id").exists() else None
     if rid is None:
         rid = uuid.uuid4().hex[:12]
@@ -423,6 +494,16 @@ def resume_run(stage: Stage, eng: Engine, opt, sched) -> int:
     log0(acc, f"resumed from {path} at step {st['step']}")
     return st["step"]
 
+def checkpoint_weights(stage: Stage):
+    """What a checkpoint writes of the weights, `fn(dir, state_dict=None)`: under LoRA only what trains — the adapters,
+    the trace tokens' rows, a projector (`save_lora`; a resume reads nothing else) — unless `save_merged`; else the
+    stage's model directory (`stage.save`). `final/` is always a whole model."""
+    if lora_scale(stage.module) is None or stage.cfg.save_merged: return stage.save
+    def trained(path, state_dict=None):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        save_lora(stage.module, path, state_dict)
+    return trained
+
 def write_checkpoint(stage: Stage, eng: Engine, opt, sched, step: int) -> None:
     "Checkpoint after `step` steps: whole weights from rank 0 (ddp) or every rank's shard (fsdp), sealed by rank 0."
     cfg, acc = stage.cfg, stage.acc
@@ -431,7 +512,8 @@ def write_checkpoint(stage: Stage, eng: Engine, opt, sched, step: int) -> None:
     state = {"scheduler": sched.state_dict(), "rng": rng_state(), "data_position": step * cfg.batch_size,
              "config": asdict(cfg), "stage_state_by_rank": stage_state}
     if not eng.sharded:
-        if acc.is_main_process: save_checkpoint(cfg.out, step, stage.save, {**state, "optimizer": opt.state_dict()})
+        if acc.is_main_process:
+            save_checkpoint(cfg.out, step, checkpoint_weights(stage), {**state, "optimizer": opt.state_dict()})
         acc.wait_for_everyone()
         return
     if acc.is_main_process: checkpoint_tmp(cfg.out, step, fresh=True)
@@ -469,9 +551,19 @@ def step_record(ms: list[dict], extra: dict, t_micro: float) -> dict:
     return m
 
 # %% ../nbs/16_loop.ipynb #51768a8e
-def make_optimizer(cfg, params: list) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    "AdamW (betas 0.9, 0.95) with linear warmup then cosine decay to `min_lr_frac` of `lr`."
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+def no_decay(module: nn.Module) -> set[int]:
+    """The ids of `module`'s parameters that HF's Trainer exempts from weight decay — biases and the weights of norm
+    layers (LayerNorm, RMSNorm) — and the trace tokens' trained row deltas (a decayed delta pulls a row to the mean)."""
+    return {id(p) for m in module.modules() for n, p in m.named_parameters(recurse=False)
+            if n in ("bias", ROW_DELTA) or "norm" in type(m).__name__.lower()}
+
+def make_optimizer(cfg, params: list, exempt=frozenset()) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (betas `adam_beta1`, `adam_beta2`), weight decay on every parameter but those whose id is in `exempt`
+    (with `decay_exempt`: `no_decay`), linear warmup then cosine decay to `min_lr_frac` of `lr`."""
+    rest = [p for p in params if id(p) in exempt] if cfg.weight_decay and cfg.decay_exempt else []
+    groups = [{"params": [p for p in params if id(p) not in exempt]}, {"params": rest, "weight_decay": 0.0}] if rest \
+        else params                                      # one group when nothing is exempt (older checkpoints: one)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2))
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg.warmup, cfg.steps, cfg.min_lr_frac))
 
 def log_step(rec, wb, bar, step: int, m: dict, sched, gn, m_step: float, t0: float, device) -> None:
@@ -496,7 +588,7 @@ def train_loop(stage: Stage, progress: bool = True) -> dict:
     eng = make_engine(stage.module, cfg, acc)
     params = [p for p in stage.module.parameters() if p.requires_grad]           # after wrapping: shards under FSDP2
     amp = torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
-    opt, sched = make_optimizer(cfg, params)
+    opt, sched = make_optimizer(cfg, params, no_decay(stage.module))
     start = resume_run(stage, eng, opt, sched)
     if cfg.resume and acc.is_main_process: trim_records(out, start)    # also when no checkpoint was reached: all redone
     stage.module.train()

@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_models.ipynb #be1de692
 from __future__ import annotations
-import contextlib, os
+import contextlib, re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from .tokens import add_trace_tokens
 
 # %% auto #0
-__all__ = ['DTYPES', 'TOKENIZER_FILES', 'TINY_SIZES', 'ROW_DELTA', 'LORA_TARGETS', 'resolve_dtype', 'load_tokenizer',
-           'check_vocab', 'load_model', 'tiny_config', 'build_tiny', 'n_params', 'unwrap', 'backbone', 'lm_head_weight',
-           'Head', 'head_rows', 'lm_head', 'check_head', 'add_lora', 'fp32_masters', 'lora_scale', 'train_rows',
-           'fold_rows', 'merge_lora', 'export_state', 'save_lora', 'load_lora', 'adapters_off', 'cache_kw', 'out_cache',
-           'copy_cache']
+__all__ = ['DTYPES', 'TOKENIZER_FILES', 'HUB_NAME', 'MODEL_FILES', 'TINY_SIZES', 'ROW_DELTA', 'LORA_TARGETS', 'resolve_dtype',
+           'load_tokenizer', 'check_vocab', 'resolve_model', 'load_model', 'tiny_config', 'build_tiny', 'n_params',
+           'unwrap', 'backbone', 'lm_head_weight', 'Head', 'head_rows', 'lm_head', 'check_head', 'add_lora',
+           'fp32_masters', 'lora_scale', 'train_rows', 'fold_rows', 'merge_lora', 'export_state', 'save_lora',
+           'load_lora', 'adapters_off', 'cache_kw', 'out_cache', 'copy_cache']
 
 # %% ../nbs/04_models.ipynb #43238021
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -38,8 +38,9 @@ def _generic_fast_tokenizer(path) -> bool:
     return json.loads(cfg.read_text()).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 def load_tokenizer(name_or_path):
-    "Load a tokenizer by hub name or local path, with the trace tokens added."
+    "Load a tokenizer by hub name or local path (`resolve_model`), with the trace tokens added."
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    name_or_path = resolve_model(name_or_path)
     # transformers 5 picks a tokenizer class from a model directory's config.json (`qwen2` → Qwen2Tokenizer), which
     # rebuilds the pre-tokenizer and silently tokenizes differently from the saved `tokenizer.json`; a generic
     # tokenizer is therefore loaded as exactly what was saved.
@@ -60,23 +61,42 @@ def check_vocab(tok, model, where: str):
             "this tokenizer does not belong to this model"
         )
 
+# %% ../nbs/04_models.ipynb #60a81124
+HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?(@[\w./-]+)?")   # gpt2 | owner/name | owner/name@revision
+MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.pt")   # what a load reads
+
+def resolve_model(name_or_path, files=MODEL_FILES) -> Path:
+    """The local directory of a model given by path or by hub name: an existing path as it is; `gpt2`, `owner/name` or
+    `owner/name@revision` through the Hugging Face cache (its `files` downloaded into it when online; the cached
+    snapshot with `HF_HUB_OFFLINE=1`). Neither is a `FileNotFoundError` saying where it looked."""
+    s = str(name_or_path)
+    if Path(s).exists(): return Path(s)
+    if not HUB_NAME.fullmatch(s): raise FileNotFoundError(f"model path {s} does not exist")
+    from huggingface_hub import constants, snapshot_download
+    repo, _, rev = s.partition("@")
+    try: return Path(snapshot_download(repo, revision=rev or None, allow_patterns=list(files)))
+    except Exception as e:                    # offline cache miss, unknown or gated repo, no network: one line
+        why = (f"not in the Hugging Face cache {constants.HF_HUB_CACHE} (offline: HF_HUB_OFFLINE=1)"
+               if constants.HF_HUB_OFFLINE else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        raise FileNotFoundError(f"model {s}: no such local path, and the hub model {repo}"
+                                f"{'@' + rev if rev else ''} is {why}") from None
+
 # %% ../nbs/04_models.ipynb #2f5fe9f1
 def load_model(name_or_path, tok=None, dtype="fp32", device="cpu", attn_implementation: str | None = None):
     "Load any HF causal LM by name or path; returns `(model, tokenizer)` with the trace tokens added."
     from transformers import AutoModelForCausalLM
-    p = str(name_or_path)
-    if os.path.sep in p and not Path(p).exists(): raise FileNotFoundError(f"model path {p} does not exist")
-    if tok is None and Path(p).is_dir() and not any((Path(p) / f).exists() for f in TOKENIZER_FILES):
+    p, name = resolve_model(name_or_path), str(name_or_path)
+    if tok is None and p.is_dir() and not any((p / f).exists() for f in TOKENIZER_FILES):
         raise FileNotFoundError(
-            f"model directory {p} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): save the tokenizer "
+            f"model directory {name} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): save the tokenizer "
             "beside the weights (tok.save_pretrained)"
         )
     tok = tok or load_tokenizer(p)
     kw = {"dtype": resolve_dtype(dtype)}
     if attn_implementation: kw["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(p, **kw)
-    check_vocab(tok, model, p)
-    check_head(model, p)
+    check_vocab(tok, model, name)
+    check_head(model, name)
     add_trace_tokens(tok, model)
     return model.to(device), tok
 

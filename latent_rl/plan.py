@@ -9,6 +9,7 @@ from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 import torch
 from .engine import decoder_layers
+from .models import resolve_model
 from .config import parse_config, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction
 
 # %% auto #0
@@ -46,7 +47,7 @@ MODEL_CONFIGS = {  # Qwen2.5-Coder architectures (their config.json), to plan wi
 
 def model_config(name_or_path: str):
     """A Hugging Face config: a name of `MODEL_CONFIGS` (`Qwen/Qwen2.5-Coder-7B` also works), a `config.json` or a model
-    directory, else a hub name (needs the network once)."""
+    directory, else a hub name (`resolve_model`: its `config.json` from the Hugging Face cache, fetched once)."""
     from transformers import AutoConfig
     key = str(name_or_path).lower().split("/")[-1]
     if key in MODEL_CONFIGS:
@@ -54,7 +55,7 @@ def model_config(name_or_path: str):
         return AutoConfig.for_model(d.pop("model_type"), **d)
     p = Path(name_or_path)
     if p.is_file(): return AutoConfig.for_model(**json.loads(p.read_text()))
-    return AutoConfig.from_pretrained(str(name_or_path))
+    return AutoConfig.from_pretrained(resolve_model(name_or_path, files=("config.json",)))
 
 # %% ../nbs/26_plan.ipynb #91b03138
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from .tokens import IGNORE_INDEX
-from .models import backbone, lm_head, lm_head_weight, load_model
+from .models import backbone, lm_head, lm_head_weight, load_model, resolve_model
 from .logprobs import token_logprobs
 from .latent import LatentModel
 from .student import grouped_student_pass, CALL_COST
@@ -78,6 +78,7 @@ class Policy:
     @classmethod
     def load(cls, path, dtype="fp32", device="cpu", latent_steps: int | None = None) -> "Policy":
         "A latent model directory gives a latent policy; any other HF model (name or path) a text policy."
+        path = resolve_model(path)
         if LatentModel.is_latent_dir(path):
             lm, tok = LatentModel.load(path, dtype=dtype, device=device, latent_steps=latent_steps)
             return cls(lm, tok, "latent")

@@ -13,7 +13,8 @@ from .sandbox import (SandboxUnavailable, UNSAFE_ENV, _JAIL_ENV, _JAIL_PIDS, _JA
     _pids_cgroup_base, _pkg_dir, _python, _jail_files, sandbox_status, unsafe_allowed)
 
 # %% auto #0
-__all__ = ['special_in_frames', 'TracePool', 'trace_rows', 'trace_one', 'trace_file', 'sandbox_report', 'find_cruxeval']
+__all__ = ['special_in_frames', 'TracePool', 'trace_rows', 'trace_one', 'trace_file', 'sandbox_report', 'find_data',
+           'find_cruxeval']
 
 # %% ../nbs/00c_pool.ipynb #ac54c29a
 _KINDS = frozenset(("call", "line", "return", "exception"))
@@ -621,21 +622,20 @@ def _isolation_rows(f: dict, wrote: bool) -> list:
     ]
 
 # %% ../nbs/00c_pool.ipynb #f453be3d
-_CRUX_REL = Path("shared/data/cruxeval/cruxeval_dev.jsonl")
-
+def find_data(name: str) -> Path | None:
+    """The folder of the external dataset `name` (`icot`, `gsm8k`, `cruxeval`): `$LATENT_RL_<NAME>` when set, else the
+    repository's `data/external/NAME` (shipped with its licence; looked for beside the package, then under the working
+    directory); None when there is none."""
+    env = os.environ.get(f"LATENT_RL_{name.upper()}")
+    if env: return Path(env) if Path(env).is_dir() else None
+    roots = ([_pkg_dir().parent] if _pkg_dir() else []) + [Path.cwd()]
+    return next((c.resolve() for r in roots if (c := r / "data" / "external" / name).is_dir()), None)
 
 def find_cruxeval() -> Path | None:
-    "Path of `cruxeval_dev.jsonl` (`$LATENT_RL_CRUXEVAL`, else searched upwards), or None if absent."
-    env = os.environ.get("LATENT_RL_CRUXEVAL")
-    if env:
-        p = Path(env)
-        return p if p.is_file() else None
-    starts = [Path.cwd().resolve()] + ([_pkg_dir()] if _pkg_dir() else [])
-    for s in starts:
-        for d in (s, *s.parents):
-            for c in (d / _CRUX_REL, d / ".." / _CRUX_REL):
-                if c.is_file(): return c.resolve()
-    return None
+    "Path of `cruxeval_dev.jsonl` (`$LATENT_RL_CRUXEVAL` names the file, else `find_data('cruxeval')`), or None."
+    if env := os.environ.get("LATENT_RL_CRUXEVAL"): return Path(env) if Path(env).is_file() else None
+    d = find_data("cruxeval")
+    return d / "cruxeval_dev.jsonl" if d is not None and (d / "cruxeval_dev.jsonl").is_file() else None
 
 def _load_jsonl(path) -> list[dict]:
     with open(path) as f: return [json.loads(l) for l in f if l.strip()]

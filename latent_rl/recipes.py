@@ -117,6 +117,8 @@ _CODI_PAPER = dict(
     train="data/gsm8k_aug/train.txt", val="", lora_r=128, lora_alpha=32.0, batch_size=128, weight_decay=0.1,
     max_grad_norm=2.0, precision="bf16", max_len=512, save_every=2000, log_every=10, wandb="online",
     min_lr_frac=0.0, seed=11,                   # CODI's scripts: cosine decay to 0 (HF's schedule), seed 11
+    adam_beta2=0.999, decay_exempt=True,        # HF Trainer's AdamW (adamw_torch): betas 0.9 / 0.999, no decay on biases, norms
+    step_blocks="one",                          # one latent block for the whole chain, and the SFT teacher's trace as the students'
 )
 # GKD and GRPO: the same data, precision and adapters (their own lengths: max_new_tokens; GKD max_len)
 _REFINE = {k: v for k, v in _CODI_PAPER.items() if k not in ("train", "val", "max_len")} | {"train": "data/gsm8k_aug/train.txt"}
@@ -128,15 +130,14 @@ for _name, _m, _beta in (("gpt2", _GPT2, 1.0), ("llama3.2-1b", _LLAMA1B, 20.0)):
         # CODI's objective: distil every layer at the state predicting the answer's first token (answer_kd_at first),
         # not at <|action_sep|>; the data drops the last step (`latent-rl data gsm8k-aug --drop_last_step`)
         "CodiConfig": dict(_CODI_PAPER, **_m, teacher="", teacher_ce=1.0, student_ce=1.0, anchor_kd=0.0, answer_kd=_beta,
-                           answer_kd_at="first", kd_norm_std=True, latent_steps=6, step_blocks="one",
-                           out=f"runs/{_name}-gsm8k-aug/codi"),
+                           answer_kd_at="first", kd_norm_std=True, latent_steps=6, out=f"runs/{_name}-gsm8k-aug/codi"),
         # refinement (not in the paper): on-policy GKD from the CoT-SFT teacher, then GRPO on the answer reward
         "GKDConfig": dict(_REFINE, **{k: v for k, v in _m.items() if k == "lora_targets"},
                           model=f"runs/{_name}-gsm8k-aug/codi/final", teacher=f"runs/{_name}-gsm8k-aug/cot-sft/final",
-                          step_blocks="one", max_len=512, steps=1000, warmup=20, lr=1e-5, lmbda=0.5, beta=0.5, max_new_tokens=256,
-                          steps_per_generation=2, save_every=200, out=f"runs/{_name}-gsm8k-aug/gkd"),
+                          max_len=512, max_locals=256, steps=1000, warmup=20, lr=1e-5, lmbda=0.5, beta=0.5,
+                          max_new_tokens=256, steps_per_generation=2, save_every=200, out=f"runs/{_name}-gsm8k-aug/gkd"),
         "GRPOConfig": dict(_REFINE, **{k: v for k, v in _m.items() if k == "lora_targets"},
-                           model=f"runs/{_name}-gsm8k-aug/gkd/final", step_blocks="one", steps=500, batch_size=64,
+                           model=f"runs/{_name}-gsm8k-aug/gkd/final", steps=500, batch_size=64,
                            group_size=8, warmup=10, lr=1e-5, temperature=0.7, dynamic_sampling=2, max_new_tokens=256,
                            steps_per_generation=2, min_lr_frac=1.0, save_every=100, out=f"runs/{_name}-gsm8k-aug/grpo"),
     }

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from .models import backbone, lm_head, lm_head_weight, load_model
+from .tokens import prompt_ids
 from fastcore.basics import patch
 
 # %% auto #0
@@ -320,8 +321,8 @@ class TeacherServer:
         self.vocab = int(lm_head_weight(model).shape[0])
         self.batcher = Batcher(model, tok, name, self.lim, self.log)
         self.connections, self.server_address, self._ready, self._thread = 0, None, threading.Event(), None
-        enc = getattr(tok, "encode", None)
-        self._encode = (lambda s: enc(s, add_special_tokens=False)) if enc else None
+        # a text prompt as vLLM reads one: the family's BOS, then the text
+        self._encode = (lambda s: prompt_ids(tok, s)) if getattr(tok, "encode", None) else None
 
     def start(self) -> "TeacherServer":
         "Serve in a background thread; returns once the port is bound (`server_address`)."

@@ -18,7 +18,7 @@ from .logprobs import shift_labels
 from .losses import sft_loss
 from .config import TrainConfig, PosInt, PosFloat, NonNegInt, NonNegFloat
 from .engine import setup, log0
-from .loop import Stage, train_loop, finish_run, write_config, load_traced, load_train, lora_student
+from .loop import Stage, train_loop, finish_run, write_config, load_traced, prepared, lora_student
 
 # %% auto #0
 __all__ = ['SFTConfig', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'SFTStep', 'sft_examples', 'run_sft']
@@ -99,10 +99,10 @@ class SFTStep(Stage):
 
 # %% ../nbs/17_sft.ipynb #2b224d1b
 def sft_examples(cfg: SFTConfig, tok, acc, progress: bool = True) -> tuple[list[dict], list[dict]]:
-    "Training and validation examples (explicit traces or answers only) from traced rows."
-    rows = load_train(cfg, progress and acc.is_main_process)       # traced_frac < 1: the teacher sees the traced rows
-    if cfg.mode == "trace": rows = [r for r in rows if "trace" in r]
-    exs = [e for e in (sft_example(tok, r, cfg.mode, cfg.max_len) for r in rows) if e is not None]
+    "Training and validation examples (explicit traces or answers only) from traced rows (`prepared`: built once)."
+    # traced_frac < 1: the teacher sees the traced rows
+    one = lambda r: sft_example(tok, r, cfg.mode, cfg.max_len) if cfg.mode == "answer" or "trace" in r else None
+    exs = prepared(cfg, tok, acc, {"sft": one}, {"mode": cfg.mode, "max_len": cfg.max_len}, progress)["sft"]
     if not exs: raise ValueError(f"{cfg.train}: no usable training examples (all longer than max_len={cfg.max_len}?)")
     val = []
     if cfg.val and Path(cfg.val).exists():

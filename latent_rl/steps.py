@@ -4,15 +4,16 @@
 
 # %% ../nbs/01_steps.ipynb #2a122664
 from __future__ import annotations
-import json, os, random, re
+import json, random, re
 from pathlib import Path
 from .trace import ACTION_SEP, CALL_SEP, FRAME_SEP, TRACE_CONTEXT_START, Frame, render_trace
+from .pool import find_data
 
 # %% auto #0
-__all__ = ['STEP_BLOCKS', 'StepError', 'parse_step_line', 'multiplication_line', 'find_data', 'codi_row', 'step_row',
-           'load_step_source', 'gsm8k_row', 'is_step_file', 'load_step_rows', 'generate_multiplication', 'steps_body',
-           'steps_text', 'step_line', 'save_step_lines', 'answer_only_text', 'same_answer', 'multiplication_files',
-           'step_prompt', 'step_trace', 'to_trace_row']
+__all__ = ['STEP_BLOCKS', 'StepError', 'parse_step_line', 'multiplication_line', 'codi_row', 'step_row', 'load_step_source',
+           'gsm8k_row', 'is_step_file', 'load_step_rows', 'generate_multiplication', 'steps_body', 'steps_text',
+           'step_line', 'save_step_lines', 'answer_only_text', 'same_answer', 'multiplication_files', 'step_prompt',
+           'step_trace', 'to_trace_row']
 
 # %% ../nbs/01_steps.ipynb #67e384c1
 class StepError(ValueError):
@@ -69,21 +70,6 @@ def multiplication_line(a: int, b: int, n: int, m: int) -> str:
         parts.append(step)
     return f"{_digits(a, n)} * {_digits(b, m)}||{' + '.join(parts)} #### {_digits(a * b, n + m)}"
 
-# %% ../nbs/01_steps.ipynb #88221cce
-def find_data(name: str) -> Path | None:
-    """The directory `shared/data/NAME` (`$LATENT_RL_<NAME>` first, then searched upwards from here and from the
-    package)."""
-    env = os.environ.get(f"LATENT_RL_{name.upper()}")
-    if env: return Path(env) if Path(env).is_dir() else None
-    starts = (
-        [Path.cwd().resolve(), Path(__file__).resolve().parent] if "__file__" in globals() else [Path.cwd().resolve()]
-    )
-    for s in starts:
-        for d in (s, *s.parents):
-            for c in (d / "shared" / "data" / name, d / ".." / "shared" / "data" / name):
-                if c.is_dir(): return c.resolve()
-    return None
-
 # %% ../nbs/01_steps.ipynb #d1e2f302
 def codi_row(obj, where: str = "<row>", id: str = "") -> dict:
     "One row of CODI's GSM8k-Aug / GSM8k-Aug-NL export (`question`, `cot`, `answer`) as a step row."
@@ -124,15 +110,25 @@ def _object_rows(objs, where: str, stem: str, limit: int | None, unit: str) -> l
 
 # %% ../nbs/01_steps.ipynb #d1e2f304
 def load_step_source(source, split: str = "train", limit: int | None = None) -> list[dict]:
-    """Step rows from a local file (`load_step_rows`) or, given a hub dataset name (e.g. `zen-E/GSM8k-Aug`), from its
-    `split` through `datasets`; a bad row raises `StepError` naming where it is and the field."""
+    """Step rows from a local file (`load_step_rows`) or a hub dataset (`owner/name`, `owner/name@revision`, e.g.
+    `zen-E/GSM8k-Aug`): its files through the Hugging Face cache (`snapshot_download`: fetched when online, the cached
+    copy with `HF_HUB_OFFLINE=1`), its `split` read by `datasets`; a bad row raises `StepError` naming where it is and
+    the field."""
     if Path(source).exists(): return load_step_rows(source, limit)
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)):
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+(@[\w./-]+)?", str(source)):
         raise FileNotFoundError(f"{source}: no such file, and not a hub dataset name (owner/name)")
     try: import datasets
-    except ImportError as e: raise ImportError(f"{source}: a hub dataset needs `datasets`: pip install datasets") from e
-    ds = datasets.load_dataset(str(source), split=split)
-    return _object_rows(ds, f"{source} [{split}]", str(source).replace("/", "_"), limit, "row")
+    except ImportError as e:
+        raise ImportError(f"{source}: a hub dataset needs `datasets`: pip install 'latent-rl[data]'") from e
+    from huggingface_hub import constants, snapshot_download
+    repo, _, rev = str(source).partition("@")
+    try: local = snapshot_download(repo, repo_type="dataset", revision=rev or None)
+    except Exception as e:                    # offline cache miss, unknown or gated repo, no network: one line
+        why = (f"not in the Hugging Face cache {constants.HF_HUB_CACHE} (offline: HF_HUB_OFFLINE=1)"
+               if constants.HF_HUB_OFFLINE else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        raise FileNotFoundError(f"{source}: no such file, and the hub dataset is {why}") from None
+    ds = datasets.load_dataset(local, split=split)
+    return _object_rows(ds, f"{source} [{split}]", repo.replace("/", "_"), limit, "row")
 
 # %% ../nbs/01_steps.ipynb #a19f9f73
 def gsm8k_row(obj, where: str = "<row>", id: str = "") -> dict:

@@ -16,9 +16,9 @@ from .corpus import build_corpus, build_heldout, save_rows
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'PAD', 'UNK', 'DATA_DEFAULTS', 'add_trace_tokens', 'stop_at_trace_end', 'resize_embeddings',
-           'trace_token_ids', 'train_tokenizer', 'max_token_bytes', 'surely_too_long', 'encode', 'control_tokens',
-           'foreign_special', 'answer_text', 'sft_example', 'find_spans', 'codi_example', 'resolved_locals',
-           'trace_targets', 'latent_subset', 'pad_collate', 'left_pad', 'build_data']
+           'mean_rows', 'trace_token_ids', 'train_tokenizer', 'max_token_bytes', 'surely_too_long', 'encode', 'bos_ids',
+           'prompt_ids', 'control_tokens', 'foreign_special', 'answer_text', 'sft_example', 'find_spans',
+           'codi_example', 'resolved_locals', 'trace_targets', 'latent_subset', 'pad_collate', 'left_pad', 'build_data']
 
 # %% ../nbs/03_tokens.ipynb #dfebc108
 IGNORE_INDEX = -100
@@ -26,8 +26,10 @@ PAD, UNK = "<|pad|>", "<|unk|>"
 
 def add_trace_tokens(tok, model=None) -> int:
     """Add the trace tokens to `tok` (idempotent) and make `<|end_of_text|>` its eos; give it a pad token that is not
-    the trace's end; resize `model`'s embeddings (new rows = mean of old rows) and make its generation config stop at
-    the trace's end. Returns #added (the ids: `tok._latent_rl_new_ids`)."""
+    the trace's end. With `model`: grow its embeddings where the new ids need rows, start every new token's rows at the
+    mean of the base vocabulary's (`mean_rows`: spare rows it already had included), record them to train under LoRA
+    (`model.latent_rl_new_rows`) and make its generation config stop at the trace's end. Returns #added (the ids:
+    `tok._latent_rl_new_ids`)."""
     vocab = tok.get_vocab()
     missing = [t for t in TRACE_TOKENS if t not in vocab]
     n = tok.add_tokens(missing, special_tokens=True) if missing else 0  # same call on transformers 4.x and 5.x
@@ -37,11 +39,13 @@ def add_trace_tokens(tok, model=None) -> int:
     tok._latent_rl_new_ids = sorted(new)                               # rows that start at the mean (LoRA trains them)
     n += pad
     if model is not None:
-        old = model.get_input_embeddings().weight.shape[0]
+        done = set(getattr(model, "latent_rl_new_rows", ()))             # rows an earlier call started (maybe trained)
+        fresh = [i for i in tok._latent_rl_new_ids if i not in done]
         resize_embeddings(model, len(tok))
+        if fresh: mean_rows(model, fresh, base=min(tok._latent_rl_new_ids))
         stop_at_trace_end(model, tok)
-        # the rows this call made (from the mean): under LoRA they train beside the adapters (models.train_rows)
-        if new_rows := [i for i in tok._latent_rl_new_ids if i >= old]: model.latent_rl_new_rows = new_rows
+        # under LoRA the new tokens' rows train beside the adapters (models.train_rows), whichever rows they landed on
+        if tok._latent_rl_new_ids: model.latent_rl_new_rows = sorted(done | set(fresh))
     return n
 
 def _trace_pad(tok) -> int:
@@ -82,6 +86,18 @@ def resize_embeddings(model, n: int):
     if mean_out is not None: model.get_output_embeddings().weight[old:] = mean_out
     if mean_b is not None: model.get_output_embeddings().bias[old:] = mean_b
     return model
+
+@torch.no_grad()
+def mean_rows(model, rows, base: int) -> None:
+    """Set the embedding `rows` of `model` — input, an untied head's, the head's bias — to the mean of its first `base`
+    rows (the base vocabulary's). A family that ships spare rows (Qwen2.5: 151,936 rows for 151,665 tokens, the spare
+    ones never trained) gives new tokens ids that fit without a resize: they land on untrained rows, which this
+    starts like the rows a resize makes."""
+    idx = torch.as_tensor(list(rows), device=model.get_input_embeddings().weight.device)
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    emb.weight[idx] = emb.weight[:base].mean(0)
+    if out is not None and out.weight is not emb.weight: out.weight[idx] = out.weight[:base].mean(0)
+    if (b := getattr(out, "bias", None)) is not None: b[idx] = b[:base].mean()
 
 def trace_token_ids(tok) -> dict[str, int]:
     "Map each trace token to its id (raises if one is missing)."
@@ -128,6 +144,21 @@ def surely_too_long(tok, texts, max_len: int | None) -> bool:
 # %% ../nbs/03_tokens.ipynb #10af8b69
 def encode(tok, text: str) -> list[int]: return tok.encode(text, add_special_tokens=False)
 
+def bos_ids(tok) -> list[int]:
+    """The ids `tok` writes before a text of its own accord — Llama-3's `<|begin_of_text|>`, none for GPT-2 and Qwen —
+    which every prompt starts with (`prompt_ids`), as the family was trained (kept on `tok`)."""
+    b = getattr(tok, "_latent_rl_bos", None)
+    if b is None:
+        a, x = tok.encode("0", add_special_tokens=True), encode(tok, "0")
+        b = next((a[:k] for k in range(len(a) - len(x) + 1) if a[k:k + len(x)] == x), [])
+        try: tok._latent_rl_bos = b
+        except AttributeError: pass
+    return list(b)
+
+def prompt_ids(tok, text: str) -> list[int]:
+    "A prompt's ids: the family's `bos_ids`, then `text` (`encode`: no other special token is added)."
+    return bos_ids(tok) + encode(tok, text)
+
 def control_tokens(tok) -> tuple[str, ...]:
     """Every string `tok` reads as one token whatever surrounds it: its special and added tokens, whatever their shape
     (Llama-3's `<|eot_id|>`, Qwen's `<tool_call>`, GPT-2's `<|endoftext|>`), the trace tokens included."""
@@ -168,7 +199,7 @@ def sft_example(tok, row: dict, mode: str = "trace", max_len: int | None = None)
     text = row["trace"] if mode == "trace" else row.get("answer") or answer_text(row["trace"])   # answer-only rows
     if surely_too_long(tok, (row["code"], row["input"], row.get("trace", text)), max_len) or foreign_special(row, tok):
         return None
-    p, t = encode(tok, row_prompt(row)), encode(tok, text)
+    p, t = prompt_ids(tok, row_prompt(row)), encode(tok, text)
     if max_len and len(p) + len(t) > max_len: return None
     return {"input_ids": p + t, "labels": [IGNORE_INDEX] * len(p) + t, "id": row.get("id")}
 
@@ -193,7 +224,7 @@ def codi_example(
     see `trace_targets`); None if too long, without any LINE frame, or holding a special token of its own."""
     if surely_too_long(tok, (row["code"], row["input"], row["trace"]), max_len) or foreign_special(row, tok): return None
     ids = trace_token_ids(tok)
-    p = encode(tok, row_prompt(row))
+    p = prompt_ids(tok, row_prompt(row))
     tt = (
         trace_targets(tok, row["trace"])
         if targets and getattr(tok, "is_fast", False)

@@ -13,7 +13,7 @@ from .tokens import build_data, DATA_DEFAULTS
 from .corpus import load_rows
 from .steps import multiplication_files, load_step_source, save_step_lines
 from .sft import SFTConfig, run_sft
-from .config import parse_config
+from .config import parse_config, fast_dev_run_on, FAST_DEV_RUN_ENV
 from .models import DTYPES
 from .evaluate import evaluate_path, results_table, save_records, load_eval_rows
 from .codi import CodiConfig, run_codi
@@ -29,7 +29,7 @@ from .recipes import RECIPES, recipe_toml
 from .serve import serve_teacher
 from .policy import serve_rollouts
 from .loop import CheckpointError, RunDirBusy
-from .engine import teardown
+from .engine import setup, teardown
 
 # %% auto #0
 __all__ = ['TRACING', 'UNSAFE_FLAG', 'STEP_DATA', 'PENDING', 'DEFAULT_RECIPE', 'COMMANDS', 'PIPELINE', 'sandbox_flag',
@@ -42,10 +42,11 @@ TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagn
 UNSAFE_FLAG = "--unsafe-no-sandbox"
 
 def sandbox_flag(argv: list[str]) -> list[str]:
-    "`argv` without `--unsafe-no-sandbox`, which sets `$LATENT_RL_UNSAFE_NO_SANDBOX=1` (this process and its children)."
-    if UNSAFE_FLAG not in argv: return argv
-    os.environ[UNSAFE_ENV] = "1"
-    return [a for a in argv if a != UNSAFE_FLAG]
+    """`argv` without the global flags that set an environment variable for this process and its children:
+    `--unsafe-no-sandbox` (`$LATENT_RL_UNSAFE_NO_SANDBOX=1`) and `--fast-dev-run` (`$LATENT_RL_FAST_DEV_RUN=1`)."""
+    for flag, env in ((UNSAFE_FLAG, UNSAFE_ENV), ("--fast-dev-run", FAST_DEV_RUN_ENV)):
+        if flag in argv: os.environ[env] = "1"
+    return [a for a in argv if a not in (UNSAFE_FLAG, "--fast-dev-run")]
 
 def cmd_doctor(argv):
     argparse.ArgumentParser(prog="latent-rl doctor", description="What the tracer's sandbox does on this machine "
@@ -72,9 +73,12 @@ def cmd_step_data(kind: str, argv):
     ap.add_argument("--limit", type=int, default=0, help="at most this many rows (0: all)")
     ap.add_argument("--drop_last_step", action="store_true",
                     help="drop each row's last step, as CODI trains (include_last_cot=False: it states the answer)")
+    ap.add_argument("--drop_negative", action="store_true",
+                    help="drop the rows whose answer does not start with a digit (the negative ones), as CODI trains")
     a = ap.parse_args(argv)
     rows = load_step_source(a.src, a.split, a.limit or None)
     if a.drop_last_step: rows = [{**r, "steps": r["steps"][:-1]} for r in rows]
+    if a.drop_negative: rows = [r for r in rows if r["answer"][:1].isdigit()]
     path = save_step_lines(rows, Path(a.out) / f"{a.split}.txt")
     print(f"latent-rl data {kind}: {len(rows):,} rows from {a.src} written to {path} "
           f"({sum(len(r['steps']) for r in rows) / max(1, len(rows)):.1f} steps a row)")
@@ -160,6 +164,15 @@ DEFAULT_RECIPE = "cpu-tiny"
 def cmd_sft(argv):
     return run_sft(parse_config(SFTConfig, argv, "latent-rl sft", default_recipe=DEFAULT_RECIPE))
 
+# %% ../nbs/29_train.ipynb #471bc118
+def _fast_eval(a) -> None:
+    "`eval`'s arguments for a fast dev run: 8 rows, 48 new tokens, the CPU where the device asked for is missing."
+    import torch
+    a.limit, a.max_new_tokens = min(a.limit or 8, 8), min(a.max_new_tokens, 48)
+    if a.device.startswith("cuda") and not torch.cuda.is_available(): a.device = "cpu"
+    if os.environ.get("RANK", "0") == "0":
+        print(f"fast dev run (${FAST_DEV_RUN_ENV}): eval of {a.limit} rows on {a.device}", file=sys.stderr)
+
 # %% ../nbs/29_train.ipynb #04d26517
 def cmd_eval(argv):
     ap = argparse.ArgumentParser(
@@ -167,26 +180,34 @@ def cmd_eval(argv):
         description="Output prediction (pass@1, greedy) on any CRUXEval-format "
         "file, e.g. CRUXEval-O itself, or a step-data file (implicit-CoT `INPUT||STEPS #### ANSWER` "
         "lines in a .txt, GSM8K's .jsonl): text models decode traces or answers, latent students "
-        "decode with latent blocks; the predicted value is read from the RETURN frame and compared.",
+        "decode with latent blocks; the predicted value is read from the RETURN frame and compared. Under torchrun "
+        "each process decodes its share of the rows (on its own GPU with --device cuda).",
     )
-    ap.add_argument("--model", action="append", required=True, help="model dir (repeatable); NAME=PATH to label it")
-    ap.add_argument("--rows", default="data/corpus/test.jsonl")
-    ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--batch_size", type=int, default=32)
-    ap.add_argument("--max_new_tokens", type=int, default=384)
+    ap.add_argument("--model", action="append", required=True,
+                    help="a model directory or hub name (owner/name[@revision]), repeatable; NAME=MODEL to label it")
+    ap.add_argument("--rows", default="data/corpus/test.jsonl",
+                    help="CRUXEval-format JSONL (traced here when rows lack a trace) or a step-data file: implicit-CoT "
+                    ".txt lines, GSM8K / GSM8k-Aug .jsonl (default: data/corpus/test.jsonl)")
+    ap.add_argument("--limit", type=int, default=0, help="evaluate the first N rows only (0: all)")
+    ap.add_argument("--batch_size", type=int, default=32, help="programs decoded together (default 32)")
+    ap.add_argument("--max_new_tokens", type=int, default=384,
+                    help="longest completion; one that has not ended by then scores as wrong (default 384)")
     ap.add_argument("--out", default="runs/eval", help="directory for per-example records (NAME.records.jsonl)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …: where the model decodes")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="the weights' dtype (bf16 on a GPU)")
     a = ap.parse_args(argv)
-    rows = load_eval_rows(a.rows, a.limit)
+    if fast_dev_run_on(): _fast_eval(a)
+    acc = setup() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None     # torchrun: a process group, a shard each
+    shard = (acc.process_index, acc.num_processes) if acc else (0, 1)
+    if acc and a.device == "cuda": a.device = str(acc.device)                 # this process's own GPU
+    rows = load_eval_rows(a.rows, a.limit, progress=shard[0] == 0)
     res = {}
     for spec in a.model:
         name, _, path = spec.rpartition("=")
-        if not Path(path).exists(): raise SystemExit(f"latent-rl eval: model {path} does not exist")
         res[name or path] = r = evaluate_path(path, rows, a.max_new_tokens, a.batch_size, desc=f"eval {name or path}",
-                                              device=a.device, dtype=a.dtype)
-        if a.out: save_records(r, Path(a.out) / f"{(name or Path(path).name)}.records.jsonl")
-    print(results_table(res, f"output prediction on {a.rows} ({len(rows)} programs)"))
+                                              device=a.device, dtype=a.dtype, shard=shard, progress=shard[0] == 0)
+        if a.out and shard[0] == 0: save_records(r, Path(a.out) / f"{(name or Path(path).name)}.records.jsonl")
+    if shard[0] == 0: print(results_table(res, f"output prediction on {a.rows} ({len(rows)} programs)"))
     return res
 
 def cmd_codi(argv):
@@ -238,7 +259,7 @@ def cmd_mult(argv):
     ap.add_argument("--val", type=int, default=200, help="held-out-loss lines (OUT/val.txt)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="runs/mult4")
-    ap.add_argument("--exclude", default=None, help="step file whose pairs are left out (default: shared/data/icot's)")
+    ap.add_argument("--exclude", default=None, help="step file whose pairs are left out (default: the implicit-CoT validation file of that size, data/external/icot)")
     a = ap.parse_args(argv)
     if not re.fullmatch(r"[1-9]x[1-9]", a.digits): raise ValueError(f"--digits must look like 4x4, got {a.digits!r}")
     n, m = map(int, a.digits.split("x"))
@@ -319,6 +340,7 @@ def main(argv: list[str] | None = None):
               "  sweep  a grid of runs × seeds with held-out CIs and latent counterfactuals (resumable)\n"
               "  bench  benchmarks (python -m latent_rl.bench)\n  doctor  what the tracer's sandbox does on this machine\n\n"
               "  --unsafe-no-sandbox  (any command) trace untrusted programs even where the sandbox cannot start\n"
+              "  --fast-dev-run  (any command) the same run in a minute: 2 steps of small batches, W&B off, 8 rows to eval\n"
               "  --debug  (any command) show the traceback of an error in the input (exit code 2 without it)")
         return 0
     cmd, rest = argv[0], argv[1:]

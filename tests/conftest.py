@@ -14,6 +14,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
     torch.set_num_threads(1)
 
+# Prepared training data (`latent_rl.loop.prepared`) is cached in a directory of this test session, not the user's
+os.environ.setdefault("LATENT_RL_CACHE", __import__("tempfile").mkdtemp(prefix="latent_rl_cache_"))
+
 # Tracing needs the sandbox (a bwrap jail). Where it cannot start, the suite's own benign programs are traced without
 # it (as `--unsafe-no-sandbox` would); tests/test_sandbox.py then skips its hostile programs, which never run unjailed.
 sys.path.insert(0, str(ROOT))

@@ -103,7 +103,7 @@ def test_bench_prints_table_and_json(tmp_path):
     from latent_rl.pool import find_cruxeval
 
     if find_cruxeval() is None:
-        pytest.skip("cruxeval_dev.jsonl not found (set LATENT_RL_CRUXEVAL or provide shared/data/cruxeval)")
+        pytest.fail("cruxeval_dev.jsonl not found: data/external/cruxeval ships with the repository")
     p = run_cli("trace", "--quick", "--json", tmp_path / "b.json", module="latent_rl.bench")
     assert "| mode | programs | seconds | programs_per_s |" in p.stdout
     d = json.loads((tmp_path / "b.json").read_text())
@@ -350,7 +350,7 @@ def test_eval_reads_step_files(tmp_path):
     "`latent-rl eval --rows` takes the implicit-CoT line format (.txt) and GSM8K's jsonl as they are published."
     from latent_rl.steps import find_data
     icot, gsm = find_data("icot"), find_data("gsm8k")
-    if icot is None or gsm is None: pytest.skip("shared/data/icot or shared/data/gsm8k not found")
+    assert icot is not None and gsm is not None, "data/external/icot and data/external/gsm8k ship with the repository"
     for rows in (icot / "4_by_4_mult" / "valid.txt", gsm / "test.jsonl"):
         p = run_cli("eval", "--model", ROOT / "data" / "teacher", "--rows", rows, "--limit", 4, "--max_new_tokens", 24,
                     "--out", tmp_path / rows.stem)

@@ -42,9 +42,12 @@ def test_loading_makes_the_trace_end_the_stop(families, family):
     assert tok.eos_token_id == end and tok.pad_token_id not in (None, end)
     gen = model.generation_config.eos_token_id
     assert (gen if isinstance(gen, list) else [gen])[0] == end               # transformers' generate stops there first
-    # the rows latent_rl added (at the mean): Llama-3's own <|end_of_text|> is not one of them
-    assert model.latent_rl_new_rows == list(range(saved, len(tok)))
+    # the rows latent_rl added (at the mean): Llama-3's own <|end_of_text|> is not one of them; Qwen's land on spare rows
+    base = len(tok) - len(tok._latent_rl_new_ids)
+    assert model.latent_rl_new_rows == list(range(base, len(tok)))
     assert (end in model.latent_rl_new_rows) == (family not in ("llama3", "llama3-instruct"))
+    assert model.get_input_embeddings().weight.shape[0] == max(saved, len(tok))    # spare rows: nothing resized
+    assert (saved > len(tok)) == family.startswith("qwen")
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_sft_model_stops_where_its_trace_ends(families, family, tmp_path):
@@ -57,7 +60,7 @@ def test_sft_model_stops_where_its_trace_ends(families, family, tmp_path):
     assert r["format_valid"] >= 0.75 and r["accuracy"] >= 0.75, (r["format_valid"], r["accuracy"])   # memorised
     assert all(x["generated"].endswith(END_OF_TEXT) and x["n_tokens"] < 400 for x in r["records"])
     m, t = AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final)   # plain transformers
-    ids = torch.tensor([t.encode(row_prompt(rows[0]), add_special_tokens=False)])
+    ids = torch.tensor([t.encode(row_prompt(rows[0]))])                     # as a transformers user encodes: BOS included
     new = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=400, do_sample=False)[0, ids.shape[1]:]
     assert new[-1].item() == t.convert_tokens_to_ids(END_OF_TEXT) and len(new) < 400
     assert t.decode(new) == r["records"][0]["generated"]                     # the same trace as latent_rl's decoder
@@ -102,7 +105,6 @@ def test_gsm8k_aug_as_its_authors_ship_it(families, tmp_path, monkeypatch):
     """`latent-rl data gsm8k-aug --from FILE` reads CODI's GSM8k-Aug rows (refused before: "no '####'") from jsonl,
     json (and parquet where pyarrow is installed) or a hub name through `datasets`, writes the recipe's train.txt, and
     `latent-rl codi --recipe gpu-gpt2-gsm8k-aug --steps 2` then runs on the GPT-2-shaped model on the CPU."""
-    import sys, types
     from latent_rl.steps import load_step_source, load_step_rows, StepError
     rows = _aug_rows(40)
     (tmp_path / "aug.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -115,9 +117,14 @@ def test_gsm8k_aug_as_its_authors_ship_it(families, tmp_path, monkeypatch):
     assert [s["latent"] for s in nl[0]["steps"]] == ["He has 2.", "He gets 3 more."]
     bad = _write(tmp_path / "bad.jsonl", rows[:2] + [{"question": "q?", "cot": 7, "answer": "1"}])
     with pytest.raises(StepError, match=r"bad.jsonl:3: field 'cot'"): load_step_rows(bad)
-    fake = types.SimpleNamespace(load_dataset=lambda name, split: rows if (name, split) == ("zen-E/GSM8k-Aug", "train") else 1 / 0)
-    monkeypatch.setitem(sys.modules, "datasets", fake)                       # the hub, without a network
-    assert noid(load_step_source("zen-E/GSM8k-Aug")) == noid(a)
+    import huggingface_hub.constants as hc
+    from latent_rl.fixtures import publish_dataset
+    publish_dataset({"train": rows, "test": rows[:3]}, "zen-E/GSM8k-Aug", tmp_path / "hub")     # the hub, without a network
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    assert noid(load_step_source("zen-E/GSM8k-Aug")) == noid(a)                   # through the real `datasets`
+    assert len(load_step_source("zen-E/GSM8k-Aug", "test")) == 3
+    with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache"): load_step_source("zen-E/GSM8k-Aug-NL")
     p = run_cli("data", "gsm8k-aug", "--from", tmp_path / "aug.jsonl", "--out", tmp_path / "gsm8k_aug", "--drop_last_step",
                 env=ONE)
     assert "40 rows" in p.stdout and "1.0 steps a row" in p.stdout                 # CODI drops the last equation

@@ -41,6 +41,7 @@ def test_a_lora_student_of_a_pretrained_base_writes_traces_and_opens_latent_bloc
     from latent_rl.evaluate import evaluate_path
     from latent_rl.latent import LatentModel
     from latent_rl.generate import generate_latent
+    from latent_rl.tokens import prompt_ids
     lines = ROWS.read_text().splitlines()
     texts = fixture_texts([json.loads(l) for l in lines[:2000]])
     base = pretrain_fixture(build_fixture("qwen2.5-instruct", tmp_path / "base", texts[:200]), texts, steps=300,
@@ -55,6 +56,6 @@ def test_a_lora_student_of_a_pretrained_base_writes_traces_and_opens_latent_bloc
     written = "".join(x["generated"] for x in r["records"])
     assert all(t in written for t in SEEN if t != "<|trace_context_start|>")              # each trace token written
     lm, tok = LatentModel.load(tmp_path / "lora" / "final")
-    P = [tok.encode(row_prompt(x), add_special_tokens=False) for x in rows]
+    P = [prompt_ids(tok, row_prompt(x)) for x in rows]
     ro = generate_latent(lm, P, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=300)
     assert sum(len(a) > 0 for a in ro.latent_at) >= 6, ro.latent_at                       # blocks opened

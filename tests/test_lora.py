@@ -24,6 +24,7 @@ def test_sft_lora_exports_a_plain_merged_model_and_resumes_exactly(tiny_data, tm
     ck = tmp_path / "full" / "checkpoints" / "step-2" / "model" / "lora.safetensors"
     from safetensors.torch import load_file
     assert ck.exists() and all("lora_" in k for k in load_file(str(ck)))      # the adapters, for a resume
+    assert [p.name for p in ck.parent.iterdir()] == ["lora.safetensors"]     # and nothing else: no merged model
     from transformers import AutoModelForCausalLM
     from latent_rl.models import load_tokenizer, build_tiny
     m = AutoModelForCausalLM.from_pretrained(final)                          # loads without peft
@@ -38,6 +39,8 @@ def test_sft_lora_exports_a_plain_merged_model_and_resumes_exactly(tiny_data, tm
     shutil.rmtree(tmp_path / "part" / "checkpoints" / "step-4", ignore_errors=True)
     run_cli(*sft_args(tiny_data), "--save_every", 2, "--out", tmp_path / "part", "--resume", env=ONE)
     assert_close(sd, weights(tmp_path / "part" / "final"), 1e-6)
+    run_cli(*sft_args(tiny_data), "--steps", 2, "--save_every", 1, "--save_merged", "--out", tmp_path / "merged", env=ONE)
+    assert (tmp_path / "merged" / "checkpoints" / "step-1" / "model" / "model.safetensors").exists()   # on request
 
 def test_codi_lora_two_processes_fsdp_equal_one(tmp_path):
     args = [

@@ -1,16 +1,20 @@
 """Issue 29: the step-structured benchmarks (multiplication, GSM8k-Aug) through the same stages as the code traces."""
 import json
 
-import pytest
 
 from conftest import ROOT, run_cli
 from latent_rl.steps import find_data, generate_multiplication, load_step_rows, save_step_lines
 
 ICOT = find_data("icot")
-needs_icot = pytest.mark.skipif(ICOT is None, reason="shared/data/icot not found")
 
 
-@needs_icot
+def test_external_data_ships_with_the_repository():
+    "A clone needs nothing beside it: the published files the lessons and tests read are in data/external/."
+    assert ICOT == (ROOT / "data" / "external" / "icot").resolve()
+    assert (ICOT / "LICENSE").is_file() and (ICOT / "4_by_4_mult" / "valid.txt").is_file()
+    assert (find_data("gsm8k") / "test.jsonl").is_file() and (find_data("cruxeval") / "LICENSE").is_file()
+
+
 def test_every_stage_runs_on_multiplication_steps(tmp_path):
     "Generated 4x4 training lines (disjoint from the published validation file) train the explicit-steps and the"
     "answer-only SFT baselines, a CODI student (a latent block per partial product), GKD from the explicit model and GRPO"
@@ -75,7 +79,6 @@ def test_every_stage_runs_on_multiplication_steps(tmp_path):
     assert rep["usage"]["verdict"] and (tmp_path / "diag" / "diagnosis.md").exists()
 
 
-@needs_icot
 def test_mult_command_writes_disjoint_verified_lines(tmp_path):
     "`latent-rl mult` (the cpu-mult4 recipe's data): seeded lines none of which is a published validation pair, each"
     "step checked against Python's `*` by the loader; a malformed --digits is one line and exit 2."

@@ -15,7 +15,7 @@ from latent_rl.pool import TracePool, find_cruxeval, trace_one, trace_rows
 
 def _crux_rows():
     p = find_cruxeval()
-    if p is None: pytest.skip("cruxeval_dev.jsonl not found (set LATENT_RL_CRUXEVAL or provide shared/data/cruxeval)")
+    if p is None: pytest.fail("cruxeval_dev.jsonl not found: data/external/cruxeval ships with the repository")
     with open(p) as f: return [json.loads(l) for l in f if l.strip()]
 
 

@@ -203,10 +203,11 @@ from vllm import LLM, SamplingParams
 from latent_rl.policy import VLLMEngine
 from latent_rl.models import load_tokenizer
 from latent_rl.trace import END_OF_TEXT, row_prompt
+from latent_rl.tokens import prompt_ids
 model, rows = sys.argv[1], [json.loads(l) for l in open(sys.argv[2])]
 tok = load_tokenizer(model)
 end = tok.convert_tokens_to_ids(END_OF_TEXT)
-P = [tok.encode(row_prompt(r), add_special_tokens=False) for r in rows]
+P = [prompt_ids(tok, row_prompt(r)) for r in rows]
 eng = VLLMEngine(model, dtype="float32", gpu_memory_utilization=0.1)
 ro = eng.generate(P, max_new_tokens=400, temperature=0.0, eos_id=tok.eos_token_id)
 plain = eng.llm.generate([{"prompt_token_ids": p} for p in P], SamplingParams(temperature=0.0, max_tokens=400))
