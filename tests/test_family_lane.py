@@ -33,23 +33,42 @@ def test_whole_pipeline_on_a_hub_shaped_family(families, family, tmp_path):  # n
     assert sum(r["generated"].endswith("<|end_of_text|>") for r in text) >= 6        # the SFT model stops at the end
 
 def test_a_lora_student_of_a_pretrained_base_writes_traces_and_opens_latent_blocks(tmp_path):
-    """A Qwen2.5-Instruct-shaped model pretrained on program text (no trace token in it, as a hub model), then a short
-    LoRA SFT: the student writes every trace token where it belongs (8/8 memorised traces well formed, stopping at
-    <|end_of_text|>) and, as a latent model, opens latent blocks at its LINE frames. With the new rows frozen at their
-    shared mean (as before) no trace token can be told from another."""
-    from latent_rl.fixtures import pretrain_fixture
+    """A Qwen2.5-Instruct-shaped model as it ships — 64 spare embedding rows beyond its tokenizer, so the trace tokens
+    land on them without a resize — pretrained on program text (no trace token in it, as a hub model), published under
+    its hub name in a local Hugging Face cache and loaded by that name, offline; then a short LoRA SFT. The trace
+    tokens' rows start at the base vocabulary's mean (not on the spare rows' noise), train apart and move; the student
+    writes every trace token where it belongs (8/8 memorised traces well formed, stopping at <|end_of_text|>) and, as a
+    latent model, opens latent blocks at its LINE frames. (Before: rows that fit were left untrained and frozen.)"""
+    import huggingface_hub.constants as hc
+    import torch
+    from unittest import mock
+    from latent_rl.fixtures import pretrain_fixture, publish
     from latent_rl.evaluate import evaluate_path
     from latent_rl.latent import LatentModel
+    from latent_rl.models import load_model
     from latent_rl.generate import generate_latent
     from latent_rl.tokens import prompt_ids
     lines = ROWS.read_text().splitlines()
     texts = fixture_texts([json.loads(l) for l in lines[:2000]])
     base = pretrain_fixture(build_fixture("qwen2.5-instruct", tmp_path / "base", texts[:200]), texts, steps=300,
                             max_len=128)
+    name, cache = "Qwen/Qwen2.5-0.5B-Instruct", tmp_path / "hub"
+    publish(base, name, cache)
+    hub = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    with mock.patch.object(hc, "HF_HUB_CACHE", str(cache)), mock.patch.object(hc, "HF_HUB_OFFLINE", True):
+        start, tok0 = load_model(name)
+    rows0 = json.loads((base / "config.json").read_text())["vocab_size"]
+    ids = tok0.convert_tokens_to_ids(SEEN)
+    assert start.get_input_embeddings().weight.shape[0] == rows0 and max(ids) < rows0        # on spare rows, no resize
+    W0 = start.get_input_embeddings().weight.detach()[ids].clone()
+    assert torch.allclose(W0, W0[:1].expand_as(W0))                                         # all at one start: the mean
     (tmp_path / "eight.jsonl").write_text("".join(l + "\n" for l in lines[:8]))
-    run_cli("sft", "--recipe", "none", "--model", base, "--train", tmp_path / "eight.jsonl", "--val", "", "--steps", 200,
+    run_cli("sft", "--recipe", "none", "--model", name, "--train", tmp_path / "eight.jsonl", "--val", "", "--steps", 200,
             "--batch_size", 8, "--lr", 1e-2, "--warmup", 10, "--save_every", 0, "--lora_r", 8, "--out",
-            tmp_path / "lora", env=ONE)
+            tmp_path / "lora", env={**ONE, **hub})
+    final, _ = load_model(tmp_path / "lora" / "final")
+    W = final.get_input_embeddings().weight.detach()[ids]
+    assert torch.pdist(W).min() > 1e-3 and ((W - W0).norm(dim=1) > 1e-3).all()               # apart, and moved
     rows = rows_of(tmp_path / "eight.jsonl")
     r = evaluate_path(tmp_path / "lora" / "final", rows, max_new_tokens=400, progress=False)
     assert r["format_valid"] >= 0.75 and all(x["generated"].endswith(END_OF_TEXT) for x in r["records"]), r["format_valid"]
