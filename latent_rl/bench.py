@@ -4,19 +4,15 @@
 
 # %% ../nbs/27_bench.ipynb #e142b294
 from __future__ import annotations
-import argparse, contextlib, copy, json, math, os, platform, socket, statistics, subprocess, sys, time
-from dataclasses import asdict
+import argparse, contextlib, copy, json, math, os, platform, statistics, sys, time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 from .trace import prompt_text
 from .corpus import load_rows
-from .tokens import IGNORE_INDEX, prompt_ids, sft_example, codi_example, left_pad
-from .models import load_tokenizer, build_tiny, n_params, out_cache, cache_kw, copy_cache
+from .tokens import IGNORE_INDEX, prompt_ids, codi_example, left_pad
+from .models import load_tokenizer, build_tiny, out_cache, cache_kw, copy_cache
 from .lean import final_norm, lean_off, one_step
 from .generate import generate_text
 from .latent import LatentModel, LatentSpec, CodiOptions, pack_phases, pad_ids
@@ -24,24 +20,19 @@ from .logprobs import token_logprobs
 from .student import CALL_COST, Execution
 from .objective import CodiOutput, codi_forward, teacher_pass
 from .steps import find_data, load_step_rows, to_trace_row
-from .policy import Policy, VLLMEngine
-from .teachers import ModelTeacher, ExplicitTraceTeacher, SelfTeacher
-from .engine import make_engine, local_tensor, added_peak_mb, checkpoint_layers
-from .sft import sft_batch_loss
-from .gkd import gkd_loss, dataset_completion
+from .policy import Policy
+from .vllm import VLLMEngine
 from .grpo import grpo_micro_loss
 from .rewards import weighted
 from .losses import group_advantages
 from .bench_trace import trace_bench
 from .bench_losses import losses_bench
+from .bench_stages import ARCHS, stages_bench, plan_bench, ckpt_bench
 from .reference import ref_forward
-from .config import STAGES
-from .plan import MODEL_CONFIGS, PlanConfig, ModelShape, model_shape, plan_memory
 
 # %% auto #0
-__all__ = ['FLOOR', 'CODI_SETTINGS', 'ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'BENCHES', 'markdown_table',
-           'run_bench', 'positions_floor', 'call_costs', 'codi_bench', 'grpo_bench', 'stages_bench', 'engine_rows',
-           'main', 'ckpt_bench', 'measure_step_peak', 'plan_bench', 'decode_bench']
+__all__ = ['FLOOR', 'CODI_SETTINGS', 'BENCHES', 'markdown_table', 'run_bench', 'positions_floor', 'call_costs', 'codi_bench',
+           'grpo_bench', 'main', 'decode_bench']
 
 # %% ../nbs/27_bench.ipynb #029202da
 def markdown_table(rows: list[dict]) -> str:
@@ -351,140 +342,6 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         "rollout_pos_per_s counts every position the decoder fed: tokens, and each latent block's markers and steps.",
     }
 
-# %% ../nbs/27_bench.ipynb #ef81f744
-ARCHS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan); 'tiny' = the demo model
-    **{k: {f: v for f, v in d.items() if f != "model_type"} for k, d in MODEL_CONFIGS.items()}, "tiny": None}
-
-def _timed(fn, device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    out = fn()
-    if device == "cuda": torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    return out, dt, mem
-
-# %% ../nbs/27_bench.ipynb #167f3a3f
-def stages_bench(quick: bool = False, device: str = "cpu", arch: str = "tiny", batch_size: int | None = None) -> dict:
-    """Throughput and peak memory of the SFT, CODI, GKD and GRPO steps on a randomly initialised model of architecture
-    `arch`."""
-    if arch not in ARCHS: raise SystemExit(f"unknown --arch {arch!r}: choose from {sorted(ARCHS)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench stages --device cuda: no CUDA device here (run it on a GPU machine; CI skips it)")
-    tok = load_tokenizer("data/tokenizer")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    def build():    # the same random weights each time
-        torch.manual_seed(0)
-        if ARCHS[arch] is None: return build_tiny(tok, "tiny")
-        cfg = Qwen2Config(**ARCHS[arch], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model = build().to(device=device, dtype=dtype).train()
-    B = batch_size or (4 if quick else 16)
-    rows = load_rows("data/corpus/train.jsonl", 4 * B)
-    out = []
-    def row(stage, unit, n, dt, mem, **kw):
-        out.append({"stage": stage, "arch": arch, "device": device, "batch": B, f"{unit}_per_s": n / dt,
-                    "step_s": dt, "peak_mem_gb": mem, **kw})
-    exs = [e for e in (sft_example(tok, r, "trace", 512) for r in rows) if e][:B]
-    loss_fn = lambda: sft_batch_loss(model, exs, tok.pad_token_id)[0].backward()
-    _timed(loss_fn, device)
-    model.zero_grad()                                        # warm-up
-    _, dt, mem = _timed(loss_fn, device)
-    model.zero_grad()
-    row("sft", "tokens", sum(len(e["input_ids"]) for e in exs), dt, mem)
-    steps = 1 if ARCHS[arch] is None else 6                                   # the GPU recipe's latent_steps
-    lm = LatentModel(model, LatentSpec.from_tokenizer(tok, steps))
-    cex = [e for e in (codi_example(tok, r, 512) for r in rows) if e][:B]
-    fn = lambda: codi_forward(lm, cex, CodiOptions()).loss.backward()
-    _timed(fn, device)
-    lm.zero_grad()
-    _, dt, mem = _timed(fn, device)
-    lm.zero_grad()
-    row("codi", "examples", len(cex), dt, mem)
-    for kind in ("text", "latent"):
-        pol = Policy(model if kind == "text" else lm, tok, kind)
-        items = [dataset_completion(tok, r, kind) for r in rows[:B]]
-        # the stage's teachers (the same weights stand in for the SFT teacher): a text forward, or the explicit-trace fill
-        teacher = ModelTeacher(model, tok) if kind == "text" else ExplicitTraceTeacher(model, tok, lm.spec)
-        # the teacher froze the shared weights
-        model.train().requires_grad_(True)
-        fn = lambda: gkd_loss(pol, teacher, items)[0].backward()
-        _timed(fn, device)
-        pol.module.zero_grad()
-        _, dt, mem = _timed(fn, device)
-        pol.module.zero_grad()
-        row(f"gkd step ({kind}: teacher scoring + train)", "tokens", sum(len(i["completion"]) for i in items), dt, mem)
-        P = [i["prompt"] for i in items]
-        pol.module.eval()
-        ro, dt, mem = _timed(
-            lambda: pol.generate(P, max_new_tokens=64 if quick else 256, temperature=1.0, keys=list(range(len(P)))),
-            device,
-        )
-        pol.module.train()
-        row(f"grpo rollout ({kind})", "tokens", sum(map(len, ro.completion_ids)), dt, mem)
-        smp = [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": l, "adv": 1.0 if k % 2 else -1.0}
-               for k, (p, c, la, l) in enumerate(zip(P, ro.completion_ids, ro.latent_at, ro.logprobs))]
-        (_, m), dt, mem = _timed(lambda: (lambda r: (r[0].backward(), r[1]))(grpo_micro_loss(pol, smp)), device)
-        pol.module.zero_grad()
-        row(
-            f"grpo train ({kind})", "tokens", sum(map(len, ro.completion_ids)), dt, mem,
-            align_abs_max=m["align_abs_max"],
-        )
-    n_model = n_params(model)
-    model = lm = pol = None                         # dropped (not `del`: the lambdas above name them)
-    out += [dict(r, arch=arch, batch=B) for r in engine_rows(build, exs, tok.pad_token_id, device)]
-    return {
-        "name": "stages",
-        "rows": out,
-        "notes": f"{arch}: {n_model / 1e6:.1f}M params, randomly initialised from its config, {dtype} on {device}; "
-        f"batch {B} real corpus examples (sequences ≤ 512 tokens), latent_steps {steps}; one timed step after a warm-up; peak memory is "
-        "torch.cuda.max_memory_allocated per stage (nan on CPU). The `sft step (strategy, ...)` rows: `engine_rows`.",
-    }
-
-# %% ../nbs/27_bench.ipynb #7268fc4e
-def _one_process_group(device: str) -> None:
-    "A process group of one (FSDP2 needs a mesh), unless this process already has one."
-    if dist.is_initialized(): return
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-    )
-
-ENGINE_VARIANTS = [("ddp", "fp32", "fp32"), ("ddp", "bf16", "fp32"), ("fsdp", "bf16", "fp32"), ("fsdp", "fp32", "fp32"),
-                   ("ddp", "fp32", "bf16")]       # (strategy, compute precision, weights' dtype)
-
-def engine_rows(build, exs, pad_id, device: str, steps: int = 3, lr: float = 1e-6) -> list[dict]:
-    "Per engine variant: tokens/s of an SFT step, peak memory, and the update after `steps` steps relative to fp32's."
-    _one_process_group(device)
-    acc, out, ref = SimpleNamespace(num_processes=1, device=torch.device(device), local_process_index=0), [], None
-    for strategy, precision, wdtype in ENGINE_VARIANTS:
-        model = build().to(device=device, dtype=torch.bfloat16 if wdtype == "bf16" else torch.float32).train()
-        w0 = [p.detach().float().clone() for p in model.parameters()]
-        eng = make_engine(model, SimpleNamespace(strategy=strategy, precision=precision), acc)
-        params = list(model.parameters())
-        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-        amp = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
-        def step():
-            with amp: loss = eng.root(lambda: sft_batch_loss(model, exs, pad_id)[0])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        times = [_timed(step, device) for _ in range(steps)]
-        dt = min(t[1] for t in times[1:] or times)
-        upd = torch.cat([(local_tensor(p.detach()).float() - w).flatten() for p, w in zip(model.parameters(), w0)])
-        ref = upd if ref is None else ref
-        out.append({"stage": f"sft step ({strategy}, {precision} compute, {wdtype} weights)", "device": device,
-                    "tokens_per_s": sum(len(e["input_ids"]) for e in exs) / dt, "step_s": dt,
-                    "peak_mem_gb": max(t[2] for t in times), "update_vs_fp32": float(upd.norm() / ref.norm()),
-                    "update_cos_fp32": float(torch.nn.functional.cosine_similarity(upd, ref, 0))})
-        eng = opt = model = None
-    return out
-
 # %% ../nbs/27_bench.ipynb #8ff4e3c9
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(prog="python -m latent_rl.bench", description="latent_rl benchmarks")
@@ -510,159 +367,6 @@ def main(argv: list[str] | None = None):
         Path(a.json).write_text(json.dumps(out[0] if len(out) == 1 else out, indent=1, default=str))
         print(f"wrote {a.json}")
     return out
-
-# %% ../nbs/27_bench.ipynb #355708e4
-def _ckpt_child(spec: str):
-    "Subprocess entry: one CODI forward + backward with or without layer recomputation; prints its added peak as JSON."
-    a = json.loads(spec)
-    torch.set_num_threads(a["threads"])
-    tok = load_tokenizer("data/tokenizer")
-    exs = [e for e in (codi_example(tok, r, 384) for r in load_rows("data/corpus/train.jsonl", 400)) if e]
-    exs = sorted(exs, key=lambda e: -len(e["spans"]))[:a["batch"]]                      # the most spans: the worst case
-    lm = LatentModel(build_tiny(tok, a["size"], seed=0), LatentSpec.from_tokenizer(tok, a["latent_steps"]))
-    if a["ckpt"]: checkpoint_layers(lm)
-    lm.train()
-    codi_forward(lm, exs[:2], CodiOptions()).loss.backward()
-    lm.zero_grad()   # warm-up
-    def step():
-        o = codi_forward(lm, exs, CodiOptions())
-        o.loss.backward()
-        return o.loss.item()
-    t0 = time.perf_counter()
-    loss, mb = added_peak_mb(step)
-    dt = time.perf_counter() - t0
-    print(
-        json.dumps({"loss": loss, "peak_mb": mb, "seconds": dt, "spans": sum(len(e["spans"]) for e in exs) / len(exs)})
-    )
-
-def ckpt_bench(quick: bool = False, size: str = "small", batch: int = 16, latent_steps: int = 3) -> dict:
-    """Peak memory and time of a CODI step with and without activation checkpointing of the latent passes (fresh
-    processes)."""
-    rows = []
-    for ckpt in (False, True):
-        spec = json.dumps(dict(ckpt=ckpt, size="nano" if quick else size, batch=4 if quick else batch,
-                               latent_steps=latent_steps, threads=2))
-        p = subprocess.run(
-            [
-                sys.executable, "-c", "import sys; from latent_rl.bench import _ckpt_child; _ckpt_child(sys.argv[1])",
-                spec,
-            ],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
-        )
-        if p.returncode:
-            raise RuntimeError(
-                f"ckpt bench ({'with' if ckpt else 'without'} checkpointing) failed:\n{p.stderr[-2000:]}"
-            )
-        r = json.loads(p.stdout.strip().splitlines()[-1])
-        rows.append(
-            {"activation_checkpointing": ckpt, "peak_mb": r["peak_mb"], "step_s": r["seconds"], "loss": r["loss"]}
-        )
-    for r in rows: r.update(mem_x=r["peak_mb"] / rows[0]["peak_mb"], time_x=r["step_s"] / rows[0]["step_s"])
-    return {
-        "name": "ckpt",
-        "rows": rows,
-        "notes": f"CODI forward + backward, {size if not quick else 'nano'} model, batch {batch if not quick else 4} of the "
-        f"corpus rows with the most spans, {latent_steps} latent steps, CPU; peak = resident set added by the step "
-        "(each configuration in a fresh process); the same loss both ways.",
-    }
-
-# %% ../nbs/27_bench.ipynb #38eafc3f
-CPU_RUNTIME_GB = 0.05     # what a CPU process's resident set grows by besides tensors (code pages, allocator arenas)
-
-# %% ../nbs/27_bench.ipynb #ad034022
-def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: int = 1, max_len: int = 384,
-                      precision: str = "fp32", device: str = "cpu", steps: int = 2) -> dict:
-    """Run `steps` training steps of `stage`'s loss (AdamW, real corpus rows) on a random model of `arch` and return the
-    peak memory they added (CUDA: max allocated; CPU: peak resident set over the resident set before the model existed),
-    with the batch's real shape as a `PlanConfig` (runtime 0). Run it in a fresh process: peaks only grow."""
-    tok = load_tokenizer("data/tokenizer")
-    rows = load_rows("data/corpus/train.jsonl", 400)
-    a = dict(arch)
-    cfg = AutoConfig.for_model(a.pop("model_type", "qwen2"), **a)
-    shape = model_shape(cfg)
-    latent = stage != "sft"
-    if stage == "sft":
-        exs = [e for e in (sft_example(tok, r, "trace", max_len) for r in rows) if e][:micro_batch]
-        seq, spans = max(len(e["input_ids"]) for e in exs), 0
-    elif stage == "codi":
-        exs = [e for e in (codi_example(tok, r, max_len) for r in rows) if e][:micro_batch]
-        seq, spans = max(len(e["prompt_ids"]) + len(e["trace_ids"]) for e in exs), max(len(e["spans"]) for e in exs)
-        total = sum(len(e["prompt_ids"]) + len(e["trace_ids"]) for e in exs)
-        share = sum(b - a for e in exs for a, b in e["spans"]) / total
-        prefix = sum(len(e["prompt_ids"]) + e["spans"][0][0] + 1 for e in exs) / total   # phase 0, from the teacher
-    else:
-        items = [
-            x
-            for x in (dataset_completion(tok, r, "latent") for r in rows)
-            if len(x["prompt"]) + len(x["completion"]) <= max_len
-        ][:micro_batch]
-        seq = max(len(x["prompt"]) + len(x["completion"]) for x in items)
-        spans = max(len(x["latent_at"]) for x in items)
-    comp = max(len(x["completion"]) for x in items) if stage == "gkd" else 0
-    pc = PlanConfig(
-        model="", stage=stage, completion=comp, latent_share=share if stage == "codi" else 0.35, gpus=1, seq=seq,
-        prefix_share=prefix if stage == "codi" else 0.3,
-        micro_batch=micro_batch, latent_steps=latent_steps, spans=spans, latent=latent, strategy="ddp",
-        precision=precision, runtime_gb=0.0 if device == "cuda" else CPU_RUNTIME_GB,
-        attention="flash" if device == "cuda" else "math",
-    )
-    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
-    def loss(model, mod):
-        if stage == "sft": return sft_batch_loss(model, exs, tok.pad_token_id)[0]
-        if stage == "codi": return codi_forward(mod, exs, CodiOptions()).loss
-        pol = Policy(mod, tok, "latent")
-        if stage == "gkd": return gkd_loss(pol, SelfTeacher(pol), items)[0]
-        smp = [dict(x, logp_inf=[0.0] * len(x["completion"]), adv=1.0 if k % 2 else -1.0) for k, x in enumerate(items)]
-        return grpo_micro_loss(pol, smp)[0]
-    def train():                                # from before the model exists: all it adds is the step's memory
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg).to(device).train()
-        mod = LatentModel(model, LatentSpec.from_tokenizer(tok, latent_steps)) if latent else model
-        opt = torch.optim.AdamW(mod.parameters(), lr=1e-5)
-        for _ in range(steps):
-            with amp: l = loss(model, mod)
-            l.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    _, peak = added_peak_mb(train, device)
-    return {"plan": asdict(pc), "shape": asdict(shape), "peak_mb": peak}
-
-# %% ../nbs/27_bench.ipynb #544efa2c
-_ARCHS = {   # the tiny architecture of the tests, and Qwen2.5-Coder-0.5B's layer shapes and vocabulary with 2 layers
-    "tiny": dict(model_type="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
-    "0.5b-2layer": dict(MODEL_CONFIGS["qwen2.5-coder-0.5b"], num_hidden_layers=2),
-    "0.5b": MODEL_CONFIGS["qwen2.5-coder-0.5b"],     # on a GPU: the whole model
-}
-VALIDATION = [(stage, arch, mb, ls) for arch, mbs in (("tiny", (16, 48)), ("0.5b-2layer", (4,))) for stage in STAGES
-              for mb in mbs for ls in ((1, 3) if stage != "sft" and arch == "tiny" and mb == 16 else (1,))]
-
-def plan_bench(quick: bool = False, device: str = "cpu") -> dict:
-    "Planned against measured peak memory of real training steps, each configuration in a fresh process."
-    out = []
-    todo = VALIDATION + ([(s, "0.5b", 8, 3 if s != "sft" else 1) for s in STAGES] if device == "cuda" else [])
-    for stage, arch, mb, ls in (
-        [t for t in todo if t[1:] == ("tiny", 16, 1) and t[0] in ("sft", "grpo")] if quick else todo
-    ):
-        code = ("import json, torch; torch.set_num_threads(2); from latent_rl.bench import measure_step_peak, _ARCHS; "
-                f"print(json.dumps(measure_step_peak({stage!r}, _ARCHS[{arch!r}], {mb}, {ls}, device={device!r})))")
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        if p.returncode: raise RuntimeError(f"measuring {stage} {arch} mb={mb}: {p.stderr[-2000:]}")
-        r = json.loads(p.stdout.strip().splitlines()[-1])
-        parts = plan_memory(PlanConfig(**r["plan"]), ModelShape(**r["shape"]))
-        planned = sum(parts.values()) / 2**20
-        out.append({"stage": stage, "arch": arch, "micro_batch": mb, "latent_steps": ls, "seq": r["plan"]["seq"],
-                    "measured_mb": r["peak_mb"], "planned_mb": planned, "error": planned / r["peak_mb"] - 1})
-    worst = max(abs(r["error"]) for r in out)
-    return {
-        "name": "plan",
-        "rows": out,
-        "notes": f"peak memory added by 2 AdamW steps of each stage's loss on {device} (CPU: peak resident set over the "
-        f"resident set before the model; CUDA: max allocated), real corpus rows; planned = `plan_memory` of the "
-        f"batch's shape; worst |error| {worst:.0%}.",
-    }
 
 # %% ../nbs/27_bench.ipynb #07566989
 def _hf_generate(model, P, eos: int, pad: int, m: int) -> list[list[int]]:

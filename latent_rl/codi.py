@@ -21,8 +21,10 @@ from .config import TrainConfig, ConfigError, teacher_dtype, PosInt, PosFloat, N
 from .engine import setup, log0, shard_frozen
 from .generate import seeded
 from .sft import sft_batch_loss
-from .loop import (Stage, train_loop, finish_run, write_config, prepared, bucket_groups, bucket_indices,
-    lora_student, stage_summary, losses_line)
+from .loop import Stage, train_loop, finish_run, bucket_groups, bucket_indices, lora_student
+from .checkpoints import write_config
+from .rows import prepared
+from .records import stage_summary, losses_line
 
 # %% auto #0
 __all__ = ['SS_SALT', 'TF_SALT', 'CodiConfig', 'example_coins', 'load_frozen_teacher', 'latent_share', 'anchor_record',

@@ -264,7 +264,7 @@ class TrainConfig:
     max_grad_norm: PosFloat = 1.0        # gradient-norm clip
     max_train: NonNegInt = 0            # 0 = all training rows
     traced_frac: Fraction = 1.0         # answers outnumber traces: a seeded share of the training programs keeps its traces, the rest only their answers (the same programs in every stage)
-    traced_seed: NonNegInt = 0          # which programs keep their traces (`latent_rl.loop.split_traced`)
+    traced_seed: NonNegInt = 0          # which programs keep their traces (`latent_rl.rows.split_traced`)
     step_blocks: str = "each"           # step-data files: a latent block per step (each) or one for the whole chain (one)
     seed: NonNegInt = 0                  # seeds the data order, sampling keys and initialisation
     dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
@@ -280,6 +280,8 @@ class TrainConfig:
     log_every: PosInt = 10               # steps between metrics.jsonl rows (and progress-bar updates)
     wandb: str = "disabled"             # disabled / offline / online (WANDB_* environment variables win)
     resume: bool = False                 # continue from the newest good checkpoint in `out`
+    preempt_signals: str = "SIGTERM,SIGUSR1"  # signals that stop training after the step with a checkpoint, exit 143 (requeue)
+    max_bad_steps: NonNegInt = 3         # non-finite steps in a row that are skipped before the run stops (0: stop at the first)
     overwrite: bool = False             # a fresh run may replace the records and checkpoints of a previous run in `out`
     allow_config_change: bool = False   # --resume may change fields (recorded in config_changes.jsonl)
 

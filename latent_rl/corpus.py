@@ -8,14 +8,16 @@ import ast, hashlib, json, os, random
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Iterable
+from .trace import parse_trace
 from .pool import trace_rows
 
 # %% auto #0
-__all__ = ['REQUIRED_FIELDS', 'LEVELS', 'RowError', 'check_row', 'load_rows', 'save_rows', 'GenConfig', 'generate_programs',
-           'split_of', 'dedupe', 'split_rows', 'trace_and_fill', 'build_corpus', 'build_heldout']
+__all__ = ['REQUIRED_FIELDS', 'OPTIONAL_FIELDS', 'LEVELS', 'RowError', 'check_row', 'load_rows', 'save_rows', 'GenConfig',
+           'generate_programs', 'split_of', 'dedupe', 'split_rows', 'trace_and_fill', 'build_corpus', 'build_heldout']
 
 # %% ../nbs/01_corpus.ipynb #53115b07
 REQUIRED_FIELDS = ("id", "code", "input", "output")
+OPTIONAL_FIELDS = {"trace": str, "prompt": str, "answer": str, "n_line_frames": int, "traced": bool}   # read where given
 
 class RowError(ValueError):
     "A malformed CRUXEval-format row: the message names file, line and field."
@@ -50,6 +52,17 @@ def check_row(row, where: str = "<row>") -> dict:
         _parse(row["output"], mode="eval")
     except SyntaxError:
         raise RowError(f"{where}: field 'output' is not a Python expression: {row['output'][:60]!r}") from None
+    return _check_optional(row, where)
+
+def _check_optional(row: dict, where: str) -> dict:
+    "The optional fields a stage reads, where a row has them: their types, and a trace that is a trace."
+    for k, tp in OPTIONAL_FIELDS.items():
+        if k in row and (not isinstance(row[k], tp) or (tp is int and isinstance(row[k], bool))):
+            raise RowError(f"{where}: field '{k}' must be {tp.__name__}, got {type(row[k]).__name__}")
+    if "n_line_frames" in row and row["n_line_frames"] < 0:
+        raise RowError(f"{where}: field 'n_line_frames' must be ≥ 0, got {row['n_line_frames']}")
+    if "trace" in row and not (pt := parse_trace(row["trace"])).well_formed:
+        raise RowError(f"{where}: field 'trace' is not a well-formed trace ({pt.error})")
     return row
 
 # %% ../nbs/01_corpus.ipynb #18be89c0

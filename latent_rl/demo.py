@@ -12,7 +12,7 @@ from .tokens import build_data, DATA_DEFAULTS
 from .latent import LatentModel
 from .sft import SFTConfig, run_sft
 from .codi import CodiConfig, run_codi
-from .loop import load_traced
+from .rows import load_traced
 from .config import config_from_dict, load_config_file
 from .records import RunRecord
 from .gkd import GKDConfig, run_gkd

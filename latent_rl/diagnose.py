@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from .latent import LatentModel
-from .loop import load_traced
-from .models import load_model, resolve_model
+from .rows import load_traced
+from .models import load_model, model_exists
 from .trace import parse_trace
 from .rewards import common_prefix
 from .evaluate import (frames_json, true_line_frames, save_records, within_noise, evaluate,
@@ -574,9 +574,9 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
     if cfg and not codi_run:
         # a GKD/GRPO run: diagnose its latent model; pass --teacher explicitly
         cfg = {}
-    if teacher is None and cfg.get("model") and _found(cfg["model"]): teacher = cfg["model"]
+    if teacher is None and cfg.get("model") and model_exists(cfg["model"]): teacher = cfg["model"]
     for name, p in (("--teacher", teacher), ("--notrace", notrace)):
-        if p and not _found(p): raise FileNotFoundError(f"latent-rl diagnose: {name} {p} does not exist")
+        if p and not model_exists(p): raise FileNotFoundError(f"latent-rl diagnose: {name} {p} does not exist")
     test = load_traced(rows, limit, progress=progress)
     if not test: raise ValueError(f"latent-rl diagnose: no traced rows in {rows}")
     ids = [r["id"] for r in test]
@@ -629,18 +629,12 @@ def diagnose(run, *, teacher=None, notrace=None, rows="data/corpus/test.jsonl", 
     rep["path"] = str(p)
     return rep
 
-# %% ../nbs/22_diagnose.ipynb #b98581af
-def _found(model) -> bool:
-    "Does `model` (a path or hub name: `resolve_model`) resolve to a local directory?"
-    try: return resolve_model(model).exists()
-    except FileNotFoundError: return False
-
 # %% ../nbs/22_diagnose.ipynb #3aabd40e
 def _probe_run(model, run_dir, cfg, test, train_rows, probe_train, batch_size, max_len, dev, progress) -> dict:
     lm, tok = LatentModel.load(model, device=dev)
     kd_teacher, tname = None, "the student's own weights reading the explicit trace (shared-weight CODI)"
     if cfg.get("teacher"):
-        if not _found(cfg["teacher"]):
+        if not model_exists(cfg["teacher"]):
             return {
                 "error": f"the run's frozen KD teacher {cfg['teacher']} (config.json 'teacher') does not exist here"
             }

@@ -16,15 +16,17 @@ from .losses import generalized_jsd_from_hidden, sft_loss
 from .logprobs import token_logprobs
 from .generate import row_key, seeded
 from .models import n_params
-from .policy import Policy, completion_labels, sampled_mask, make_rollout_engine
+from .policy import Policy, completion_labels, sampled_mask
+from .vllm import make_vllm_engine
 from .teachers import (ScoreBatch, Teacher, ModelTeacher, SelfTeacher, AdapterOffTeacher, ExplicitTraceTeacher,
                                 HTTPTeacher, check_vocab)
 from .config import ConfigError, VLLMConfig, teacher_dtype, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction
 from .engine import setup, log0, gathered_weights, sum_over_ranks, shard_frozen
-from .loop import (train_loop, finish_run, write_config, load_train, batch_indices, lora_student,
-    generation_cycle, drain, stage_summary, losses_line)
+from .loop import train_loop, finish_run, batch_indices, lora_student, generation_cycle, drain
+from .checkpoints import write_config
+from .rows import load_train
+from .records import stage_summary, losses_line
 from .onpolicy import OnPolicyStage
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['UNPRIVILEGED_HTTP', 'gkd_coin', 'dataset_completion', 'resample_overlong', 'value_mask', 'gkd_loss', 'GKDConfig',
@@ -217,7 +219,6 @@ class GKDStep(OnPolicyStage):
     policy: Policy
     teacher: Teacher
     data: list[dict]                    # `dataset_completion` items, one per training row
-    rollout_engine: object = None       # vLLM rollout engine (text students), else HF / latent decoding
     on_policy: dict = field(default_factory=dict)     # step -> whether its cycle's items are the student's samples
     generations: int = 0
     name: str = "gkd"
@@ -264,84 +265,73 @@ class GKDStep(OnPolicyStage):
         m["sft_loss"] = m.get("sft_loss", 0.0)
         return loss * m["n_tokens"] / self.token_counts[step], m
 
-# %% ../nbs/19_gkd.ipynb #b61117b5
-@patch
-def cycle_coin(self: GKDStep, c0: int) -> bool:
-    "The cycle's coin; a pure function of (seed, step), checked equal on every rank (one scalar)."
-    on = gkd_coin(self.cfg.seed, c0, self.cfg.lmbda)
-    if self.acc.num_processes > 1:
-        g = self.acc.gather(torch.tensor([float(on)], device=self.acc.device))
-        if not bool((g == g[0]).all()): raise RuntimeError(f"GKD coin differs across ranks at step {c0}: {g.tolist()}")
-    return on
+    def cycle_coin(self, c0: int) -> bool:
+        "The cycle's coin; a pure function of (seed, step), checked equal on every rank (one scalar)."
+        on = gkd_coin(self.cfg.seed, c0, self.cfg.lmbda)
+        if self.acc.num_processes > 1:
+            g = self.acc.gather(torch.tensor([float(on)], device=self.acc.device))
+            if not bool((g == g[0]).all()): raise RuntimeError(f"GKD coin differs across ranks at step {c0}: {g.tolist()}")
+        return on
 
-@patch
-def fill(self: GKDStep, step: int) -> None:
-    "The generation cycle holding `step`: its coin, this rank's items for each of its steps, sampled when on-policy."
-    steps, rows = self.cycle(step)
-    on = self.cycle_coin(steps[0])
-    mine = {s: [dict(self.data[i], idx=i) for i in rows[s]] for s in steps}
-    if on: self.sample(steps, mine)
-    counts = sum_over_ranks([sampled_mask([x["completion"] for x in mine[s]], [x["latent_at"] for x in mine[s]]).sum()
-                             for s in steps], self.acc)
-    self.hold(mine, {s: max(1.0, c) for s, c in zip(steps, counts)})
-    self.on_policy.clear()
-    self.on_policy.update({s: on for s in steps})
+    def fill(self, step: int) -> None:
+        "The generation cycle holding `step`: its coin, this rank's items for each of its steps, sampled when on-policy."
+        steps, rows = self.cycle(step)
+        on = self.cycle_coin(steps[0])
+        mine = {s: [dict(self.data[i], idx=i) for i in rows[s]] for s in steps}
+        if on: self.sample(steps, mine)
+        counts = sum_over_ranks([sampled_mask([x["completion"] for x in mine[s]], [x["latent_at"] for x in mine[s]]).sum()
+                                 for s in steps], self.acc)
+        self.hold(mine, {s: max(1.0, c) for s, c in zip(steps, counts)})
+        self.on_policy.clear()
+        self.on_policy.update({s: on for s in steps})
 
-@patch
-def sample(self: GKDStep, steps: list[int], mine: dict) -> None:
-    "On-policy: the student completes every item of the cycle (`rollout`: from the current weights)."
-    flat = [it for s in steps for it in mine[s]]
-    P = [it["prompt"] for it in flat]
-    mnt = max(1, min(self.cfg.max_new_tokens, self.cfg.max_len - max(map(len, P))))
-    keys = [row_key(self.cfg.seed, s, it["idx"]) for s in steps for it in mine[s]]          # (seed, step, example)
-    ro = self.rollout(P, keys, mnt)
-    for it, c, la in zip(flat, ro.completion_ids, ro.latent_at): it.update(completion=c, latent_at=la)
-    self.generations += 1
+    def sample(self, steps: list[int], mine: dict) -> None:
+        "On-policy: the student completes every item of the cycle (`rollout`: from the current weights)."
+        flat = [it for s in steps for it in mine[s]]
+        P = [it["prompt"] for it in flat]
+        mnt = max(1, min(self.cfg.max_new_tokens, self.cfg.max_len - max(map(len, P))))
+        keys = [row_key(self.cfg.seed, s, it["idx"]) for s in steps for it in mine[s]]          # (seed, step, example)
+        ro = self.rollout(P, keys, mnt)
+        for it, c, la in zip(flat, ro.completion_ids, ro.latent_at): it.update(completion=c, latent_at=la)
+        self.generations += 1
 
-# %% ../nbs/19_gkd.ipynb #8c816303
-@patch
-def score(self: GKDStep, items: list[dict]):
-    "The teacher's view of the items (scored when used: a self-teacher sees the current weights)."
-    t0 = time.time()
-    P, C, LA = [x["prompt"] for x in items], [x["completion"] for x in items], [x["latent_at"] for x in items]
-    mask = sampled_mask(C, LA, None, self.policy.device)
-    decodes = isinstance(self.teacher, ExplicitTraceTeacher)   # writes locals: ranks run different numbers of calls
-    with gathered_weights(self.teacher.model) if decodes else contextlib.nullcontext():
-        out = self.teacher.score(ScoreBatch(P, C, mask, LA, [x["row"] for x in items]))
-    self.timing["teacher_s"] += time.time() - t0
-    return out
+    def score(self, items: list[dict]):
+        "The teacher's view of the items (scored when used: a self-teacher sees the current weights)."
+        t0 = time.time()
+        P, C, LA = [x["prompt"] for x in items], [x["completion"] for x in items], [x["latent_at"] for x in items]
+        mask = sampled_mask(C, LA, None, self.policy.device)
+        decodes = isinstance(self.teacher, ExplicitTraceTeacher)   # writes locals: ranks run different numbers of calls
+        with gathered_weights(self.teacher.model) if decodes else contextlib.nullcontext():
+            out = self.teacher.score(ScoreBatch(P, C, mask, LA, [x["row"] for x in items]))
+        self.timing["teacher_s"] += time.time() - t0
+        return out
 
-@patch
-def record(self: GKDStep, step: int, items: list[dict], teacher_out, hidden: torch.Tensor) -> None:
-    "A few sequences' (student, teacher) logprob pairs for the inspectors, from the loss's hidden states."
-    with torch.no_grad():
-        it, T = items[:4], self.cfg.temperature
-        C, LA = [x["completion"] for x in it], [x["latent_at"] for x in it]
-        lab = completion_labels(C, hidden.shape[1], self.policy.device)                  # [n, N]
-        lp = token_logprobs(hidden[:len(it)], self.policy.head, lab, T)                  # [n, N] (head only)
-        self.record_pairs(self.rec, step, it, lp, teacher_token_logprobs(teacher_out, lab, T).tolist(),
-                          sampled_mask(C, LA, lp.shape[1]))
+    def record(self, step: int, items: list[dict], teacher_out, hidden: torch.Tensor) -> None:
+        "A few sequences' (student, teacher) logprob pairs for the inspectors, from the loss's hidden states."
+        with torch.no_grad():
+            it, T = items[:4], self.cfg.temperature
+            C, LA = [x["completion"] for x in it], [x["latent_at"] for x in it]
+            lab = completion_labels(C, hidden.shape[1], self.policy.device)                  # [n, N]
+            lp = token_logprobs(hidden[:len(it)], self.policy.head, lab, T)                  # [n, N] (head only)
+            self.record_pairs(self.rec, step, it, lp, teacher_token_logprobs(teacher_out, lab, T).tolist(),
+                              sampled_mask(C, LA, lp.shape[1]))
 
-@patch
-def metrics(self: GKDStep, step: int) -> dict:
-    return dict(drain(self.timing), generations=float(self.generations))
+    def metrics(self, step: int) -> dict:
+        return dict(drain(self.timing), generations=float(self.generations))
 
-@patch
-def pack(self: GKDStep, item: dict) -> dict:
-    "An item without its row (restored from the data on resume, not pickled)."
-    return {k: v for k, v in item.items() if k != "row"}
+    def pack(self, item: dict) -> dict:
+        "An item without its row (restored from the data on resume, not pickled)."
+        return {k: v for k, v in item.items() if k != "row"}
 
-@patch
-def unpack(self: GKDStep, item: dict) -> dict: return dict(item, row=self.data[item["idx"]]["row"])
+    def unpack(self, item: dict) -> dict: return dict(item, row=self.data[item["idx"]]["row"])
 
-@patch
-def load_state(self: GKDStep, st: dict) -> None:
-    """A checkpoint's state (`OnPolicyStage.load_state`); one written before GKD shared the on-policy stage kept each
-    step's coin beside its items, `(on, items)`, and is read too."""
-    buf = st.get("buffer", {})
-    if any(isinstance(v, tuple) for v in buf.values()):
-        st = {**st, "buffer": {s: v[1] for s, v in buf.items()}, "on_policy": {s: v[0] for s, v in buf.items()}}
-    OnPolicyStage.load_state(self, st)
+    def load_state(self, st: dict) -> None:
+        """A checkpoint's state (`OnPolicyStage.load_state`); one written before GKD shared the on-policy stage kept each
+        step's coin beside its items, `(on, items)`, and is read too."""
+        buf = st.get("buffer", {})
+        if any(isinstance(v, tuple) for v in buf.values()):
+            st = {**st, "buffer": {s: v[1] for s, v in buf.items()}, "on_policy": {s: v[0] for s, v in buf.items()}}
+        OnPolicyStage.load_state(self, st)
 
 # %% ../nbs/19_gkd.ipynb #84216c56
 def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
@@ -350,8 +340,6 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
     write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     lora_student(cfg, policy.lm, policy.module)
-    if cfg.lora_r and cfg.use_vllm:
-        raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     teacher = make_teacher(cfg, policy, acc)
     check_vocab(policy.tok, teacher, policy.head_weight.shape[0])     # refuse mismatched vocabularies at start-up
     rows = load_train(cfg, progress and acc.is_main_process)    # traced_frac < 1: answer-only rows are prompts only
@@ -360,10 +348,10 @@ def run_gkd(cfg: GKDConfig, progress: bool = True) -> Path:
                           "have none: use teacher_locals = greedy")
     data = [dataset_completion(policy.tok, r, policy.kind) for r in rows]
     if not data: raise ValueError(f"{cfg.train}: no rows")
-    rollout_engine = make_rollout_engine(cfg, policy) if cfg.use_vllm and not policy.has_blocks else None
+    vllm_engine = make_vllm_engine(cfg, policy)
     log0(acc, f"gkd: {policy.kind} student {cfg.model} ({n_params(policy.module):,} params), teacher {cfg.teacher} "
               f"({type(teacher).__name__}), λ={cfg.lmbda}, β={cfg.beta}, {len(data)} rows, {cfg.steps} steps × {cfg.batch_size}")
-    stage = GKDStep(cfg, acc, policy, teacher, data, rollout_engine)
+    stage = GKDStep(cfg, acc, policy, teacher, data, vllm_engine=vllm_engine)
     res = train_loop(stage, progress)
     summary = stage_summary(res, steps=cfg.steps, rows=len(data), teacher=cfg.teacher, time_split_s=res["totals"],
                             generations=stage.generations)

@@ -13,16 +13,19 @@ import torch
 from .trace import row_prompt
 from .tokens import prompt_ids
 from .losses import grpo_loss, group_advantages
-from .policy import Policy, sampled_mask, make_rollout_engine
+from .policy import Policy, sampled_mask
+from .vllm import make_vllm_engine
 from .generate import row_key
 from .rewards import weighted
 from .models import n_params
 from .records import RunRecord
 from .config import ConfigError, VLLMConfig, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction
 from .engine import setup, log0, peak_memory_mb, gathered_weights, sum_over_ranks, shard_frozen
-from .loop import train_loop, finish_run, write_config, load_train, lora_student, drain, batch_indices, stage_summary
+from .loop import train_loop, finish_run, lora_student, drain, batch_indices
+from .checkpoints import write_config
+from .rows import load_train
+from .records import stage_summary
 from .onpolicy import OnPolicyStage, token_strings
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'tis_cap', 'GRPOStep', 'reward_rise', 'throughput_summary',
@@ -126,7 +129,6 @@ class GRPOStep(OnPolicyStage):
     rows: list[dict]                    # traced training rows (the reward's truth)
     prompts: list[list[int]]            # their prompt ids
     reward_fn: object                   # `latent_rl.rewards.weighted(cfg.rewards)`
-    rollout_engine: object = None       # vLLM rollout engine (text policies), else HF / latent decoding
     ref: Policy | None = None           # the frozen starting policy (kl_beta > 0)
     latent_counts: dict = field(default_factory=dict)  # step -> the global batch's fed latent vectors (norm = token)
     stats: dict = field(default_factory=lambda: {"gen_tokens": 0, "train_tokens": 0})
@@ -193,119 +195,107 @@ class GRPOStep(OnPolicyStage):
         metrics = dict(am, **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()})
         return [samples[k:k + G] for k in range(0, len(samples), G)], metrics
 
+    def rollouts(self, flat: list[tuple], sync: bool = True):
+        "Sample every (step, prompt, sample) of `flat` from the current weights, keyed by (seed, step, prompt, sample)."
+        keys, P = [row_key(self.cfg.seed, s, i, j) for s, i, j in flat], [self.prompts[i] for _, i, _ in flat]
+        ro = self.rollout(P, keys, self.cfg.max_new_tokens, sync, return_latents=self.truncated or self.stochastic,
+                          latent_noise=self.stochastic)
+        if ro is not None: self.stats["gen_tokens"] += sum(map(len, ro.completion_ids))
+        return ro
+
+    def rewards(self, texts: list[str], flat: list[tuple]) -> tuple[list[float], dict]:
+        "The weighted verifiable rewards of the completions, and each part's values (for the metrics and records)."
+        R = self.reward_fn(texts, [self.rows[i] for _, i, _ in flat])
+        return R, dict(self.reward_fn.parts)
+
+    def advantages(self, R: list[float], gather: bool = True) -> tuple[list[float], dict]:
+        """Group-relative advantages; `adv_scale = batch` divides by the std over every rank's rewards, as on one process
+        (`gather`; a dynamic-sampling round, whose ranks sample different numbers of groups, uses its own rank's)."""
+        Rt, G = torch.tensor(R, dtype=torch.float64), self.cfg.group_size
+        if self.cfg.adv_scale == "batch" and self.acc.num_processes > 1 and gather:
+            adv, am = group_advantages(Rt, G, scale="none")
+            adv = adv / self.acc.gather(Rt.to(self.acc.device)).double().std(correction=0).clamp_min(1e-4).cpu()
+        else: adv, am = group_advantages(Rt, G, scale=self.cfg.adv_scale)
+        return adv.tolist(), am
+
+    def resample(self, steps: list[int], mine: dict, groups: list[list[dict]]) -> list[list[dict]]:
+        """Dynamic sampling (DAPO): a group whose rewards are all equal carries no signal, so up to `dynamic_sampling`
+        rounds draw fresh prompts (another permutation of the data per round) until every step of the cycle has as many
+        groups with signal as it has prompts; a step still short keeps some equal-reward groups (`ds_frac_kept_zero_std`).
+        The step's reward figures stay those of its own prompts (an unfiltered sample of the policy)."""
+        W, rank, c = self.acc.num_processes, self.acc.process_index, self.cfg
+        kept = {s: [g for g in groups if g[0]["step"] == s and _has_signal(g)] for s in steps}
+        spare = {s: [g for g in groups if g[0]["step"] == s and not _has_signal(g)] for s in steps}
+        drawn, rounds = len(groups), 0
+        for rnd in range(1, c.dynamic_sampling + 1):
+            short = {s: len(mine[s]) - len(kept[s]) for s in steps}
+            if sum_over_ranks([sum(max(0, v) for v in short.values())], self.acc)[0] == 0: break   # every rank is full
+            pairs = [(s, i) for s in steps if short[s] > 0
+                     for i in batch_indices(s, c.batch_size, self.n_examples, row_key(c.seed, rnd))[rank::W]]
+            new, _ = self.sample_groups(pairs, rnd)
+            drawn, rounds = drawn + len(new), rnd
+            for g in new:
+                s = g[0]["step"]
+                if _has_signal(g) and len(kept[s]) < len(mine[s]): kept[s].append(g)
+        out = [g for s in steps for g in kept[s] + spare[s][:len(mine[s]) - len(kept[s])]]
+        n = max(1, len(out))
+        self.cycle_metrics.update(ds_rounds=float(rounds), ds_groups_sampled=drawn / n,
+                                  ds_frac_kept_zero_std=sum(not _has_signal(g) for g in out) / n)
+        return out
+
+    def keep(self, steps: list[int], groups: list[list[dict]]) -> None:
+        "The cycle's samples, per step, and each step's sampled-token count over all ranks (forced tokens excluded)."
+        mine = {s: [x for g in groups if g[0]["step"] == s for x in g] for s in steps}
+        counts = sum_over_ranks([sum(len(x["completion"]) - len(x["latent_at"]) for x in mine[s]) for s in steps]
+                                + [sum(len(x.get("latent_lp", ())) for x in mine[s]) for s in steps], self.acc)
+        self.hold(mine, dict(zip(steps, counts[:len(steps)])))
+        self.latent_counts.clear()
+        self.latent_counts.update(zip(steps, counts[len(steps):]))
+
+    def take_groups(self, step: int, part: list[int]) -> list[dict]:
+        """This micro-batch's samples: whole groups of the loop's `part` prompts (the buffer follows the data order; with
+        dynamic sampling the buffer's own prompts fill the micro-batch's `len(part)` slots)."""
+        G = self.cfg.group_size
+        smp = self.take(step, len(part) * G)
+        ok = len(smp) == len(part) * G if self.cfg.dynamic_sampling else [x["idx"] for x in smp[::G]] == list(part)
+        if not ok: raise self.out_of_step(step)
+        return smp
+
+    def metrics(self, step: int) -> dict:
+        return dict(drain(self.timing), **self.cycle_metrics)
+
+    def old_logprobs(self, steps: list[int]) -> None:
+        "Score the cycle's samples in the trainer before any update (`logp_old` of each, for truncated IS)."
+        G, T = self.cfg.group_size, self.cfg.temperature
+        smp = [x for s in steps for x in self.buffer[s]]
+        with torch.no_grad(), gathered_weights(self.policy.module):
+            for k in range(0, len(smp), G):
+                part = smp[k:k + G]
+                P, C, LA = ([x[k] for x in part] for k in ("prompt", "completion", "latent_at"))
+                lp, _ = self.policy.logprobs(P, C, LA, T)                                    # [G, N]
+                for x, row in zip(part, lp): x["logp_old"] = row[:len(x["completion"])].tolist()
+
+    def record_rollouts(self, c0: int, groups: list[list[dict]]) -> None:
+        "Two whole groups of the cycle with their rewards and advantages (`rollouts.jsonl`)."
+        for g, grp in enumerate(groups[:2]):
+            row = self.rows[grp[0]["idx"]]
+            self.rec_ro.log(
+                step=c0,
+                group=g,
+                prompt=row_prompt(row),
+                truth=row["output"],
+                samples=[
+                    {
+                        "text": x["text"], "tokens": token_strings(self.policy.tok, x["completion"]), "reward": x["reward"],
+                        "adv": x["adv"], "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
+                        "latent_at": x["latent_at"],
+                    }
+                    for x in grp
+                ],
+            )
+
 # %% ../nbs/20_grpo.ipynb #5b8b2e39
-@patch
-def rollouts(self: GRPOStep, flat: list[tuple], sync: bool = True):
-    "Sample every (step, prompt, sample) of `flat` from the current weights, keyed by (seed, step, prompt, sample)."
-    keys, P = [row_key(self.cfg.seed, s, i, j) for s, i, j in flat], [self.prompts[i] for _, i, _ in flat]
-    ro = self.rollout(P, keys, self.cfg.max_new_tokens, sync, return_latents=self.truncated or self.stochastic,
-                      latent_noise=self.stochastic)
-    if ro is not None: self.stats["gen_tokens"] += sum(map(len, ro.completion_ids))
-    return ro
-
-@patch
-def rewards(self: GRPOStep, texts: list[str], flat: list[tuple]) -> tuple[list[float], dict]:
-    "The weighted verifiable rewards of the completions, and each part's values (for the metrics and records)."
-    R = self.reward_fn(texts, [self.rows[i] for _, i, _ in flat])
-    return R, dict(self.reward_fn.parts)
-
-@patch
-def advantages(self: GRPOStep, R: list[float], gather: bool = True) -> tuple[list[float], dict]:
-    """Group-relative advantages; `adv_scale = batch` divides by the std over every rank's rewards, as on one process
-    (`gather`; a dynamic-sampling round, whose ranks sample different numbers of groups, uses its own rank's)."""
-    Rt, G = torch.tensor(R, dtype=torch.float64), self.cfg.group_size
-    if self.cfg.adv_scale == "batch" and self.acc.num_processes > 1 and gather:
-        adv, am = group_advantages(Rt, G, scale="none")
-        adv = adv / self.acc.gather(Rt.to(self.acc.device)).double().std(correction=0).clamp_min(1e-4).cpu()
-    else: adv, am = group_advantages(Rt, G, scale=self.cfg.adv_scale)
-    return adv.tolist(), am
-
 def _has_signal(group: list[dict]) -> bool: return len({x["reward"] for x in group}) > 1
-
-@patch
-def resample(self: GRPOStep, steps: list[int], mine: dict, groups: list[list[dict]]) -> list[list[dict]]:
-    """Dynamic sampling (DAPO): a group whose rewards are all equal carries no signal, so up to `dynamic_sampling`
-    rounds draw fresh prompts (another permutation of the data per round) until every step of the cycle has as many
-    groups with signal as it has prompts; a step still short keeps some equal-reward groups (`ds_frac_kept_zero_std`).
-    The step's reward figures stay those of its own prompts (an unfiltered sample of the policy)."""
-    W, rank, c = self.acc.num_processes, self.acc.process_index, self.cfg
-    kept = {s: [g for g in groups if g[0]["step"] == s and _has_signal(g)] for s in steps}
-    spare = {s: [g for g in groups if g[0]["step"] == s and not _has_signal(g)] for s in steps}
-    drawn, rounds = len(groups), 0
-    for rnd in range(1, c.dynamic_sampling + 1):
-        short = {s: len(mine[s]) - len(kept[s]) for s in steps}
-        if sum_over_ranks([sum(max(0, v) for v in short.values())], self.acc)[0] == 0: break   # every rank is full
-        pairs = [(s, i) for s in steps if short[s] > 0
-                 for i in batch_indices(s, c.batch_size, self.n_examples, row_key(c.seed, rnd))[rank::W]]
-        new, _ = self.sample_groups(pairs, rnd)
-        drawn, rounds = drawn + len(new), rnd
-        for g in new:
-            s = g[0]["step"]
-            if _has_signal(g) and len(kept[s]) < len(mine[s]): kept[s].append(g)
-    out = [g for s in steps for g in kept[s] + spare[s][:len(mine[s]) - len(kept[s])]]
-    n = max(1, len(out))
-    self.cycle_metrics.update(ds_rounds=float(rounds), ds_groups_sampled=drawn / n,
-                              ds_frac_kept_zero_std=sum(not _has_signal(g) for g in out) / n)
-    return out
-
-# %% ../nbs/20_grpo.ipynb #7dcfd544
-@patch
-def keep(self: GRPOStep, steps: list[int], groups: list[list[dict]]) -> None:
-    "The cycle's samples, per step, and each step's sampled-token count over all ranks (forced tokens excluded)."
-    mine = {s: [x for g in groups if g[0]["step"] == s for x in g] for s in steps}
-    counts = sum_over_ranks([sum(len(x["completion"]) - len(x["latent_at"]) for x in mine[s]) for s in steps]
-                            + [sum(len(x.get("latent_lp", ())) for x in mine[s]) for s in steps], self.acc)
-    self.hold(mine, dict(zip(steps, counts[:len(steps)])))
-    self.latent_counts.clear()
-    self.latent_counts.update(zip(steps, counts[len(steps):]))
-
-@patch
-def take_groups(self: GRPOStep, step: int, part: list[int]) -> list[dict]:
-    """This micro-batch's samples: whole groups of the loop's `part` prompts (the buffer follows the data order; with
-    dynamic sampling the buffer's own prompts fill the micro-batch's `len(part)` slots)."""
-    G = self.cfg.group_size
-    smp = self.take(step, len(part) * G)
-    ok = len(smp) == len(part) * G if self.cfg.dynamic_sampling else [x["idx"] for x in smp[::G]] == list(part)
-    if not ok: raise self.out_of_step(step)
-    return smp
-
-@patch
-def metrics(self: GRPOStep, step: int) -> dict:
-    return dict(drain(self.timing), **self.cycle_metrics)
-
-# %% ../nbs/20_grpo.ipynb #c1d2e302
-@patch
-def old_logprobs(self: GRPOStep, steps: list[int]) -> None:
-    "Score the cycle's samples in the trainer before any update (`logp_old` of each, for truncated IS)."
-    G, T = self.cfg.group_size, self.cfg.temperature
-    smp = [x for s in steps for x in self.buffer[s]]
-    with torch.no_grad(), gathered_weights(self.policy.module):
-        for k in range(0, len(smp), G):
-            part = smp[k:k + G]
-            P, C, LA = ([x[k] for x in part] for k in ("prompt", "completion", "latent_at"))
-            lp, _ = self.policy.logprobs(P, C, LA, T)                                    # [G, N]
-            for x, row in zip(part, lp): x["logp_old"] = row[:len(x["completion"])].tolist()
-
-# %% ../nbs/20_grpo.ipynb #d40d518a
-@patch
-def record_rollouts(self: GRPOStep, c0: int, groups: list[list[dict]]) -> None:
-    "Two whole groups of the cycle with their rewards and advantages (`rollouts.jsonl`)."
-    for g, grp in enumerate(groups[:2]):
-        row = self.rows[grp[0]["idx"]]
-        self.rec_ro.log(
-            step=c0,
-            group=g,
-            prompt=row_prompt(row),
-            truth=row["output"],
-            samples=[
-                {
-                    "text": x["text"], "tokens": token_strings(self.policy.tok, x["completion"]), "reward": x["reward"],
-                    "adv": x["adv"], "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
-                    "latent_at": x["latent_at"],
-                }
-                for x in grp
-            ],
-        )
 
 # %% ../nbs/20_grpo.ipynb #847da692
 def reward_rise(rows: list[dict], key: str = "reward_mean", frac: float = 0.1) -> dict:
@@ -375,18 +365,16 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     stochastic_latents(cfg, policy)
     lora_student(cfg, policy.lm, policy.module)
-    if cfg.lora_r and cfg.use_vllm:
-        raise ConfigError("use_vllm with lora_r: vLLM engines take whole weights; train without LoRA or without vLLM")
     rows = load_train(cfg, progress and acc.is_main_process)   # traced_frac < 1: most rows carry only their answer
     if "path" in reward_fn.weights and any("trace" not in r for r in rows):
         raise ConfigError("the path reward compares with each row's trace; answer-only rows (traced_frac < 1) have "
                           "none: drop 'path' from rewards")
     prompts = [prompt_ids(policy.tok, row_prompt(r)) for r in rows]
-    rollout_engine = make_rollout_engine(cfg, policy) if cfg.use_vllm else None
+    vllm_engine = make_vllm_engine(cfg, policy)
     log0(acc, f"grpo: {policy.kind} policy {cfg.model} ({n_params(policy.module):,} params), {len(rows)} prompts, "
               f"{cfg.steps} steps × {cfg.batch_size} prompts × {cfg.group_size} samples, rewards {reward_fn.weights}")
     ref = reference_policy(cfg, acc) if cfg.kl_beta else None
-    stage, t_start = GRPOStep(cfg, acc, policy, rows, prompts, reward_fn, rollout_engine, ref), time.time()
+    stage, t_start = GRPOStep(cfg, acc, policy, rows, prompts, reward_fn, ref, vllm_engine=vllm_engine), time.time()
     res = train_loop(stage, progress)
     bench = throughput_summary(res, stage, time.time() - t_start)
     summary = stage_summary(res, prompts=len(rows), benchmark=bench)

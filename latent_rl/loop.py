@@ -4,213 +4,31 @@
 
 # %% ../nbs/16_loop.ipynb #616a759b
 from __future__ import annotations
-import fcntl, hashlib, json, math, netrc, os, random, shutil, signal, sys, threading, time, urllib.parse, uuid
-from dataclasses import asdict
+import json, math, os, shutil, signal, sys, threading, time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 
-from .corpus import load_rows, trace_and_fill
-from .steps import is_step_file, load_step_rows, to_trace_row
-from .tokens import answer_text, bos_ids
-from . import trace as _trace, steps as _steps, corpus as _corpus, tokens as _tokens
 from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale, ROW_DELTA
 from .generate import seeded
-from .records import RunRecord, RECORD_FILES, trim_records
-from .config import ConfigError, check_precision, check_config, upgrade_keys
-from .engine import (Engine, make_engine, log0, peak_memory_mb, added_peak_mb, param_checksum, full_state_dict,
-                              save_shards, load_shards, reduce_metrics, local_tensor)
+from .records import RunRecord, trim_records, rotate_records, wandb_run
+from .config import ConfigError, check_precision
+from .engine import (Engine, make_engine, log0, peak_memory_mb, param_checksum, full_state_dict, reduce_metrics,
+                              local_tensor)
+from .checkpoints import resume_run, write_checkpoint, release_run_dir, list_checkpoints, disk_guard, on_rank0
 
 # %% auto #0
-__all__ = ['RESUME_MAY_CHANGE', 'CACHE_ENV', 'lr_lambda', 'CheckpointError', 'rng_state', 'set_rng_state', 'file_manifest',
-           'save_checkpoint', 'checkpoint_tmp', 'seal_checkpoint', 'list_checkpoints', 'verify_checkpoint',
-           'load_checkpoint_state', 'latest_checkpoint', 'RunDirBusy', 'lock_run_dir', 'release_run_dir',
-           'config_changes', 'write_config', 'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage',
-           'generation_cycle', 'drain', 'StopRequest', 'lora_student', 'load_traced', 'program_key', 'answer_only',
-           'split_traced', 'load_train', 'cache_root', 'data_key', 'prepared', 'wandb_logged_in', 'wandb_settings',
-           'wandb_run', 'resume_run', 'checkpoint_weights', 'write_checkpoint', 'train_step', 'step_record', 'no_decay',
-           'make_optimizer', 'log_step', 'train_loop', 'finish_run', 'stage_summary', 'losses_line']
+__all__ = ['PREEMPT_EXIT', 'lr_lambda', 'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage',
+           'generation_cycle', 'drain', 'Preempted', 'StopRequest', 'lora_student', 'train_step', 'step_record',
+           'no_decay', 'make_optimizer', 'log_step', 'NonFiniteLoss', 'NonFiniteGuard', 'train_loop', 'finish_run']
 
 # %% ../nbs/16_loop.ipynb #22ccd1d3
 def lr_lambda(step: int, warmup: int, total: int, min_lr_frac: float = 0.1) -> float:
     if step < warmup: return (step + 1) / max(1, warmup)
     prog = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog))
-
-# %% ../nbs/16_loop.ipynb #de33dc37
-class CheckpointError(RuntimeError): pass
-
-def rng_state() -> dict:
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-def set_rng_state(s: dict):
-    random.setstate(s["python"])
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
-
-# %% ../nbs/16_loop.ipynb #21d66cd4
-def file_manifest(root) -> dict:
-    "`{relative path: [size, sha256]}` of every file under `root`."
-    out = {}
-    for p in sorted(Path(root).rglob("*")):
-        if not p.is_file(): continue
-        h = hashlib.sha256()
-        with open(p, "rb") as fh:
-            for blk in iter(lambda: fh.read(1 << 20), b""): h.update(blk)
-        out[str(p.relative_to(root))] = [p.stat().st_size, h.hexdigest()]
-    return out
-
-def save_checkpoint(run_dir, step: int, save_model, state: dict, keep: int = 2) -> Path:
-    """Atomically write `checkpoints/step-{step}`: `save_model(dir)` writes `model/`, then `state.pt`, a `MANIFEST.json`
-    (sizes and hashes of both) and a COMPLETE marker."""
-    tmp = checkpoint_tmp(run_dir, step, fresh=True)
-    save_model(tmp / "model")
-    return seal_checkpoint(run_dir, step, state, keep)
-
-def checkpoint_tmp(run_dir, step: int, fresh: bool = False) -> Path:
-    "The temporary directory a checkpoint of `step` is written into (the same name on every rank); `fresh` empties it."
-    tmp = Path(run_dir) / "checkpoints" / f".tmp-step-{step}"
-    if fresh:
-        if tmp.exists(): shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    return tmp
-
-def seal_checkpoint(run_dir, step: int, state: dict, keep: int = 2) -> Path:
-    "Add `state.pt`, the manifest and the COMPLETE marker to the temporary directory, then rename it into place."
-    tmp, final = checkpoint_tmp(run_dir, step), Path(run_dir) / "checkpoints" / f"step-{step}"
-    torch.save({**state, "step": step}, tmp / "state.pt")
-    (tmp / "MANIFEST.json").write_text(json.dumps(file_manifest(tmp), indent=0))
-    (tmp / "COMPLETE").write_text(str(step))
-    if final.exists(): shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in sorted(list_checkpoints(run_dir))[:-keep] if keep else []: shutil.rmtree(old[1], ignore_errors=True)
-    return final
-
-# %% ../nbs/16_loop.ipynb #9ffc2ea0
-def list_checkpoints(run_dir) -> list[tuple[int, Path]]:
-    root = Path(run_dir) / "checkpoints"
-    if not root.exists(): return []
-    out = []
-    for p in root.glob("step-*"):
-        try: out.append((int(p.name.split("-")[1]), p))
-        except ValueError: pass
-    return sorted(out)
-
-def verify_checkpoint(path):
-    "Raise `CheckpointError` naming the first file of a checkpoint that is missing or differs from its manifest."
-    path = Path(path)
-    if not (path / "COMPLETE").exists(): raise CheckpointError(f"checkpoint {path} is incomplete (no COMPLETE marker)")
-    if not (path / "MANIFEST.json").exists(): return                     # written before manifests existed
-    want, have = json.loads((path / "MANIFEST.json").read_text()), file_manifest(path)
-    for f, (size, sha) in want.items():
-        if f not in have: raise CheckpointError(f"checkpoint {path}: {f} is missing")
-        if have[f][0] != size:
-            raise CheckpointError(f"checkpoint {path}: {f} has {have[f][0]} bytes, {size} were written")
-        if have[f][1] != sha: raise CheckpointError(f"checkpoint {path}: {f} differs from what was written (sha256)")
-
-def load_checkpoint_state(path) -> dict:
-    "Verify a checkpoint against its manifest and read its `state.pt`; a bad one raises `CheckpointError` naming it."
-    path = Path(path)
-    verify_checkpoint(path)
-    try: return torch.load(path / "state.pt", weights_only=False, map_location="cpu")
-    except Exception as e: raise CheckpointError(f"checkpoint {path} is unreadable: {type(e).__name__}: {e}") from None
-
-def latest_checkpoint(run_dir, log=print) -> tuple[Path, dict] | None:
-    "The newest readable checkpoint (and its state); corrupt ones are reported and skipped."
-    for step, p in reversed(list_checkpoints(run_dir)):
-        try: return p, load_checkpoint_state(p)
-        except CheckpointError as e: log(f"warning: {e}; falling back to an earlier checkpoint")
-    return None
-
-# %% ../nbs/16_loop.ipynb #e7a0fc3a
-class RunDirBusy(RuntimeError): "Another live process is training in this run directory."
-
-_LOCKS: dict = {}
-
-def lock_run_dir(out) -> None:
-    """Hold an exclusive lock on `OUT/.lock` until `release_run_dir` or exit: a second run on the same `--out` is
-    refused."""
-    out = Path(out).resolve()
-    if str(out) in _LOCKS: return                          # this process holds it (stages run one after another)
-    out.mkdir(parents=True, exist_ok=True)
-    fh = open(out / ".lock", "a+")
-    try: fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        pid = fh.read().strip() or "unknown"
-        fh.close()
-        raise RunDirBusy(
-            f"{out} is in use by another run (pid {pid}): wait for it to finish, or choose another --out"
-        ) from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"{os.getpid()}\n")
-    fh.flush()
-    _LOCKS[str(out)] = fh
-
-def release_run_dir(out) -> None:
-    "Give the run directory's lock back (closing the file releases it)."
-    fh = _LOCKS.pop(str(Path(out).resolve()), None)
-    if fh is not None: fh.close()
-
-# %% ../nbs/16_loop.ipynb #978d3f72
-RESUME_MAY_CHANGE = {
-    "out", "resume", "overwrite", "allow_config_change", "log_every", "save_every", "anchor_every", "record_every",
-    "wandb",
-}
-
-def config_changes(old: dict, new: dict) -> dict:
-    """`{field: [saved, now]}` for the fields a resumed run would change (fields the saved config lacks keep their
-    default)."""
-    return {k: [old[k], v] for k, v in new.items() if k in old and k not in RESUME_MAY_CHANGE and old[k] != v}
-
-def _prepare(cfg) -> None:
-    "Rank 0's checks: lock, stale temporaries, a previous run (overwrite / resume with the same config), `config.json`."
-    out = Path(cfg.out)
-    lock_run_dir(out)
-    for p in [*(out / "checkpoints").glob(".tmp-step-*"), out / ".final-tmp"]: shutil.rmtree(p, ignore_errors=True)
-    old = [
-        p
-        for p in [*(out / f for f in RECORD_FILES), out / "checkpoints", out / "final", out / "config_changes.jsonl"]
-        if p.exists()
-    ]
-    new = json.loads(json.dumps(asdict(cfg)))
-    if old and not cfg.resume:
-        if not cfg.overwrite:
-            raise FileExistsError(
-                f"{out} holds a previous run ({', '.join(p.name for p in old)}): pass --resume to continue "
-                "it, --overwrite to replace it, or choose another --out"
-            )
-        for p in old: shutil.rmtree(p) if p.is_dir() else p.unlink()
-    if cfg.resume and (out / "config.json").exists():
-        saved = upgrade_keys(json.loads((out / "config.json").read_text()), type(cfg), warn=False)
-        if ch := config_changes(saved, new):
-            if not getattr(cfg, "allow_config_change", False):
-                raise ConfigError(f"{out}: --resume with a config that differs from the run's: " +
-                                  "; ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in ch.items()) +
-                                  ". Resume with the run's values, or pass --allow_config_change to record the change")
-            RunRecord(out, name="config_changes.jsonl").log(changed=ch, time=time.time())
-    (out / "config.json").write_text(json.dumps(new, indent=1))
-
-# %% ../nbs/16_loop.ipynb #4c08854a
-def write_config(cfg, acc):
-    """Check the run directory on rank 0 (lock, fresh / overwrite / resume) and save the resolved config; every rank
-    raises the same error. Every field is checked first (`check_config`), however the config was built."""
-    check_config(cfg)
-    err = None
-    if acc.is_main_process:
-        try: _prepare(cfg)
-        except (ConfigError, FileExistsError, RunDirBusy) as e: err = e
-    if acc.num_processes > 1:                               # rank 0 decides: ranks may see different filesystems
-        err = broadcast_object_list([err])[0]
-    if err is not None:
-        if acc.is_main_process and not isinstance(err, RunDirBusy): release_run_dir(cfg.out)
-        raise err
-    acc.wait_for_everyone()
 
 # %% ../nbs/16_loop.ipynb #b207210a
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
@@ -296,30 +114,39 @@ def drain(timing: dict) -> dict:
     return out
 
 # %% ../nbs/16_loop.ipynb #7f8ff77d
+PREEMPT_EXIT = 143      # a run stopped by a pre-emption signal, its checkpoint written, exits so (128 + SIGTERM): requeue it
+
+class Preempted(Exception):
+    "A pre-emption signal stopped training after a step; its checkpoint is written (the CLI exits `PREEMPT_EXIT`)."
+
 class StopRequest:
-    """Ctrl-C during training: the first one lets the current step finish and write a checkpoint (then the stage
-    raises `KeyboardInterrupt`); a second one stops at once. Every rank stops at the same step."""
-    def __init__(self):
-        self.flag, self.prev = False, None
+    """A request to stop training after the current step, with a checkpoint: Ctrl-C (a second one stops at once) or a
+    pre-emption signal of `signals` — SIGTERM, what Slurm, Kubernetes and spot schedulers send before they kill, or a
+    scheduler's early warning such as SIGUSR1. Every rank stops at the same step (`requested`)."""
+    def __init__(self, signals=("SIGTERM",)):
+        if bad := [s for s in signals if s in ("SIGKILL", "SIGSTOP", "SIGINT") or not isinstance(getattr(signal, s, None),
+                                                                                                signal.Signals)]:
+            raise ValueError(f"preempt_signals: {bad} cannot be caught as a pre-emption signal (e.g. SIGTERM, SIGUSR1)")
+        self.flag, self.why, self.prev = 0, None, {}
         if threading.current_thread() is threading.main_thread():
-            self.prev = signal.signal(signal.SIGINT, self._handle)
+            for s in ("SIGINT", *signals): self.prev[s] = signal.signal(getattr(signal, s), self._handle)
     def close(self):
-        "Give Ctrl-C its previous meaning back."
-        if self.prev is not None:
-            signal.signal(signal.SIGINT, self.prev)
-            self.prev = None
-    def _handle(self, *_):
-        if self.flag:
+        "Give each signal its previous meaning back."
+        for s, h in self.prev.items(): signal.signal(getattr(signal, s), h)
+        self.prev = {}
+    def _handle(self, signum, frame=None):
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self.flag:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
-        self.flag = True
-        print(
-            "\nCtrl-C: stopping after this step and writing a checkpoint (Ctrl-C again to stop at once)",
-            file=sys.stderr,
-        )
-    def requested(self, acc) -> bool:
+        if not self.flag:
+            print(f"\n{'Ctrl-C' if name == 'SIGINT' else name}: stopping after this step and writing a checkpoint" +
+                  (" (Ctrl-C again to stop at once)" if name == "SIGINT" else ""), file=sys.stderr, flush=True)
+        if (level := 1 if name == "SIGINT" else 2) > self.flag: self.flag, self.why = level, name
+    def requested(self, acc) -> int:
+        "0: go on; 1: Ctrl-C; 2: a pre-emption signal — the same on every rank (the largest any rank received)."
         if acc.num_processes == 1: return self.flag
-        return bool(acc.reduce(torch.tensor([float(self.flag)], device=acc.device), "max").item())
+        return int(acc.reduce(torch.tensor([float(self.flag)], device=acc.device), "max").item())
 
 # %% ../nbs/16_loop.ipynb #b3dae85b
 def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
@@ -333,197 +160,6 @@ def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
         )
     add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
     fp32_masters(module)
-
-# %% ../nbs/16_loop.ipynb #4b1596f2
-def load_traced(path, limit: int = 0, progress: bool = True, step_blocks: str = "each") -> list[dict]:
-    """CRUXEval-format rows with traces (a step-data file's rows come as traces, `latent_rl.steps`): rows without a
-    `trace` field are traced in the sandbox (failures dropped; `SandboxUnavailable` where it cannot start, unless
-    `$LATENT_RL_UNSAFE_NO_SANDBOX=1`: the CLI's `--unsafe-no-sandbox`)."""
-    if is_step_file(path):                    # steps: traces already (a latent block per step, or one: `step_blocks`)
-        rows = [to_trace_row(r, step_blocks) for r in load_step_rows(path, limit or None)]
-    else: rows = load_rows(path, limit or None)
-    if not rows: raise ValueError(f"{path}: no rows (the file is empty)")
-    need = [r for r in rows if "trace" not in r]
-    if need:
-        done, skipped = trace_and_fill(need, progress=progress, desc=f"trace {Path(path).name}")
-        byid = {r["id"]: r for r in done}
-        rows = [r if "trace" in r else byid.get(r["id"]) for r in rows]
-        rows = [r for r in rows if r is not None]
-        if not rows: raise ValueError(f"{path}: none of its {len(need)} programs could be traced (reasons: {skipped})")
-    return rows
-
-# %% ../nbs/16_loop.ipynb #9a3a56c9
-def program_key(row: dict, seed: int = 0) -> str:
-    "A row's place in the seeded order that picks traced programs: a hash of (seed, code, input), nothing else."
-    return hashlib.sha256(f"{seed}\0{row['code']}\0{row['input']}".encode()).hexdigest()
-
-def answer_only(row: dict) -> dict:
-    "`row` without its trace: `answer` (the no-trace target, `latent_rl.tokens.answer_text`) and `traced: False`."
-    return {**{k: v for k, v in row.items() if k != "trace"}, "answer": answer_text(row["trace"]), "traced": False}
-
-def split_traced(rows: list[dict], frac: float = 1.0, seed: int = 0) -> list[dict]:
-    """Answers outnumber traces: the `round(frac · n)` programs first in the seeded order (`program_key`) keep their
-    traces, the others become `answer_only`. The choice depends on (seed, program text) only, so every stage, file
-    order and process count picks the same programs."""
-    if frac >= 1: return rows
-    keep = set(sorted(range(len(rows)), key=lambda i: program_key(rows[i], seed))[: round(frac * len(rows))])
-    return [r if i in keep else answer_only(r) for i, r in enumerate(rows)]
-
-def load_train(cfg, progress: bool = True) -> list[dict]:
-    "A stage's training rows: `load_traced(cfg.train)`, then `split_traced` by `cfg.traced_frac` and `cfg.traced_seed`."
-    rows = load_traced(cfg.train, cfg.max_train, progress=progress, step_blocks=cfg.step_blocks)
-    return split_traced(rows, cfg.traced_frac, cfg.traced_seed)
-
-# %% ../nbs/16_loop.ipynb #1146d212
-CACHE_ENV = "LATENT_RL_CACHE"
-_BUILDERS = (_trace, _steps, _corpus, _tokens)                    # the code that reads rows and builds examples
-
-def cache_root() -> Path:
-    "Where prepared data is cached: `$LATENT_RL_CACHE/prepared`, else `~/.cache/latent_rl/prepared`."
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "latent_rl") / "prepared"
-
-def data_key(cfg, tok, kinds, options: dict) -> str:
-    "The cache key of a stage's prepared data: the training file's bytes, the tokenizer, the row and stage options."
-    h = hashlib.sha256()
-    with open(cfg.train, "rb") as fh:
-        for blk in iter(lambda: fh.read(1 << 20), b""): h.update(blk)
-    backend = getattr(tok, "backend_tokenizer", None)
-    h.update((backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)).encode())
-    rows = {k: getattr(cfg, k) for k in ("max_train", "traced_frac", "traced_seed", "step_blocks")}
-    h.update(json.dumps({"kinds": sorted(kinds), "tokens": len(tok), "bos": bos_ids(tok), "eos": tok.eos_token,
-                         "rows": rows, "options": options}, sort_keys=True, default=str).encode())
-    for m in _BUILDERS: h.update(Path(m.__file__).read_bytes())
-    return h.hexdigest()[:32]
-
-# %% ../nbs/16_loop.ipynb #634cf449
-def _part(d: Path, i: int, W: int) -> Path: return d / f"part-{i}-of-{W}.pt"
-
-def _build_part(rows, builders: dict, i: int, W: int, progress: bool) -> dict:
-    "Every W-th row's examples from row `i` on, one list per kind (None where a row gives none, to keep the order)."
-    mine = rows[i::W]
-    out = {k: [] for k in builders}
-    for r in tqdm(mine, desc=f"prepare {len(rows):,} rows", disable=not progress, total=len(mine), miniters=1000):
-        for k, fn in builders.items(): out[k].append(fn(r))
-    return out
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-# %% ../nbs/16_loop.ipynb #e81def80
-def prepared(cfg, tok, acc, builders: dict, options: dict, progress: bool = True) -> dict[str, list]:
-    """`{kind: [builder(row) for each training row (load_train), None dropped]}` for `builders = {kind: fn(row)}`,
-    built once per `data_key` — every process builds its W-th of the rows — and read from the cache after that."""
-    d = cache_root() / data_key(cfg, tok, builders, options)
-    done = d / "COMPLETE"
-    if done.exists(): W = int(done.read_text())
-    else:
-        rows, W, r = load_train(cfg, progress and acc.is_main_process), acc.num_processes, acc.process_index
-        d.mkdir(parents=True, exist_ok=True)
-        _atomic_save(_build_part(rows, builders, r, W, progress and acc.is_main_process), _part(d, r, W))
-        acc.wait_for_everyone()
-        for i in range(W):                   # a part another node wrote where this one cannot see it: built here
-            if not _part(d, i, W).exists(): _atomic_save(_build_part(rows, builders, i, W, False), _part(d, i, W))
-        done.write_text(str(W))
-    parts = [torch.load(_part(d, i, W), weights_only=False) for i in range(W)]
-    n = sum(len(next(iter(p.values()))) for p in parts)
-    log0(acc, f"prepared data: {n:,} rows from {d}")
-    return {k: [e for j in range(n) if (e := parts[j % W][k][j // W]) is not None] for k in builders}
-
-# %% ../nbs/16_loop.ipynb #dbd80ce8
-def wandb_logged_in() -> bool:
-    "Has this machine W&B credentials: `WANDB_API_KEY`, or a `.netrc` entry for the W&B host (`wandb login` writes one)?"
-    if os.environ.get("WANDB_API_KEY"): return True
-    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
-    try: return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError): return False
-
-# %% ../nbs/16_loop.ipynb #0ba4bd17
-def wandb_settings(cfg, stage: str) -> dict | None:
-    """`wandb.init` arguments as a cluster expects them: `WANDB_MODE`, `WANDB_PROJECT`, `WANDB_ENTITY` and
-    `WANDB_RUN_GROUP` win over the config; the run is named after its directory and grouped by the parent directory;
-    its id is kept in `OUT/wandb_id`, so `--resume` continues the same W&B run. Online without a W&B login on this
-    machine, it logs offline (one line says so: `wandb sync` uploads it later). None when W&B is off."""
-    mode = os.environ.get("WANDB_MODE") or cfg.wandb
-    if mode in ("disabled", "off", ""): return None
-    out = Path(cfg.out).resolve()
-    if mode == "online" and not wandb_logged_in():
-        print(f"wandb: no W&B login on this machine (WANDB_API_KEY or `wandb login`): logging offline under {out}/wandb "
-              "(`wandb sync` uploads it later)", file=sys.stderr)
-        mode = "offline"
-    rid = (out / "wandb_id").read_text().strip() if cfg.resume and (out / "wandb_id").exists() else None
-    if rid is None:
-        rid = uuid.uuid4().hex[:12]
-        (out / "wandb_id").write_text(rid)
-    return dict(project=os.environ.get("WANDB_PROJECT") or "latent_rl", entity=os.environ.get("WANDB_ENTITY") or None,
-                group=os.environ.get("WANDB_RUN_GROUP") or out.parent.name, name=out.name, id=rid, resume="allow",
-                job_type=stage, config=asdict(cfg), mode=mode, dir=str(out))
-
-def wandb_run(cfg, stage: str, acc):
-    "A W&B run on rank 0 when W&B is on (wandb is imported only then: an optional dependency)."
-    if not acc.is_main_process or (kw := wandb_settings(cfg, stage)) is None: return None
-    import wandb
-    return wandb.init(**kw)
-
-# %% ../nbs/16_loop.ipynb #27b2a93a
-def resume_run(stage: Stage, eng: Engine, opt, sched) -> int:
-    "Load the newest good checkpoint of `cfg.out` into the model, optimizer, schedule, RNGs and stage state; its step."
-    cfg, acc = stage.cfg, stage.acc
-    ck = latest_checkpoint(cfg.out, log=lambda m: log0(acc, m)) if cfg.resume else None
-    if ck is None: return 0
-    path, st = ck
-    if (path / "shards").exists():
-        # reshards to this run's count
-        _, mb = added_peak_mb(lambda: load_shards(eng, opt, path / "shards"), acc.device)
-        log0(acc, f"loaded the shards of {path}: rank 0's memory peaked {mb:.0f} MB above what it held")
-    elif eng.sharded and eng.wrapped:
-        raise CheckpointError(
-            f"checkpoint {path} holds whole weights (written with --strategy ddp): resume it with ddp"
-        )
-    else:
-        stage.load_weights(path / "model")
-        opt.load_state_dict(st["optimizer"])
-    sched.load_state_dict(st["scheduler"])
-    set_rng_state(st["rng"])
-    per_rank = st.get("stage_state_by_rank") or [{}] * acc.num_processes     # each rank's own (its rollout buffer)
-    if any(per_rank) and len(per_rank) != acc.num_processes:
-        raise CheckpointError(f"checkpoint {path} was written by {len(per_rank)} processes and holds their rollout "
-                              f"buffers; resume it with {len(per_rank)} processes, not {acc.num_processes}")
-    if any(per_rank): stage.load_state(per_rank[acc.process_index])
-    log0(acc, f"resumed from {path} at step {st['step']}")
-    return st["step"]
-
-def checkpoint_weights(stage: Stage):
-    """What a checkpoint writes of the weights, `fn(dir, state_dict=None)`: under LoRA only what trains — the adapters,
-    the trace tokens' rows, a projector (`save_lora`; a resume reads nothing else) — unless `save_merged`; else the
-    stage's model directory (`stage.save`). `final/` is always a whole model."""
-    if lora_scale(stage.module) is None or stage.cfg.save_merged: return stage.save
-    def trained(path, state_dict=None):
-        Path(path).mkdir(parents=True, exist_ok=True)
-        save_lora(stage.module, path, state_dict)
-    return trained
-
-def write_checkpoint(stage: Stage, eng: Engine, opt, sched, step: int) -> None:
-    "Checkpoint after `step` steps: whole weights from rank 0 (ddp) or every rank's shard (fsdp), sealed by rank 0."
-    cfg, acc = stage.cfg, stage.acc
-    stage_state = [stage.state()]
-    if acc.num_processes > 1: stage_state = gather_object(stage_state)           # every rank's own buffer
-    state = {"scheduler": sched.state_dict(), "rng": rng_state(), "data_position": step * cfg.batch_size,
-             "config": asdict(cfg), "stage_state_by_rank": stage_state}
-    if not eng.sharded:
-        if acc.is_main_process:
-            save_checkpoint(cfg.out, step, checkpoint_weights(stage), {**state, "optimizer": opt.state_dict()})
-        acc.wait_for_everyone()
-        return
-    if acc.is_main_process: checkpoint_tmp(cfg.out, step, fresh=True)
-    acc.wait_for_everyone()  # rank 0's added peak is recorded: a shard, never the whole state
-    _, state["save_peak_mb"] = added_peak_mb(
-        lambda: save_shards(eng, opt, checkpoint_tmp(cfg.out, step) / "shards"), acc.device
-    )
-    acc.wait_for_everyone()
-    if acc.is_main_process: seal_checkpoint(cfg.out, step, state)
-    acc.wait_for_everyone()
 
 # %% ../nbs/16_loop.ipynb #154932a0
 def train_step(stage: Stage, eng: Engine, step: int, idx: list[int], amp) -> tuple[list[dict], float]:
@@ -574,10 +210,39 @@ def log_step(rec, wb, bar, step: int, m: dict, sched, gn, m_step: float, t0: flo
     bar.set_postfix({k: f"{v:.3f}" for k, v in m.items() if "loss" in k})
     if wb: wb.log(row, step=step)
 
+# %% ../nbs/16_loop.ipynb #b5c2071f
+class NonFiniteLoss(RuntimeError):
+    "A run whose loss or gradient norm stayed non-finite `max_bad_steps` steps in a row (the CLI: one line, exit 2)."
+
+class NonFiniteGuard:
+    """A step whose gradient norm is not finite (a NaN or inf loss on any rank makes it so, on every rank alike) updates
+    nothing: the optimizer and schedule skip it, `counts` says how many were skipped, and `max_bad_steps` in a row stop
+    the run naming the step, the loss and the last checkpoint — so no non-finite weights are ever written."""
+    def __init__(self, max_bad: int):
+        self.max_bad, self.run, self.counts = max_bad, 0, {"skipped_steps": 0}
+    def finite(self, step: int, ms: list[dict], gn: torch.Tensor, out, acc) -> bool:
+        g = float(local_tensor(gn))                                   # the step's one sync, which the log reads too
+        if math.isfinite(g):
+            self.run = 0
+            return True
+        self.run += 1
+        self.counts["skipped_steps"] += 1
+        loss = [x.get("loss") for x in ms]
+        log0(acc, f"warning: step {step + 1}: loss {loss}, grad norm {g}: not finite, the update is skipped "
+                  f"({self.run} in a row, {self.counts['skipped_steps']} in all)")
+        if self.run > self.max_bad:
+            ck = list_checkpoints(out)
+            raise NonFiniteLoss(
+                f"step {step + 1}: loss {loss} and grad norm {g} were not finite for {self.run} steps in a row "
+                f"(max_bad_steps {self.max_bad}); no non-finite weights were written, the last checkpoint is "
+                f"{ck[-1][1] if ck else 'none'}: lower lr (or fix the data) and --resume from it")
+        return False
+
 # %% ../nbs/16_loop.ipynb #2726c371
 def train_loop(stage: Stage, progress: bool = True) -> dict:
     """Optimise `stage.module` for `cfg.steps` steps (see `Stage`); resumes from the newest good checkpoint under
-    `--resume`, checkpoints every `save_every` steps and on Ctrl-C. The result holds the engine."""
+    `--resume`, checkpoints every `save_every` steps and on Ctrl-C or a pre-emption signal (then raises `Preempted`);
+    a step whose gradient is not finite updates nothing (`NonFiniteGuard`). The result holds the engine."""
     cfg, acc = stage.cfg, stage.acc
     out, W = Path(cfg.out), acc.num_processes
     if cfg.batch_size % (W * cfg.grad_accum):
@@ -590,11 +255,13 @@ def train_loop(stage: Stage, progress: bool = True) -> dict:
     amp = torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     opt, sched = make_optimizer(cfg, params, no_decay(stage.module))
     start = resume_run(stage, eng, opt, sched)
-    if cfg.resume and acc.is_main_process: trim_records(out, start)    # also when no checkpoint was reached: all redone
+    if cfg.resume and acc.is_main_process:                  # rows past the checkpoint are redone; from 0, kept aside
+        trim_records(out, start) if start else rotate_records(out)
     stage.module.train()
     rec, wb = RunRecord(out, acc.is_main_process), wandb_run(cfg, stage.name, acc)
     bar = tqdm(total=cfg.steps, initial=start, desc=stage.name, disable=not (progress and acc.is_main_process))
-    t0, last, totals, stop = time.time(), {}, {}, StopRequest()
+    t0, last, totals, guard = time.time(), {}, {}, NonFiniteGuard(cfg.max_bad_steps)
+    stop = StopRequest([s for s in cfg.preempt_signals.split(",") if s])
     try:
         for step in range(start, cfg.steps):
             ts = time.time()
@@ -602,10 +269,11 @@ def train_loop(stage: Stage, progress: bool = True) -> dict:
             stage.begin(step)
             ms, t_micro = train_step(stage, eng, step, idx, amp)
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            opt.step()
-            sched.step()
+            if guard.finite(step, ms, gn, cfg.out, acc):                 # else the update is skipped and counted
+                opt.step()
+                sched.step()
             opt.zero_grad(set_to_none=True)
-            last = m = reduce_metrics(step_record(ms, stage.metrics(step), t_micro), acc)
+            last = m = reduce_metrics(step_record(ms, stage.metrics(step), t_micro), acc) | guard.counts
             m_step = time.time() - ts
             for k in ("gen_s", "teacher_s", "train_s", "sync_s"):
                 if k in m: totals[k] = totals.get(k, 0.0) + m[k]
@@ -616,9 +284,11 @@ def train_loop(stage: Stage, progress: bool = True) -> dict:
             stopping = stop.requested(acc)
             if step + 1 < cfg.steps and (stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
                 write_checkpoint(stage, eng, opt, sched, step + 1)
-            if stopping:
+            if stopping and step + 1 < cfg.steps:
                 bar.close()
-                log0(acc, f"stopped at step {step + 1}: checkpoint written; --resume continues from it")
+                msg = f"stopped after step {step + 1}, its checkpoint written: --resume continues from it"
+                if stopping == 2: raise Preempted(f"{stop.why or 'a pre-emption signal'}: {msg}")
+                log0(acc, msg)
                 raise KeyboardInterrupt
         bar.close()
     finally: stop.close()
@@ -634,25 +304,16 @@ def finish_run(stage: Stage, summary: dict, engine: Engine | None = None) -> Pat
     final = out / "final"
     summary = {"processes": acc.num_processes, **summary}
     sd = full_state_dict(engine) if engine is not None else None
-    if acc.is_main_process:
+    def write():
         tmp = out / ".final-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        stage.save(tmp) if sd is None else stage.save(tmp, state_dict=sd)
-        (tmp / "training_summary.json").write_text(json.dumps(summary, indent=1, default=float))
+        with disk_guard(out, sum(p.numel() * p.element_size() for p in stage.module.parameters()), tmp):
+            stage.save(tmp) if sd is None else stage.save(tmp, state_dict=sd)
+            (tmp / "training_summary.json").write_text(json.dumps(summary, indent=1, default=float))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         RunRecord(out).log(event="done", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
-    acc.wait_for_everyone()
+    on_rank0(acc, write)                                   # a full disk there is an error on every rank, not a hang
     release_run_dir(out)
     return final
 
-def stage_summary(res: dict, **extra) -> dict:
-    """What a stage's `training_summary.json` holds: its training time and parameter checksums (from `train_loop`'s
-    `res`), the stage's own figures (`extra`), and the last logged metrics as `final_*`."""
-    return {"train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], **extra,
-            **{f"final_{k}": v for k, v in res["last"].items()}}
-
-def losses_line(name: str, res: dict) -> str:
-    "`NAME done in Ns: loss=…` with the last logged losses: a stage's closing log line."
-    return f"{name} done in {res['train_seconds']:.0f}s: " + ", ".join(
-        f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k)

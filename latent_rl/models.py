@@ -15,8 +15,8 @@ from .tokens import add_trace_tokens
 
 # %% auto #0
 __all__ = ['DTYPES', 'TOKENIZER_FILES', 'HUB_NAME', 'MODEL_FILES', 'TINY_SIZES', 'ROW_DELTA', 'LORA_TARGETS', 'resolve_dtype',
-           'load_tokenizer', 'check_vocab', 'resolve_model', 'load_model', 'tiny_config', 'build_tiny', 'n_params',
-           'unwrap', 'backbone', 'lm_head_weight', 'Head', 'head_rows', 'lm_head', 'check_head', 'add_lora',
+           'load_tokenizer', 'check_vocab', 'resolve_model', 'model_exists', 'load_model', 'tiny_config', 'build_tiny',
+           'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'Head', 'head_rows', 'lm_head', 'check_head', 'add_lora',
            'fp32_masters', 'lora_scale', 'train_rows', 'fold_rows', 'merge_lora', 'export_state', 'save_lora',
            'load_lora', 'adapters_off', 'cache_kw', 'out_cache', 'copy_cache']
 
@@ -80,6 +80,11 @@ def resolve_model(name_or_path, files=MODEL_FILES) -> Path:
                if constants.HF_HUB_OFFLINE else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         raise FileNotFoundError(f"model {s}: no such local path, and the hub model {repo}"
                                 f"{'@' + rev if rev else ''} is {why}") from None
+
+def model_exists(name_or_path) -> bool:
+    "Does `name_or_path` resolve to a model directory (`resolve_model`: a path, or a hub name in reach)?"
+    try: return resolve_model(name_or_path).exists()
+    except FileNotFoundError: return False
 
 # %% ../nbs/04_models.ipynb #2f5fe9f1
 def load_model(name_or_path, tok=None, dtype="fp32", device="cpu", attn_implementation: str | None = None):

@@ -13,7 +13,6 @@ from .generate import Rollout
 from .records import RunRecord
 from .engine import gathered_weights
 from .loop import PolicyStage, generation_cycle
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['OnPolicyStage', 'token_strings']
@@ -25,6 +24,10 @@ class OnPolicyStage(PolicyStage):
     (`fill`), kept per step (`buffer`) with each step's scored-token count over all ranks (`token_counts`), and taken
     by the loop's micro-batches in order (`take`). A subclass says what fills a cycle and what one micro-batch's
     loss is (`loss`)."""
+    cfg: object                                       # the stage's config (`GKDConfig`, `GRPOConfig`)
+    acc: object                                       # its `Accelerator` (`latent_rl.engine.setup`)
+    policy: object                                    # the `Policy` it trains
+    vllm_engine: object = None                        # a vLLM engine (text policies: `make_vllm_engine`), else the policy decodes
     buffer: dict = field(default_factory=dict)        # step -> this rank's items of the generation cycle
     token_counts: dict = field(default_factory=dict)  # step -> the global batch's scored tokens
     calls: dict = field(default_factory=dict)         # step -> micro-batches taken so far
@@ -40,105 +43,90 @@ class OnPolicyStage(PolicyStage):
         if step not in self.buffer: self.fill(step)
         return self.loss(step, part, idx)
 
-# %% ../nbs/18a_onpolicy.ipynb #6881fc92
-@patch
-def cycle(self: OnPolicyStage, step: int) -> tuple[list[int], dict]:
-    "The generation cycle holding `step`, and per step of it this rank's share of the step's batch."
-    steps = generation_cycle(step, self.cfg.steps_per_generation, self.cfg.steps)
-    W, rank = self.acc.num_processes, self.acc.process_index
-    return steps, {s: self.batch(s)[rank::W] for s in steps}
+    def cycle(self, step: int) -> tuple[list[int], dict]:
+        "The generation cycle holding `step`, and per step of it this rank's share of the step's batch."
+        steps = generation_cycle(step, self.cfg.steps_per_generation, self.cfg.steps)
+        W, rank = self.acc.num_processes, self.acc.process_index
+        return steps, {s: self.batch(s)[rank::W] for s in steps}
 
-@patch
-def hold(self: OnPolicyStage, mine: dict, counts: dict) -> None:
-    "Keep a new cycle: its items per step (`mine`) and each step's token count; the micro-batch counters restart."
-    for d, new in ((self.buffer, mine), (self.token_counts, counts), (self.calls, {})):
-        d.clear()
-        d.update(new)
+    def hold(self, mine: dict, counts: dict) -> None:
+        "Keep a new cycle: its items per step (`mine`) and each step's token count; the micro-batch counters restart."
+        for d, new in ((self.buffer, mine), (self.token_counts, counts), (self.calls, {})):
+            d.clear()
+            d.update(new)
 
-@patch
-def take(self: OnPolicyStage, step: int, n: int) -> list:
-    "The next `n` items of `step` (the loop's micro-batches take them in its order)."
-    a = self.calls[step] = self.calls.get(step, -1) + 1
-    return self.buffer[step][a * n:(a + 1) * n]
+    def take(self, step: int, n: int) -> list:
+        "The next `n` items of `step` (the loop's micro-batches take them in its order)."
+        a = self.calls[step] = self.calls.get(step, -1) + 1
+        return self.buffer[step][a * n:(a + 1) * n]
 
-@patch
-def out_of_step(self: OnPolicyStage, step: int) -> RuntimeError:
-    "The error for a buffer whose items are not the loop's micro-batch (never trained on)."
-    return RuntimeError(f"{self.name}: the buffer is out of step with the training loop at step {step}, "
-                        f"micro-batch {self.calls[step]}")
+    def out_of_step(self, step: int) -> RuntimeError:
+        "The error for a buffer whose items are not the loop's micro-batch (never trained on)."
+        return RuntimeError(f"{self.name}: the buffer is out of step with the training loop at step {step}, "
+                            f"micro-batch {self.calls[step]}")
 
-# %% ../nbs/18a_onpolicy.ipynb #f1a1d837
-@patch
-def rollout(self: OnPolicyStage, prompts: list, keys: list[int], max_new_tokens: int, sync: bool = True,
-            **kw) -> Rollout | None:
-    """`prompts` sampled from the current weights, row `i` keyed by `keys[i]`: by the rollout engine (synced first
-    when `sync`), or by `Policy.sample` under the gathered weights (every rank enters, also one with nothing to
-    sample: then None). `latent_at` is a list per row, empty for a text policy."""
-    cfg, policy, engine = self.cfg, self.policy, self.rollout_engine
-    if engine is not None and sync:
-        t0 = time.time()
-        engine.sync(policy.lm)
-        self.timing["sync_s"] += time.time() - t0
-    t0, ro = time.time(), None
-    if engine is not None and prompts:
-        ro = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
-                             eos_id=policy.eos_id, seeds=keys)
-        ro.latent_at = ro.latent_at or [[] for _ in prompts]
-    elif engine is None:
-        with gathered_weights(policy.module):
-            if prompts: ro = policy.sample(prompts, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
-                                           keys=keys, **kw)
-    self.timing["gen_s"] += time.time() - t0
-    return ro
+    def rollout(self, prompts: list, keys: list[int], max_new_tokens: int, sync: bool = True,
+                **kw) -> Rollout | None:
+        """`prompts` sampled from the current weights, row `i` keyed by `keys[i]`: by the rollout engine (synced first
+        when `sync`), or by `Policy.sample` under the gathered weights (every rank enters, also one with nothing to
+        sample: then None). `latent_at` is a list per row, empty for a text policy."""
+        cfg, policy, engine = self.cfg, self.policy, self.vllm_engine
+        if engine is not None and sync:
+            t0 = time.time()
+            engine.sync(policy.lm)
+            self.timing["sync_s"] += time.time() - t0
+        t0, ro = time.time(), None
+        if engine is not None and prompts:
+            ro = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
+                                 eos_id=policy.eos_id, seeds=keys)
+            ro.latent_at = ro.latent_at or [[] for _ in prompts]
+        elif engine is None:
+            with gathered_weights(policy.module):
+                if prompts: ro = policy.sample(prompts, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
+                                               keys=keys, **kw)
+        self.timing["gen_s"] += time.time() - t0
+        return ro
+
+    def recorder(self, name: str) -> RunRecord:
+        "A record file in the run directory, written on the main process when `record_every > 0`."
+        return RunRecord(self.cfg.out, self.acc.is_main_process and self.cfg.record_every > 0, name)
+
+    def records(self, step: int) -> bool:
+        "Whether this micro-batch is recorded: the first of a recorded step, on the main process."
+        c = self.cfg
+        return bool(c.record_every) and step % c.record_every == 0 and self.calls[step] == 0 and self.acc.is_main_process
+
+    def record_pairs(self, rec: RunRecord, step: int, items: list[dict], logp: torch.Tensor, other,
+                     mask: torch.Tensor) -> None:
+        """A few sequences' logprob pairs for the inspectors (`logprobs.jsonl`): this policy's `logp [B, N]` beside the
+        `other` side's per row (the teacher's or the inference engine's; nan: unknown), with each item's mask, advantage
+        and reward (0 where it has none)."""
+        for b, x in enumerate(items[:4]):
+            L = len(x["completion"])
+            rec.log(step=step, micro=0, row=b, tokens=token_strings(self.policy.tok, x["completion"]),
+                    logp=logp[b, :L].tolist(), logp_inf=[None if v != v else v for v in list(other[b])[:L]],
+                    mask=mask[b, :L].int().tolist(), adv=x.get("adv", 0.0), reward=x.get("reward", 0.0),
+                    latent_at=x["latent_at"])
+
+    def pack(self, item: dict) -> dict:
+        "What a checkpoint keeps of a buffered item (all of it; GKD drops the row, restored from the data)."
+        return item
+
+    def unpack(self, item: dict) -> dict: return item
+
+    def state(self) -> dict:
+        "The dicts of `kept`, the buffer's items `pack`ed."
+        st = {name: dict(getattr(self, name)) for name in self.kept}
+        st["buffer"] = {s: [self.pack(x) for x in xs] for s, xs in self.buffer.items()}
+        return st
+
+    def load_state(self, st: dict) -> None:
+        for name in self.kept:
+            getattr(self, name).clear()
+            getattr(self, name).update(st.get(name, {}))
+        self.buffer.update({s: [self.unpack(x) for x in xs] for s, xs in self.buffer.items()})
 
 # %% ../nbs/18a_onpolicy.ipynb #9de680b7
 def token_strings(tok, ids) -> list[str]:
     "Each id's token string (the id itself for a tokenizer without `convert_ids_to_tokens`)."
     return tok.convert_ids_to_tokens(list(ids)) if hasattr(tok, "convert_ids_to_tokens") else [str(i) for i in ids]
-
-@patch
-def recorder(self: OnPolicyStage, name: str) -> RunRecord:
-    "A record file in the run directory, written on the main process when `record_every > 0`."
-    return RunRecord(self.cfg.out, self.acc.is_main_process and self.cfg.record_every > 0, name)
-
-@patch
-def records(self: OnPolicyStage, step: int) -> bool:
-    "Whether this micro-batch is recorded: the first of a recorded step, on the main process."
-    c = self.cfg
-    return bool(c.record_every) and step % c.record_every == 0 and self.calls[step] == 0 and self.acc.is_main_process
-
-@patch
-def record_pairs(self: OnPolicyStage, rec: RunRecord, step: int, items: list[dict], logp: torch.Tensor, other,
-                 mask: torch.Tensor) -> None:
-    """A few sequences' logprob pairs for the inspectors (`logprobs.jsonl`): this policy's `logp [B, N]` beside the
-    `other` side's per row (the teacher's or the inference engine's; nan: unknown), with each item's mask, advantage
-    and reward (0 where it has none)."""
-    for b, x in enumerate(items[:4]):
-        L = len(x["completion"])
-        rec.log(step=step, micro=0, row=b, tokens=token_strings(self.policy.tok, x["completion"]),
-                logp=logp[b, :L].tolist(), logp_inf=[None if v != v else v for v in list(other[b])[:L]],
-                mask=mask[b, :L].int().tolist(), adv=x.get("adv", 0.0), reward=x.get("reward", 0.0),
-                latent_at=x["latent_at"])
-
-# %% ../nbs/18a_onpolicy.ipynb #39ef9573
-@patch
-def pack(self: OnPolicyStage, item: dict) -> dict:
-    "What a checkpoint keeps of a buffered item (all of it; GKD drops the row, restored from the data)."
-    return item
-
-@patch
-def unpack(self: OnPolicyStage, item: dict) -> dict: return item
-
-@patch
-def state(self: OnPolicyStage) -> dict:
-    "The dicts of `kept`, the buffer's items `pack`ed."
-    st = {name: dict(getattr(self, name)) for name in self.kept}
-    st["buffer"] = {s: [self.pack(x) for x in xs] for s, xs in self.buffer.items()}
-    return st
-
-@patch
-def load_state(self: OnPolicyStage, st: dict) -> None:
-    for name in self.kept:
-        getattr(self, name).clear()
-        getattr(self, name).update(st.get(name, {}))
-    self.buffer.update({s: [self.unpack(x) for x in xs] for s, xs in self.buffer.items()})

@@ -4,12 +4,14 @@
 
 # %% ../nbs/12_records.ipynb #4b2b3f93
 from __future__ import annotations
-import json, os
+import json, netrc, os, sys, urllib.parse, uuid
+from dataclasses import asdict
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['RECORD_FILES', 'METRICS_STEP_OFFSET', 'RunRecord', 'trim_records', 'run_file', 'read_records', 'read_config',
-           'read_metrics', 'read_logprobs', 'read_rollouts', 'read_anchors', 'run_kind', 'steps_of']
+__all__ = ['RECORD_FILES', 'METRICS_STEP_OFFSET', 'RunRecord', 'rotate_records', 'trim_records', 'run_file', 'read_records',
+           'read_config', 'read_metrics', 'read_logprobs', 'read_rollouts', 'read_anchors', 'run_kind', 'steps_of',
+           'wandb_logged_in', 'wandb_settings', 'wandb_run', 'stage_summary', 'losses_line']
 
 # %% ../nbs/12_records.ipynb #a5fb848d
 # name -> step base
@@ -34,6 +36,19 @@ class RunRecord:
         return rows
 
 # %% ../nbs/12_records.ipynb #05ac36cc
+def rotate_records(out) -> list[Path]:
+    """Keep a run directory's record files aside — `metrics.jsonl` becomes `metrics.jsonl.1` (the next free number) —
+    when a run starts over in it: history is moved, never deleted. Returns the new paths."""
+    moved = []
+    for name in (*RECORD_FILES, "config_changes.jsonl"):
+        p = Path(out) / name
+        if not p.exists(): continue
+        k = 1
+        while (q := p.with_name(f"{name}.{k}")).exists(): k += 1
+        os.replace(p, q)
+        moved.append(q)
+    return moved
+
 def trim_records(out, step: int):
     "After resuming at `step`, drop record rows the killed run wrote past its last checkpoint (they will be redone)."
     for name, base in RECORD_FILES.items():
@@ -121,3 +136,50 @@ def run_kind(run_dir) -> str:
 def steps_of(rows) -> list[int]:
     "Sorted distinct `step` values of record rows."
     return sorted({int(r["step"]) for r in rows})
+
+# %% ../nbs/12_records.ipynb #dbd80ce8
+def wandb_logged_in() -> bool:
+    "Has this machine W&B credentials: `WANDB_API_KEY`, or a `.netrc` entry for the W&B host (`wandb login` writes one)?"
+    if os.environ.get("WANDB_API_KEY"): return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try: return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError): return False
+
+# %% ../nbs/12_records.ipynb #0ba4bd17
+def wandb_settings(cfg, stage: str) -> dict | None:
+    """`wandb.init` arguments as a cluster expects them: `WANDB_MODE`, `WANDB_PROJECT`, `WANDB_ENTITY` and
+    `WANDB_RUN_GROUP` win over the config; the run is named after its directory and grouped by the parent directory;
+    its id is kept in `OUT/wandb_id`, so `--resume` continues the same W&B run. Online without a W&B login on this
+    machine, it logs offline (one line says so: `wandb sync` uploads it later). None when W&B is off."""
+    mode = os.environ.get("WANDB_MODE") or cfg.wandb
+    if mode in ("disabled", "off", ""): return None
+    out = Path(cfg.out).resolve()
+    if mode == "online" and not wandb_logged_in():
+        print(f"wandb: no W&B login on this machine (WANDB_API_KEY or `wandb login`): logging offline under {out}/wandb "
+              "(`wandb sync` uploads it later)", file=sys.stderr)
+        mode = "offline"
+    rid = (out / "wandb_id").read_text().strip() if cfg.resume and (out / "wandb_id").exists() else None
+    if rid is None:
+        rid = uuid.uuid4().hex[:12]
+        (out / "wandb_id").write_text(rid)
+    return dict(project=os.environ.get("WANDB_PROJECT") or "latent_rl", entity=os.environ.get("WANDB_ENTITY") or None,
+                group=os.environ.get("WANDB_RUN_GROUP") or out.parent.name, name=out.name, id=rid, resume="allow",
+                job_type=stage, config=asdict(cfg), mode=mode, dir=str(out))
+
+def wandb_run(cfg, stage: str, acc):
+    "A W&B run on rank 0 when W&B is on (wandb is imported only then: an optional dependency)."
+    if not acc.is_main_process or (kw := wandb_settings(cfg, stage)) is None: return None
+    import wandb
+    return wandb.init(**kw)
+
+# %% ../nbs/12_records.ipynb #77355625
+def stage_summary(res: dict, **extra) -> dict:
+    """What a stage's `training_summary.json` holds: its training time and parameter checksums (from `train_loop`'s
+    `res`), the stage's own figures (`extra`), and the last logged metrics as `final_*`."""
+    return {"train_seconds": res["train_seconds"], "param_checksums": res["param_checksums"], **extra,
+            **{f"final_{k}": v for k, v in res["last"].items()}}
+
+def losses_line(name: str, res: dict) -> str:
+    "`NAME done in Ns: loss=…` with the last logged losses: a stage's closing log line."
+    return f"{name} done in {res['train_seconds']:.0f}s: " + ", ".join(
+        f"{k}={v:.4g}" for k, v in res["last"].items() if "loss" in k)

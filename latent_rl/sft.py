@@ -18,7 +18,9 @@ from .logprobs import shift_labels
 from .losses import sft_loss
 from .config import TrainConfig, PosInt, PosFloat, NonNegInt, NonNegFloat
 from .engine import setup, log0
-from .loop import Stage, train_loop, finish_run, write_config, load_traced, prepared, lora_student
+from .loop import Stage, train_loop, finish_run, lora_student
+from .checkpoints import write_config
+from .rows import load_traced, prepared
 
 # %% auto #0
 __all__ = ['SFTConfig', 'build_or_load', 'sft_batch_loss', 'eval_loss', 'SFTStep', 'sft_examples', 'run_sft']

@@ -461,6 +461,6 @@ class Execution:
         return self.groups if self.groups is not None else self.tails
 
     def student(self, lm: LatentModel, examples: list[dict], **kw) -> StudentPass:
-        "The student's pass run under this plan: one lockstep pass or `phase_groups`, tails apart or not."
+        "The student's pass run as this execution says: one lockstep pass or `phase_groups`, tails apart or not."
         if self.groups is None: return student_pass(lm, examples, tail_cost=self.tails, **kw)
         return grouped_student_pass(lm, examples, self.groups, tail_cost=self.tails, **kw)

@@ -27,15 +27,17 @@ from .sweep import main as sweep_main
 from .plan import plan_command
 from .recipes import RECIPES, recipe_toml
 from .serve import serve_teacher
-from .policy import serve_rollouts
-from .loop import CheckpointError, RunDirBusy
+from .vllm import serve_rollouts
+from .checkpoints import CheckpointError, RunDirBusy
+from .loop import NonFiniteLoss, Preempted, PREEMPT_EXIT
+from .teachers import TeacherUnavailable
 from .engine import setup, teardown
 
 # %% auto #0
 __all__ = ['TRACING', 'UNSAFE_FLAG', 'STEP_DATA', 'PENDING', 'DEFAULT_RECIPE', 'COMMANDS', 'PIPELINE', 'sandbox_flag',
            'cmd_doctor', 'cmd_step_data', 'cmd_data', 'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench',
            'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot', 'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_mult',
-           'cmd_recipes', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'user_errors', 'run_command', 'main']
+           'cmd_recipes', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'user_errors', 'fault_line', 'run_command', 'main']
 
 # %% ../nbs/29_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -286,13 +288,25 @@ COMMANDS = {
 
 # %% ../nbs/29_train.ipynb #e59d31d3
 def user_errors() -> tuple:
-    "Exceptions that mean bad input (config, rows, files, encodings, a busy or bad run directory), not a bug."
-    return (ValueError, OSError, CheckpointError, RunDirBusy)
+    """Exceptions whose cause is the user's input or machine, not a bug: bad config, rows, files or encodings; a busy or
+    damaged run directory; a full disk; a dead teacher server; a loss that will not stay finite; memory that ran out."""
+    import torch
+    return (ValueError, OSError, CheckpointError, RunDirBusy, TeacherUnavailable, NonFiniteLoss, MemoryError,
+            torch.OutOfMemoryError)
+
+def fault_line(e: BaseException) -> str:
+    "An error as one line: its message's first line, or what it is (memory that ran out says so)."
+    import torch
+    first = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return f"out of memory{': ' + first[:300] if first else ''} (lower batch_size or max_len, or add grad_accum)"
+    return first or type(e).__name__
 
 def run_command(cmd: str, rest: list[str], debug: bool = False) -> int:
-    """Run one subcommand: bad input prints one line and returns 2 (the traceback only with `--debug`); a machine where
-    the sandbox cannot start returns 1 with what to do; Ctrl-C returns 130. A command that succeeds ends its process
-    group (`teardown`): a multi-process run that finished must not abort at exit."""
+    """Run one subcommand: bad input or a machine fault prints one line and returns 2 (the traceback only with
+    `--debug`); a machine where the sandbox cannot start returns 1 with what to do; Ctrl-C returns 130, a pre-emption
+    signal 143 after its checkpoint. A command that succeeds ends its process group (`teardown`): a multi-process run
+    that finished must not abort at exit."""
     try: COMMANDS[cmd](rest)
     except SandboxUnavailable as e:
         print(f"latent-rl {cmd}: {e}", file=sys.stderr)
@@ -301,9 +315,12 @@ def run_command(cmd: str, rest: list[str], debug: bool = False) -> int:
         print(f"latent-rl {cmd}: interrupted; checkpoints already written are kept (--resume continues from the last one)",
               file=sys.stderr)
         return 130
+    except Preempted as e:                        # a scheduler's signal: the checkpoint is written, requeue the job
+        print(f"latent-rl {cmd}: {e}", file=sys.stderr)
+        return PREEMPT_EXIT
     except user_errors() as e:
         if debug: raise
-        print(f"latent-rl {cmd}: error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
+        print(f"latent-rl {cmd}: error: {fault_line(e)}\n(run with --debug for the traceback)", file=sys.stderr)
         return 2
     teardown()               # after the try: a failure here is no input error, and the work is already saved
     return 0

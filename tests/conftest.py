@@ -14,7 +14,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
     torch.set_num_threads(1)
 
-# Prepared training data (`latent_rl.loop.prepared`) is cached in a directory of this test session, not the user's
+# Prepared training data (`latent_rl.rows.prepared`) is cached in a directory of this test session, not the user's
 os.environ.setdefault("LATENT_RL_CACHE", __import__("tempfile").mkdtemp(prefix="latent_rl_cache_"))
 
 # Tracing needs the sandbox (a bwrap jail). Where it cannot start, the suite's own benign programs are traced without

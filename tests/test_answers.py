@@ -9,7 +9,7 @@ from conftest import run_cli, TEACHER, ROWS, ONE
 def _summary(run): return json.loads((run / "final" / "training_summary.json").read_text())
 
 def _rows(n=64, frac=0.25):
-    from latent_rl.loop import load_traced, split_traced
+    from latent_rl.rows import load_traced, split_traced
     return split_traced(load_traced(ROWS, n, progress=False), frac, 0)
 
 def test_sft_trains_on_the_traced_rows_or_on_every_answer(tmp_path):

@@ -365,7 +365,7 @@ def test_old_field_names_still_work_with_a_warning(tmp_path):
     from dataclasses import asdict
     from latent_rl.codi import CodiConfig
     from latent_rl.config import parse_config, upgrade_keys
-    from latent_rl.loop import config_changes
+    from latent_rl.checkpoints import config_changes
     f = tmp_path / "old.toml"
     f.write_text("g = 0.0\ngrad_ckpt = true\nss_prob = 0.25\nlatent_tf_decay = true\n")
     with contextlib.redirect_stderr(io.StringIO()) as err:

@@ -164,6 +164,33 @@ def test_sigkill_then_resume_is_exact(tiny_data, tmp_path):
     # rows the killed run wrote past its checkpoint were dropped, then redone
     assert steps == list(range(1, 61))
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigterm_two_processes_checkpoint_together_and_resume_exactly(tiny_data, tmp_path, strategy):
+    """A scheduler's SIGTERM to `torchrun` (which passes it to both ranks): every rank finishes the step, the checkpoint
+    is written together and each rank exits 143; `--resume` on two processes ends with the uninterrupted run's weights.
+    Before: no checkpoint, everything since the last save_every lost."""
+    args = [
+        "sft", "--recipe", "none", "--tokenizer", tiny_data / "tokenizer", "--train", tiny_data / "corpus/train.jsonl",
+        "--val", "", "--size", "nano", "--steps", 16, "--batch_size", 16, "--save_every", 0, "--log_every", 1,
+        "--strategy", strategy,
+    ]
+    launch(2, *args, "--out", tmp_path / "full")
+    out = tmp_path / "part"
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), "-m", "latent_rl.train", *map(str, args), "--out", str(out)], cwd=ROOT,
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(3000):
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3: break
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    assert err.count("SIGTERM: stopped after step") == 2, err[-4000:]                      # both ranks, one step
+    step = int(err.split("stopped after step ")[1].split(",")[0])
+    assert (out / "checkpoints" / f"step-{step}" / "COMPLETE").exists() and not (out / "final").exists()
+    launch(2, *args, "--out", out, "--resume")
+    assert_close(weights(tmp_path / "full" / "final"), weights(out / "final"), 0.0)         # exactly the same weights
+
 def test_fsdp_sigkill_resume_and_reshard(tiny_data, tmp_path):
     "FSDP2 on 2 processes: each rank writes its shard; SIGKILL + resume is exact; a 2-process checkpoint resumes on 1."
     args = [
@@ -211,7 +238,7 @@ def test_grpo_resume_mid_generation_cycle_is_exact(tmp_path):
     launch(1, *args, "--out", tmp_path / "full")
     kill_after_checkpoint(args, tmp_path / "part", 3)
     import shutil
-    from latent_rl.loop import list_checkpoints
+    from latent_rl.checkpoints import list_checkpoints
     for step, path in list_checkpoints(tmp_path / "part"):
         if step % 2 == 0: shutil.rmtree(path)                     # resume from an odd step: inside a generation cycle
     assert list_checkpoints(tmp_path / "part") and all(s % 2 == 1 for s, _ in list_checkpoints(tmp_path / "part"))
@@ -224,7 +251,7 @@ def test_corrupt_checkpoint_is_named_and_skipped(tiny_data, tmp_path):
         "--val", "", "--size", "nano", "--steps", 60, "--batch_size", 8, "--save_every", 2, "--log_every", 1,
     ]
     kill_after_checkpoint(args, tmp_path, 6)
-    from latent_rl.loop import list_checkpoints, load_checkpoint_state, CheckpointError
+    from latent_rl.checkpoints import list_checkpoints, load_checkpoint_state, CheckpointError
     cks = list_checkpoints(tmp_path)
     newest, previous = cks[-1][1], cks[-2][1]
     st = newest / "state.pt"

@@ -155,7 +155,7 @@ def test_http_teacher_killed_mid_run(server, tmp_path):
     out, _ = run.communicate(timeout=300)
     assert run.returncode != 0, out[-2000:]
     assert "retry 1/2" in out and "failed after 3 attempts" in out, out[-3000:]
-    from latent_rl.loop import latest_checkpoint
+    from latent_rl.checkpoints import latest_checkpoint
     path, st = latest_checkpoint(tmp_path)
     assert (path / "COMPLETE").exists() and st["step"] >= 1 and (path / "model" / "config.json").exists()
 

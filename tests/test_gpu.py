@@ -67,7 +67,8 @@ def _worst(pol, P, ro, T):
 @pytest.fixture(scope="module")
 def colocated():
     "One colocated engine (fp32, sleeping between generations) and the policy it mirrors: one LLM per process."
-    from latent_rl.policy import Policy, VLLMEngine
+    from latent_rl.policy import Policy
+    from latent_rl.vllm import VLLMEngine
     pol = Policy.load(ROOT / "data" / "teacher", device="cuda")
     eng = VLLMEngine(ROOT / "data" / "teacher", dtype="float32", gpu_memory_utilization=0.2, sleep=True)
     assert eng.max_model_len == 2048
@@ -131,7 +132,8 @@ def test_vllm_server_round_trip(tmp_path):
     """latent-rl serve-rollouts: rollouts with logprobs that match the training forward, a teacher with --max-logprobs,
     and (2+ GPUs) an NCCL weight sync."""
     import os, socket, subprocess, sys, time, urllib.request
-    from latent_rl.policy import Policy, VLLMServerEngine
+    from latent_rl.policy import Policy
+    from latent_rl.vllm import VLLMServerEngine
     from latent_rl.teachers import HTTPTeacher, ModelTeacher, ScoreBatch
     from latent_rl.policy import sampled_mask
     s = socket.socket()
@@ -187,7 +189,8 @@ BF16 = r'''
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from latent_rl.policy import Policy, VLLMEngine
+from latent_rl.policy import Policy
+from latent_rl.vllm import VLLMEngine
 from latent_rl.trace import prompt_text
 from latent_rl.tokens import encode
 from latent_rl.corpus import load_rows

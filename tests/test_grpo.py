@@ -212,7 +212,7 @@ def test_truncated_importance_sampling_corrects_an_inexact_engine(tmp_path):
     def grads(cap, engine):
         cfg = GRPOConfig(model="-", batch_size=4, group_size=8, max_new_tokens=16, record_every=0, steps=1,
                          tis_cap=cap, out=str(tmp_path / f"c{cap}"))
-        st = GRPOStep(cfg, setup(0), pol, rows, P, _answer_starts_with("0"), rollout_engine=engine)
+        st = GRPOStep(cfg, setup(0), pol, rows, P, _answer_starts_with("0"), vllm_engine=engine)
         st.fill(0)
         idx = st.batch(0)
         for p in params: p.grad = None

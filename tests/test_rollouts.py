@@ -8,7 +8,7 @@ import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 sys.path.insert(0, os.environ["ROOT"])
-from latent_rl.policy import named_weights, layer_chunks
+from latent_rl.vllm import named_weights, layer_chunks
 from latent_rl.engine import teardown
 from transformers import Qwen2Config, AutoModelForCausalLM
 dist.init_process_group("gloo")

@@ -241,34 +241,34 @@ def test_serve_rollouts_command_and_engine_choice():
     p = run_cli("serve-rollouts", "--model", TEACHER, "--max-model-len", 4096, "--print", check=False)
     assert p.returncode != 0 and "context" in p.stderr
     from types import SimpleNamespace
-    from latent_rl.policy import make_rollout_engine
+    from latent_rl.vllm import make_vllm_engine
     from latent_rl.grpo import GRPOConfig
     text, latent = SimpleNamespace(kind="text"), SimpleNamespace(kind="latent")
-    assert make_rollout_engine(GRPOConfig(), text) is None
+    assert make_vllm_engine(GRPOConfig(), text) is None
     with pytest.raises(ValueError, match="vllm_mode"):
-        make_rollout_engine(GRPOConfig(use_vllm=True, vllm_mode="remote"), text)
-    with pytest.raises(ValueError, match="latent blocks"): make_rollout_engine(GRPOConfig(use_vllm=True), latent)
+        make_vllm_engine(GRPOConfig(use_vllm=True, vllm_mode="remote"), text)
+    with pytest.raises(ValueError, match="latent blocks"): make_vllm_engine(GRPOConfig(use_vllm=True), latent)
     # the colocated engine needs the extra: the error says how to get it
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ImportError, match=r"pip install 'latent_rl\[vllm\]'"):
-            make_rollout_engine(GRPOConfig(use_vllm=True, model=str(TEACHER)), text)
+            make_vllm_engine(GRPOConfig(use_vllm=True, model=str(TEACHER)), text)
 
 
 def test_server_mode_weight_sync_address_is_a_config_field():
     "vllm_sync_host: the address of rank 0's machine that a server on another machine reaches for the NCCL weight sync "
     "(was: always $MASTER_ADDR, 127.0.0.1 under torchrun --standalone, so a remote server hung at rendezvous)."
     from types import SimpleNamespace
-    from latent_rl.policy import make_rollout_engine
+    from latent_rl.vllm import make_vllm_engine
     from latent_rl.grpo import GRPOConfig
     from latent_rl.gkd import GKDConfig
     url, proc = start()                                      # any server that answers /v1/models will do (no sync here)
     try:
         text = SimpleNamespace(kind="text")
         for cls in (GRPOConfig, GKDConfig):
-            eng = make_rollout_engine(
+            eng = make_vllm_engine(
                 cls(use_vllm=True, vllm_mode="server", vllm_server=url, vllm_sync_host="trainer-0.cluster"), text
             )
             assert eng.sync_host == "trainer-0.cluster" and eng.model_id
-        eng = make_rollout_engine(GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server=url), text)
+        eng = make_vllm_engine(GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server=url), text)
         assert eng.sync_host == os.environ.get("MASTER_ADDR", "127.0.0.1")
     finally: stop(proc)

@@ -48,7 +48,8 @@ def _worst(pol, P, ro, T) -> float:
 @pytest.fixture(scope="module")
 def colocated(untied):
     "One in-process engine (fp32) and the policy it mirrors: one LLM per process, as in training."
-    from latent_rl.policy import Policy, VLLMEngine
+    from latent_rl.policy import Policy
+    from latent_rl.vllm import VLLMEngine
     pol = Policy.load(untied)
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     before = {k: os.environ.get(k) for k in keys}
@@ -106,7 +107,7 @@ def test_weight_sync_moves_the_engine_and_restoring_restores_it(colocated):
 
 def test_tied_head_on_cpu_is_named():
     "A tied head cannot be refreshed by vLLM's CPU reload: the engine's check names the model (no engine needed)."
-    from latent_rl.policy import tied_head
+    from latent_rl.vllm import tied_head
     assert tied_head(ROOT / "data" / "notrace") is True
 
 VLLM_ARGS = ["--use_vllm", "true", "--vllm_gpu_memory_utilization", CPU_MEM, "--train", ROWS, "--max_train", 64,
@@ -148,7 +149,8 @@ def test_serve_rollouts_over_http(tmp_path, untied):
     the trainer's although the model's generation_config.json sets top_k 3, top_p 0.5 and a repetition penalty (a
     request that asks for top_k 3 does diverge: the server's processed logprobs follow what it samples from); an
     HTTP teacher's top-k prompt logprobs; a teacher asking for more than `--max-logprobs` gets the cap explained."""
-    from latent_rl.policy import Policy, VLLMServerEngine, completion_request
+    from latent_rl.policy import Policy
+    from latent_rl.vllm import VLLMServerEngine, completion_request
     from latent_rl.teachers import HTTPTeacher, ModelTeacher, ScoreBatch, TeacherUnavailable
     from latent_rl.policy import sampled_mask
     port, log = _free_port(), open(tmp_path / "server.log", "w")
@@ -200,7 +202,7 @@ def test_serve_rollouts_over_http(tmp_path, untied):
 _STOP_SCRIPT = r'''
 import json, sys
 from vllm import LLM, SamplingParams
-from latent_rl.policy import VLLMEngine
+from latent_rl.vllm import VLLMEngine
 from latent_rl.models import load_tokenizer
 from latent_rl.trace import END_OF_TEXT, row_prompt
 from latent_rl.tokens import prompt_ids
