@@ -32,33 +32,14 @@ __all__ = ['SS_SALT', 'TF_SALT', 'CodiConfig', 'example_coins', 'load_frozen_tea
 
 # %% ../nbs/18_codi.ipynb #92b5837d
 @dataclass
-class CodiConfig(TrainConfig):
-    "CODI multi-span latent self-distillation from an SFT checkpoint."
+class CodiConfig(TrainConfig, CodiOptions):
+    "CODI multi-span latent self-distillation from an SFT checkpoint (the objective's fields: `CodiOptions`)."
     model: str = "data/teacher"         # SFT checkpoint (name or path)
     teacher: str = ""                   # frozen teacher path; "" = shared weights (teacher CE trains them too)
     val: str = "data/corpus/val.jsonl"   # validation rows for the held-out losses ("" = none)
     out: str = "runs/codi"
     latent_steps: PosInt = 1             # latent vectors per block (each the projected last hidden state)
-    teacher_ce: NonNegFloat = 1.0       # teacher CE weight (α in CODI; was `a`)
-    student_ce: NonNegFloat = 1.0       # student CE weight (β in CODI; was `b`)
-    anchor_kd: NonNegFloat = 1.0        # KD weight at the <|action_sep|> anchors (γ in CODI; was `g`)
-    kd_target: str = "hidden"           # hidden | logit
-    kd_layers: str = ""                 # comma-separated hidden_states indices; "" = default
-    kd_temp: PosFloat = 2.0              # temperature of logit KD (kd_target = logit; the loss is ×T²)
-    kd_norm_std: bool = False            # divide the hidden-state KD by the teacher states' std (large models)
-    single_anchor: bool = False          # distil at the last span's anchor only
-    scheduled_sampling: Fraction = 0.0   # scheduled sampling: final probability of feeding the student's own argmax after a block
-    scheduled_sampling_ramp: Fraction = 0.5 # scheduled sampling: share of the steps over which scheduled_sampling ramps up from 0
-    teacher_checkpointing: bool = False  # gradient checkpointing of the shared-weight teacher forward (was `grad_ckpt`)
-    value_kd: NonNegFloat = 0.0         # distil each block's latent states to the teacher's at the value it replaced
-    value_kd_at: str = "sequence"       # sequence | predict | tokens | embed: which teacher states each latent step matches
-    answer_kd: NonNegFloat = 0.0        # distil the states predicting the RETURN value
-    answer_kd_at: str = "each"          # at every RETURN-value token (each), or at the state predicting its first (first: CODI's position)
-    answer_weight: NonNegFloat = 1.0    # weight of RETURN-value tokens in the student CE
     answer_ce: NonNegFloat = 0.0        # traced_frac < 1: CE weight of the answer-only rows (answers as plain SFT targets, a seeded one beside each CODI example); 0 = they are unused
-    recon: NonNegFloat = 0.0            # block-local reconstruction of each block's replaced state
-    latent_teacher_forcing: Fraction = 0.0  # latent teacher forcing probability per block (decays linearly to 0 with latent_teacher_forcing_decay)
-    latent_teacher_forcing_decay: bool = False # latent_teacher_forcing decays linearly to 0 over the run
     curriculum: Fraction = 0.0          # fraction of the steps over which the latent share of spans grows to all (0: off)
     curriculum_from: str = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
     prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
@@ -74,10 +55,8 @@ class CodiConfig(TrainConfig):
     anchor_every: NonNegInt = 10        # steps between kd_anchors.jsonl records (0 = never)
 
     def options(self) -> CodiOptions:
-        "The `CodiOptions` of this run: every field the two share, by name (`kd_layers` parsed from its string)."
-        layers = tuple(int(x) for x in self.kd_layers.split(",") if x.strip()) or None
-        shared = {f.name for f in fields(CodiOptions)} & {f.name for f in fields(self)} - {"kd_layers"}
-        return CodiOptions(**{n: getattr(self, n) for n in shared}, kd_layers=layers)
+        "The objective's options of this run: its `CodiOptions` fields, by name."
+        return CodiOptions(**{f.name: getattr(self, f.name) for f in fields(CodiOptions)})
 
 # %% ../nbs/18_codi.ipynb #2ad13f50
 def example_coins(seed: int, step: int, part: list[int], n: int, p: float, salt: str) -> torch.Tensor:
@@ -147,26 +126,19 @@ class CodiStep(Stage):
             else super().batch(step)
         )
 
-    def begin(self, step):   # linear ramp of the scheduled-sampling probability; decay of latent teacher forcing
-        cfg, o = self.cfg, self.opts
-        o.ss_p = cfg.scheduled_sampling * min(1.0, step / max(1.0, cfg.scheduled_sampling_ramp * cfg.steps))
-        if cfg.latent_teacher_forcing_decay:
-            o.latent_teacher_forcing = cfg.latent_teacher_forcing * (1 - step / cfg.steps)
-
     def micro_loss(self, step, part, idx):
         batch, cfg, o = latent_share([self.exs[i] for i in part], step, self.cfg), self.cfg, self.opts
-        K = max(len(e["spans"]) for e in batch)
-        ss = example_coins(cfg.seed, step, part, K + 1, o.ss_p, SS_SALT) if o.ss_p > 0 else None
-        tf_p = o.latent_teacher_forcing
+        K, (ss_p, tf_p) = max(len(e["spans"]) for e in batch), o.schedule(step, cfg.steps)   # this step's coins' odds
+        ss = example_coins(cfg.seed, step, part, K + 1, ss_p, SS_SALT) if ss_p > 0 else None
         tf = example_coins(cfg.seed, step, part, K, tf_p, TF_SALT) if tf_p > 0 else None
-        out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf,
+        out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf, ss_p=ss_p, tf_p=tf_p,
                            how=Execution(groups=CALL_COST if self.cfg.phase_groups else None,
                                          tails=CALL_COST if self.cfg.split_tails else None))
         # the step's first micro-batch
         if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in self.anchored:
             self.anchored.add(step)
             self.anchors.log(step=step, **anchor_record(batch, out))
-        m = dict(out.metrics, ss_p=o.ss_p, latent_teacher_forcing=o.latent_teacher_forcing,
+        m = dict(out.metrics, ss_p=ss_p, latent_teacher_forcing=tf_p,
                  latent_share=sum(len(e["spans"]) for e in batch) / sum(len(self.exs[i]["spans"]) for i in part))
         loss = out.loss
         if cfg.answer_ce and self.answers:

@@ -4,42 +4,29 @@
 
 # %% ../nbs/14_config.ipynb #661920b8
 from __future__ import annotations
-import argparse, inspect, io, json, math, os, re, sys, tokenize
+import argparse, inspect, io, json, os, sys, tokenize
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 import torch
 
 from .recipes import RECIPES, recipe_fields
-from .losses import NORMS, KD_TARGETS
-from .latent import VALUE_KD_AT
+from .losses import NORMS
 from .models import HUB_NAME
+from .fields import (ConfigError, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction, RANGES, check_value,
+                              check_fields, literal_choices)
 
 # %% auto #0
-__all__ = ['PosInt', 'PosFloat', 'NonNegInt', 'NonNegFloat', 'Fraction', 'RANGES', 'STAGES', 'CHOICES', 'STAGE_CONFIGS',
-           'RENAMED', 'FAST_DEV_RUN_ENV', 'FAST_DEV_RUN', 'ConfigError', 'check_field', 'upgrade_keys',
+__all__ = ['STAGES', 'CHOICES', 'STAGE_CONFIGS', 'RENAMED', 'FAST_DEV_RUN_ENV', 'FAST_DEV_RUN', 'check_field', 'upgrade_keys',
            'config_from_dict', 'load_config_file', 'fast_dev_run_on', 'fast_dev_run', 'field_comments', 'parse_config',
            'check_config', 'TrainConfig', 'VLLMConfig', 'check_precision', 'teacher_dtype']
 
 # %% ../nbs/14_config.ipynb #3e8955f4
-class ConfigError(ValueError):
-    "A bad config value, file, section or resume: the message names where, the field and what it expects (CLI: exit 2)."
-
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-PosInt, PosFloat = int, float            # ≥ 1, > 0
-NonNegInt, NonNegFloat = int, float      # ≥ 0
-Fraction = float                         # between 0 and 1
-RANGES = {  # a field's annotation -> (the type it parses as, its rule in words, the rule)
-    "PosInt": ("int", "≥ 1", lambda x: x > 0), "PosFloat": ("float", "> 0", lambda x: x > 0),
-    "NonNegInt": ("int", "≥ 0", lambda x: x >= 0), "NonNegFloat": ("float", "≥ 0", lambda x: x >= 0),
-    "Fraction": ("float", "between 0 and 1", lambda x: 0 <= x <= 1),
-}
 STAGES = ("sft", "codi", "gkd", "grpo")   # the training stages, in pipeline order
-CHOICES = {
+CHOICES = {  # choices of fields annotated `str` (a field annotated `Literal[...]` states its own: `latent_rl.fields`)
     "stage": STAGES, "attention": ("flash", "math"),
     "dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64"), "precision": ("fp32", "bf16"),
-    "wandb": ("disabled", "offline", "online"), "kd_target": KD_TARGETS,
-    "value_kd_at": VALUE_KD_AT, "answer_kd_at": ("each", "first"), "curriculum_from": ("end", "start"),
+    "wandb": ("disabled", "offline", "online"), "curriculum_from": ("end", "start"),
     "prj_init": ("default", "embed"), "mode": ("trace", "answer"), "adv_scale": ("group", "batch", "none"),
     "norm": NORMS, "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
     "replay": ("exact", "truncated"), "teacher_locals": ("greedy", "true"), "strategy": ("ddp", "fsdp"),
@@ -47,35 +34,10 @@ CHOICES = {
 }
 
 # %% ../nbs/14_config.ipynb #7ff3fab6
-def _typed(tp: str, v):
-    "`v` as `tp` (bool, int, float or str; strings from flags are parsed), or None when it is not one."
-    if tp == "bool":
-        if isinstance(v, bool): return v
-        if isinstance(v, str) and v.lower() in _TRUE | _FALSE: return v.lower() in _TRUE
-    elif tp == "int":
-        if isinstance(v, int) and not isinstance(v, bool): return v
-        if isinstance(v, str) and re.fullmatch(r"\s*[+-]?\d+\s*", v): return int(v)
-    elif tp == "float":
-        if isinstance(v, (int, float)) and not isinstance(v, bool): x = float(v)
-        elif isinstance(v, str):
-            try: x = float(v)
-            except ValueError: return None
-        else: return None
-        return x if math.isfinite(x) else None
-    elif tp == "str": return v if isinstance(v, str) else None
-    else: return v
-    return None
-
-def check_field(name: str, tp: str, v, where: str = "config"):
-    "The value of field `name` (declared type `tp`) checked for type, range and choices, or a `ConfigError` saying why."
-    base, rule, ok = RANGES.get(str(tp), (str(tp), "", None))
-    x = _typed(base, v)
-    what = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}.get(base, base)
-    if x is None: raise ConfigError(f"{where}: field '{name}' expects {what}, got {v!r}")
-    if ok and not ok(x): raise ConfigError(f"{where}: field '{name}' must be {rule}, got {v!r}")
-    if name in CHOICES and x not in CHOICES[name]:
-        raise ConfigError(f"{where}: field '{name}' must be one of {', '.join(CHOICES[name])}; got {v!r}")
-    return x
+def check_field(name: str, tp: str, v, where: str = "config", cls=None):
+    """The value of field `name` (declared type `tp`, of the config class `cls`) checked for type, range and choices —
+    its `Literal` annotation's, else `CHOICES` — or a `ConfigError` saying why (`latent_rl.fields.check_value`)."""
+    return check_value(name, tp, v, where, (literal_choices(cls).get(name) if cls else None) or CHOICES.get(name))
 
 # %% ../nbs/14_config.ipynb #45961ec7
 STAGE_CONFIGS = ("SFTConfig", "CodiConfig", "GKDConfig", "GRPOConfig")   # the sections of a whole-pipeline file
@@ -106,7 +68,7 @@ def config_from_dict(cls, d: dict, where: str = "config"):
     names = {f.name: f for f in fields(cls)}
     bad = [k for k in d if k not in names]
     if bad: raise ConfigError(f"{where}: unknown field(s) {bad} for {cls.__name__}; known: {sorted(names)}")
-    return cls(**{k: check_field(k, names[k].type, v, where) for k, v in d.items()})
+    return cls(**{k: check_field(k, names[k].type, v, where, cls) for k, v in d.items()})
 
 def _file_fields(cls, path) -> dict:
     """The fields a `--config` file gives `cls`: the file itself, or its `[cls]` section when it is a whole-pipeline
@@ -194,7 +156,8 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
     for f in fields(cls):
         h = f.metadata.get("help", "") or helps.get(f.name, "")
         dflt = f"{rd[f.name]!r}, recipe {default_recipe}; bare {f.default!r}" if f.name in rd else repr(f.default)
-        rule = RANGES.get(str(f.type), ("", "", None))[1]
+        ch = literal_choices(cls).get(f.name) or CHOICES.get(f.name)
+        rule = f"one of {' | '.join(map(str, ch))}" if ch else RANGES.get(str(f.type), ("", "", None))[1]
         dflt = f"{rule}; default: {dflt}" if rule else f"default: {dflt}"
         if str(f.type) == "bool":
             ap.add_argument(
@@ -238,12 +201,7 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
 def check_config(cfg, where: str | None = None):
     """`cfg` (a config dataclass, however built) with every field checked as a flag is (`check_field`: type, range,
     choices), or a `ConfigError` naming the first bad field. A `str` field may hold a path."""
-    where = where or type(cfg).__name__
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        if str(f.type) == "str" and isinstance(v, os.PathLike): continue
-        check_field(f.name, f.type, v, where)
-    return cfg
+    return check_fields(cfg, where, CHOICES)
 
 # %% ../nbs/14_config.ipynb #2daf934f
 @dataclass

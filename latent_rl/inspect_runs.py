@@ -372,7 +372,7 @@ def latent_states(lm, tok, example: dict, topk: int = 5) -> dict:
     `lens_ids`/`lens_p` [K, latent_steps, topk] and `lens_tokens`."""
     import inspect as _insp
     n, K, s = lm.model.config.num_hidden_layers, len(example["spans"]), lm.spec.latent_steps
-    opts = CodiOptions(kd_layers=tuple(range(n + 1)))
+    opts = CodiOptions(kd_layers=",".join(map(str, range(n + 1))))
     native = "return_states" in _insp.signature(codi_forward).parameters
     caught, hook = [], None
     if not native: hook = lm.prj.register_forward_hook(lambda m, i, o: caught.append(o.detach()))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import json, math
 from dataclasses import dataclass, asdict
+from typing import Literal, get_args
 from pathlib import Path
 
 import torch
@@ -14,11 +15,12 @@ import torch.nn as nn
 from .trace import LATENT_START, LATENT_END, LINE_SEP, ACTION_SEP
 from .tokens import trace_token_ids
 from .models import backbone, lm_head, lm_head_weight, load_model, resolve_model
-from .losses import KD_TARGETS
+from .losses import KDTarget
+from .fields import NonNegFloat, PosFloat, Fraction, check_fields
 
 # %% auto #0
-__all__ = ['VALUE_KD_AT', 'LatentSpec', 'Projector', 'LatentModel', 'LatentNoise', 'pack_phases', 'pad_ids', 'CodiOptions',
-           'kd_layer_indices']
+__all__ = ['ValueKDAt', 'VALUE_KD_AT', 'LatentSpec', 'Projector', 'LatentModel', 'LatentNoise', 'pack_phases', 'pad_ids',
+           'CodiOptions', 'kd_layer_indices']
 
 # %% ../nbs/07_latent.ipynb #2440d8e2
 @dataclass
@@ -165,45 +167,53 @@ def pad_ids(seqs: list, fill: int) -> torch.Tensor:
     return torch.tensor([list(s) + [fill] * (L - len(s)) for s in seqs], dtype=torch.long)
 
 # %% ../nbs/07_latent.ipynb #e99a9c84
-VALUE_KD_AT = ("sequence", "predict", "tokens", "embed")
+ValueKDAt = Literal["sequence", "predict", "tokens", "embed"]     # which teacher states a block's latent steps match
+VALUE_KD_AT = get_args(ValueKDAt)
 
 @dataclass
 class CodiOptions:
-    teacher_ce: float = 1.0             # teacher CE weight, α in CODI (shared weights only)
-    student_ce: float = 1.0             # student CE weight, β in CODI
-    anchor_kd: float = 1.0              # KD weight at the <|action_sep|> anchors, γ in CODI (multi-codi's)
-    kd_target: str = "hidden"           # 'hidden' (smooth-L1) or 'logit' (KL on the head)
-    kd_layers: tuple | None = None      # indices into hidden_states; None = all layers (frozen teacher: last)
-    kd_temp: float = 2.0
-    kd_norm_std: bool = False           # divide each layer by the teacher's std over the batch's anchors (CODI paper)
-    single_anchor: bool = False         # KD at the last span only
-    ss_p: float = 0.0                   # scheduled-sampling probability (per post-latent segment)
-    teacher_checkpointing: bool = False  # gradient checkpointing of the (shared-weight) teacher forward
-    value_kd: float = 0.0               # blocks' latent states → the teacher's states at the value each replaced
-    value_kd_at: str = "sequence"       # 'sequence' | 'predict' | 'tokens' | 'embed' (see above)
-    answer_kd: float = 0.0              # student states predicting the RETURN value → the teacher's
-    answer_kd_at: str = "each"          # answer_kd at every RETURN-value token (each) or at its first, as CODI (first)
-    answer_weight: float = 1.0          # weight of RETURN-value tokens in the student CE
-    recon: float = 0.0                  # block-local reconstruction of the replaced state (weight)
-    latent_teacher_forcing: float = 0.0  # latent teacher forcing: P(a block's steps ≥ 1 are fed the true tokens' embeddings)
+    """The CODI objective's options, declared once: `CodiConfig` inherits them, `codi_forward` reads them, and each is
+    checked where it is built (its range annotation or `Literal` choices: `latent_rl.fields`)."""
+    teacher_ce: NonNegFloat = 1.0       # teacher CE weight (α in CODI; was `a`; shared weights only)
+    student_ce: NonNegFloat = 1.0       # student CE weight (β in CODI; was `b`)
+    anchor_kd: NonNegFloat = 1.0        # KD weight at the <|action_sep|> anchors (γ in CODI; was `g`)
+    kd_target: KDTarget = "hidden"      # hidden (smooth-L1 of the states) | logit (KL on the head)
+    kd_layers: str = ""                 # comma-separated hidden_states indices; "" = every layer (a frozen teacher: its last)
+    kd_temp: PosFloat = 2.0             # temperature of logit KD (kd_target = logit; the loss is ×T²)
+    kd_norm_std: bool = False           # divide the hidden-state KD by the teacher states' std (CODI paper; large models)
+    single_anchor: bool = False         # distil at the last span's anchor only
+    scheduled_sampling: Fraction = 0.0  # scheduled sampling: final probability of feeding the student's own argmax after a block
+    scheduled_sampling_ramp: Fraction = 0.5  # scheduled sampling: share of the steps over which scheduled_sampling ramps up from 0
+    teacher_checkpointing: bool = False  # gradient checkpointing of the shared-weight teacher forward (was `grad_ckpt`)
+    value_kd: NonNegFloat = 0.0         # distil each block's latent states to the teacher's at the value it replaced
+    value_kd_at: ValueKDAt = "sequence"  # sequence | predict | tokens | embed: which teacher states each latent step matches
+    answer_kd: NonNegFloat = 0.0        # distil the states predicting the RETURN value
+    answer_kd_at: Literal["each", "first"] = "each"  # at every RETURN-value token (each), or at the state predicting its first (first: CODI's position)
+    answer_weight: NonNegFloat = 1.0    # weight of RETURN-value tokens in the student CE
+    recon: NonNegFloat = 0.0            # block-local reconstruction of each block's replaced state
+    latent_teacher_forcing: Fraction = 0.0  # latent teacher forcing probability per block (decays linearly to 0 with latent_teacher_forcing_decay)
+    latent_teacher_forcing_decay: bool = False  # latent_teacher_forcing decays linearly to 0 over the run
 
-    def __post_init__(self):
-        if self.kd_target not in KD_TARGETS:
-            raise ValueError(f"kd_target must be one of {KD_TARGETS}, got {self.kd_target!r}")
-        if self.value_kd_at not in VALUE_KD_AT:
-            raise ValueError(f"value_kd_at must be one of {VALUE_KD_AT}, got {self.value_kd_at!r}")
+    def __post_init__(self): check_fields(self)
     @property
     def needs_targets(self) -> bool:
         return bool(self.value_kd or self.answer_kd or self.recon or self.latent_teacher_forcing
                     or self.answer_weight != 1.0)
+    def schedule(self, step: int, steps: int) -> tuple[float, float]:
+        """(scheduled-sampling probability, latent-teacher-forcing probability) at `step` of `steps`: the first ramps
+        up over `scheduled_sampling_ramp` of the run, the second decays to 0 with `latent_teacher_forcing_decay`."""
+        ss = self.scheduled_sampling * min(1.0, step / max(1.0, self.scheduled_sampling_ramp * steps))
+        tf = self.latent_teacher_forcing * ((1 - step / steps) if self.latent_teacher_forcing_decay else 1.0)
+        return ss, tf
 
 def kd_layer_indices(opts: CodiOptions, n_layers: int, frozen: bool) -> list[int]:
     """`hidden_states` indices to distil for a model of `n_layers` layers, resolved on *that* model's depth (a frozen
     teacher of another depth gets its own last layer, as the CODI seed does). Out-of-range indices are refused."""
     if opts.kd_target == "logit": return [n_layers]
-    if opts.kd_layers is None: return [n_layers] if frozen else list(range(1, n_layers + 1))
-    if bad := [l for l in opts.kd_layers if not -(n_layers + 1) <= l <= n_layers]:
+    layers = [int(x) for x in opts.kd_layers.split(",") if x.strip()]
+    if not layers: return [n_layers] if frozen else list(range(1, n_layers + 1))
+    if bad := [l for l in layers if not -(n_layers + 1) <= l <= n_layers]:
         raise ValueError(
             f"kd_layers {bad} out of range for a model with {n_layers} layers (hidden_states 0..{n_layers})"
         )
-    return [l % (n_layers + 1) for l in opts.kd_layers]
+    return [l % (n_layers + 1) for l in layers]

@@ -96,7 +96,7 @@ def collect_states(lm, tok, rows: list[dict], *, teacher=None, batch_size: int =
     teacher anchor states `teacher` [N, L, H] (numpy, float32), probe targets `var`/`value`, `row` ids and `span`
     index."""
     n_layers = lm.model.config.num_hidden_layers
-    opts = CodiOptions(kd_layers=tuple(range(n_layers + 1)))
+    opts = CodiOptions(kd_layers=",".join(map(str, range(n_layers + 1))))
     usable, skipped = [], 0
     for r in rows:
         ex = codi_example(tok, r, max_len)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from latent_rl.logprobs import (IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, _co
     _raw_logits)
 
 # %% auto #0
-__all__ = ['NORMS', 'KD_TARGETS', 'group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput', 'generalized_jsd',
+__all__ = ['NORMS', 'KDTarget', 'KD_TARGETS', 'group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput', 'generalized_jsd',
            'generalized_jsd_from_hidden', 'anchor_kd_loss', 'state_kd_loss', 'embed_kd_loss']
 
 # %% ../nbs/06_losses.ipynb #76fb23d0
@@ -546,7 +547,8 @@ def generalized_jsd_from_hidden(student_hidden: torch.Tensor,  # [B, S, H]
     return _finish_topk(_topk_terms(zk, lse, tl, float(beta), float(temperature), tail), tl, rows.shape[0], cd)
 
 # %% ../nbs/06_losses.ipynb #1f3afb69
-KD_TARGETS = ("hidden", "logit")   # anchor_kd_loss: distil hidden states (CODI) | the logits they give
+KDTarget = Literal["hidden", "logit"]   # anchor_kd_loss: distil hidden states (CODI) | the logits they give
+KD_TARGETS = get_args(KDTarget)
 
 def anchor_kd_loss(student: torch.Tensor,   # [B, K, L, H] states at each anchor and layer ("logit": [B, K, V] logits)
                    teacher: torch.Tensor,   # the same shape, detached

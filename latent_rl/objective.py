@@ -243,12 +243,12 @@ def _weighed(opts: CodiOptions, lm: LatentModel, examples, tgt, sp: StudentPass,
         loss = loss + w * terms[f"{name}_loss"]
     return loss, terms, dist, valid, anchors
 
-def _draw_coins(opts: CodiOptions, B: int, K: int, ss_coins, tf_coins, generator, tf_generator):
-    "The scheduled-sampling coins `[B, K+1]` and latent-teacher-forcing coins `[B, K]`: those given, else drawn."
-    if tf_coins is None and opts.latent_teacher_forcing > 0:
-        tf_coins = torch.rand(B, K, generator=tf_generator) < opts.latent_teacher_forcing
+def _draw_coins(B: int, K: int, ss_coins, tf_coins, ss_p: float, tf_p: float, generator, tf_generator):
+    """The scheduled-sampling coins `[B, K+1]` and latent-teacher-forcing coins `[B, K]`: those given, else drawn with
+    probabilities `ss_p`, `tf_p`."""
+    if tf_coins is None and tf_p > 0: tf_coins = torch.rand(B, K, generator=tf_generator) < tf_p
     if ss_coins is None:
-        ss_coins = (torch.rand(B, K + 1, generator=generator) < opts.ss_p if opts.ss_p > 0
+        ss_coins = (torch.rand(B, K + 1, generator=generator) < ss_p if ss_p > 0
                     else torch.zeros(B, K + 1, dtype=torch.bool))
     return ss_coins, tf_coins
 
@@ -257,11 +257,12 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
                  ss_coins: torch.Tensor | None = None, chunk_size: int = 1024, return_logprobs: bool = False,
                  generator: torch.Generator | None = None, return_states: bool = False,
                  tf_coins: torch.Tensor | None = None, tf_generator: torch.Generator | None = None,
-                 how: Execution = Execution()) -> CodiOutput:
+                 how: Execution = Execution(), ss_p: float | None = None, tf_p: float | None = None) -> CodiOutput:
     """CODI losses for a batch of `{prompt_ids, trace_ids, spans}` examples: the teacher's pass, the student's pass
     run as `how` says (every execution gives the same result), the losses `opts` weighs. `ss_coins [B, K+1]` / `tf_coins
     [B, K]` fix scheduled sampling / latent teacher forcing per segment / block (else drawn with `generator` /
-    `tf_generator`)."""
+    `tf_generator` at `ss_p` / `tf_p`, by default the options' `scheduled_sampling` / `latent_teacher_forcing`: a
+    stage passes this step's, `CodiOptions.schedule`)."""
     dev, B = lm.head_weight.device, len(examples)
     for e in examples:
         if not e["spans"]:
@@ -271,7 +272,9 @@ def codi_forward(lm: LatentModel, examples: list[dict], opts: CodiOptions = Codi
     layers = kd_layer_indices(opts, n_layers, teacher is not None)                  # the student's
     # the teacher's own
     t_layers = layers if teacher is None else kd_layer_indices(opts, teacher.config.num_hidden_layers, True)
-    ss_coins, tf_coins = _draw_coins(opts, B, K, ss_coins, tf_coins, generator, tf_generator)
+    ss_p = opts.scheduled_sampling if ss_p is None else ss_p
+    tf_p = opts.latent_teacher_forcing if tf_p is None else tf_p
+    ss_coins, tf_coins = _draw_coins(B, K, ss_coins, tf_coins, ss_p, tf_p, generator, tf_generator)
     tgt = _targets(examples, opts, lm.spec.latent_steps, dev, tf_coins)
     tp = teacher_pass(
         lm, examples, t_layers, teacher, opts.kd_target == "logit", chunk_size, opts.teacher_checkpointing,

@@ -4,7 +4,7 @@
 
 # %% ../nbs/29_train.ipynb #2ff42ef7
 from __future__ import annotations
-import argparse, os, re, sys, time
+import argparse, os, platform, re, sys, time
 from pathlib import Path
 from .jail import THREAT_MODEL
 from .sandbox import UNSAFE_ENV, SandboxUnavailable, sandbox_notice
@@ -34,10 +34,11 @@ from .teachers import TeacherUnavailable
 from .engine import setup, teardown
 
 # %% auto #0
-__all__ = ['TRACING', 'UNSAFE_FLAG', 'STEP_DATA', 'PENDING', 'DEFAULT_RECIPE', 'COMMANDS', 'PIPELINE', 'sandbox_flag',
-           'cmd_doctor', 'cmd_step_data', 'cmd_data', 'cmd_trace', 'cmd_sft', 'cmd_eval', 'cmd_codi', 'cmd_bench',
-           'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot', 'cmd_diagnose', 'cmd_sweep', 'cmd_plan', 'cmd_mult',
-           'cmd_recipes', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'user_errors', 'fault_line', 'run_command', 'main']
+__all__ = ['TRACING', 'UNSAFE_FLAG', 'STEP_DATA', 'PENDING', 'DEFAULT_RECIPE', 'PINNED_ISA', 'COMMANDS', 'PIPELINE',
+           'sandbox_flag', 'cmd_doctor', 'cmd_step_data', 'cmd_data', 'cmd_trace', 'cmd_sft', 'pin_isa', 'cmd_eval',
+           'cmd_codi', 'cmd_bench', 'cmd_demo', 'cmd_gkd', 'cmd_grpo', 'cmd_plot', 'cmd_diagnose', 'cmd_sweep',
+           'cmd_plan', 'cmd_mult', 'cmd_recipes', 'cmd_serve_teacher', 'cmd_serve_rollouts', 'user_errors',
+           'fault_line', 'run_command', 'main']
 
 # %% ../nbs/29_train.ipynb #dc56c33b
 TRACING = {"data", "trace", "sft", "codi", "gkd", "grpo", "eval", "demo", "diagnose"}   # may trace rows without a trace
@@ -175,6 +176,19 @@ def _fast_eval(a) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"fast dev run (${FAST_DEV_RUN_ENV}): eval of {a.limit} rows on {a.device}", file=sys.stderr)
 
+# %% ../nbs/29_train.ipynb #db79a822
+PINNED_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+              "ONEDNN_MAX_CPU_ISA": "AVX2"}   # ATen's own kernels, MKL's BLAS, oneDNN: AVX2 code paths only
+
+def pin_isa(argv: list[str]) -> None:
+    """Run this command again with the CPU kernels of one instruction set, AVX2 (`PINNED_ISA`), unless they are
+    already pinned or this is not an x86-64 machine: ATen, MKL and oneDNN otherwise pick the machine's widest
+    (AVX-512 here), whose reductions round differently, and the last digits of every trained weight follow. The
+    settings are read when the libraries load, so the process is replaced (`os.execve`) before any computation."""
+    if platform.machine() not in ("x86_64", "AMD64") or all(os.environ.get(k) == v for k, v in PINNED_ISA.items()):
+        return
+    os.execve(sys.executable, [sys.executable, "-m", "latent_rl.train", *argv], {**os.environ, **PINNED_ISA})
+
 # %% ../nbs/29_train.ipynb #04d26517
 def cmd_eval(argv):
     ap = argparse.ArgumentParser(
@@ -229,7 +243,11 @@ def cmd_demo(argv):
     ap.add_argument("--limit", type=int, default=0, help="evaluate on at most this many held-out programs")
     ap.add_argument("--figures", default="figures", help="where the figures go")
     ap.add_argument("--recipe", default="cpu-tiny", help="recipe of the CODI, GKD and GRPO stages")
+    ap.add_argument("--isa", default="avx2", choices=("avx2", "native"),
+                    help="the CPU kernels' instruction set: avx2 (the README's figures, the same on any x86-64 machine "
+                    "with AVX2) or native (this machine's widest, e.g. AVX-512: the last digits of every figure move)")
     a = ap.parse_args(argv)
+    if a.isa == "avx2": pin_isa(["demo", *argv])
     return run_demo(
         out=a.out, data=a.data, from_scratch=a.from_scratch, limit=a.limit, figures=a.figures, recipe=a.recipe
     )

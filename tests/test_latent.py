@@ -91,7 +91,7 @@ def test_batched_equals_reference(case, call_cost, tail_cost):
 def test_frozen_teacher_of_another_depth_is_distilled_at_its_own_layers(kd_layers, depths):
     lm = LatentModel(tiny(0, layers=depths[0]), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=1))
     teacher = tiny(1, layers=depths[1]).eval().requires_grad_(False)    # deeper than the student
-    opts, exs = CodiOptions(anchor_kd=2.0, kd_layers=kd_layers), batch(0)
+    opts, exs = CodiOptions(anchor_kd=2.0, kd_layers=",".join(map(str, kd_layers or ()))), batch(0)
     out = codi_forward(lm, exs, opts, teacher=teacher, return_states=True)
     ref_loss, ref_m = ref_forward(lm, exs, opts, teacher)
     assert abs(out.loss.item() - ref_loss.item()) < 1e-5 and abs(out.metrics["kd_loss"] - ref_m["kd_loss"]) < 1e-5
@@ -102,7 +102,7 @@ def test_frozen_teacher_of_another_depth_is_distilled_at_its_own_layers(kd_layer
     pos = len(e["prompt_ids"]) + e["spans"][0][1]
     for i, l in enumerate(want): assert torch.allclose(out.teacher_states[0, 0, i], hs[l][0, pos], atol=1e-6)
     with pytest.raises(ValueError, match="out of range"):             # a layer past the student's own
-        codi_forward(lm, exs, CodiOptions(kd_layers=(depths[0] + 1,)), teacher=teacher)
+        codi_forward(lm, exs, CodiOptions(kd_layers=str(depths[0] + 1)), teacher=teacher)
 
 def test_scheduled_sampling_equals_reference():
     lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2))
@@ -110,7 +110,7 @@ def test_scheduled_sampling_equals_reference():
     K = max(len(e["spans"]) for e in exs)
     coins = torch.zeros(len(exs), K + 1, dtype=torch.bool)
     coins[0, 1] = coins[1, 2] = coins[1, 3] = coins[2, 1] = True
-    opts = CodiOptions(ss_p=0.5)
+    opts = CodiOptions(scheduled_sampling=0.5)
     out = codi_forward(lm, exs, opts, ss_coins=coins)
     ref_loss, _ = ref_forward(lm, exs, opts, None, coins=coins)   # coins[b, k]: text segment k of example b
     assert abs(out.loss.item() - ref_loss.item()) < 1e-5
@@ -434,7 +434,7 @@ def test_gpt2_codi_equals_reference():
     assert all(p.grad is not None for n, p in lm.model.named_parameters() if p.requires_grad)
 
 @pytest.mark.parametrize("call_cost,tail_cost", [(None, None), (0.0, None), (None, 0.0)], ids=["lockstep", "groups", "tails"])
-@pytest.mark.parametrize("obj", [dict(), dict(answer_kd=1.0), dict(value_kd=1.0), dict(ss_p=0.5)], ids=str)
+@pytest.mark.parametrize("obj", [dict(), dict(answer_kd=1.0), dict(value_kd=1.0), dict(scheduled_sampling=0.5)], ids=str)
 def test_phase0_from_the_teacher_equals_running_it(obj, call_cost, tail_cost):
     """`share_prefix` (the default): the student's phase 0 — the prompt and the text before the first block — is the
     shared-weight teacher's, cache, states and graph; the loss and gradients are those of running it again, and only
@@ -446,7 +446,7 @@ def test_phase0_from_the_teacher_equals_running_it(obj, call_cost, tail_cost):
     opts, params = CodiOptions(**obj), list(lm.parameters())
     coins = torch.rand(len(exs), 4, generator=torch.Generator().manual_seed(0)) < 0.5
     run = lambda share: codi_forward(lm, exs, opts, how=Execution(call_cost, tail_cost, share),
-                                     ss_coins=coins if opts.ss_p else None)
+                                     ss_coins=coins if opts.scheduled_sampling else None)
     a, b = run(True), run(False)
     assert abs(a.loss.item() - b.loss.item()) < 1e-5 and a.metrics["model_calls"] == b.metrics["model_calls"]
     for k in a.metrics:

@@ -240,10 +240,10 @@ def test_serve_rollouts_command_and_engine_choice():
     assert p.returncode != 0 and "--api-key" in p.stderr
     p = run_cli("serve-rollouts", "--model", TEACHER, "--max-model-len", 4096, "--print", check=False)
     assert p.returncode != 0 and "context" in p.stderr
-    from types import SimpleNamespace
+    from latent_rl.policy import Policy
     from latent_rl.vllm import make_vllm_engine
     from latent_rl.grpo import GRPOConfig
-    text, latent = SimpleNamespace(kind="text"), SimpleNamespace(kind="latent")
+    text, latent = Policy(None, None, "text"), Policy(None, None, "latent")          # the kind is all it reads
     assert make_vllm_engine(GRPOConfig(), text) is None
     with pytest.raises(ValueError, match="vllm_mode"):
         make_vllm_engine(GRPOConfig(use_vllm=True, vllm_mode="remote"), text)
@@ -257,13 +257,13 @@ def test_serve_rollouts_command_and_engine_choice():
 def test_server_mode_weight_sync_address_is_a_config_field():
     "vllm_sync_host: the address of rank 0's machine that a server on another machine reaches for the NCCL weight sync "
     "(was: always $MASTER_ADDR, 127.0.0.1 under torchrun --standalone, so a remote server hung at rendezvous)."
-    from types import SimpleNamespace
+    from latent_rl.policy import Policy
     from latent_rl.vllm import make_vllm_engine
     from latent_rl.grpo import GRPOConfig
     from latent_rl.gkd import GKDConfig
     url, proc = start()                                      # any server that answers /v1/models will do (no sync here)
     try:
-        text = SimpleNamespace(kind="text")
+        text = Policy(None, None, "text")
         for cls in (GRPOConfig, GKDConfig):
             eng = make_vllm_engine(
                 cls(use_vllm=True, vllm_mode="server", vllm_server=url, vllm_sync_host="trainer-0.cluster"), text
