@@ -177,9 +177,10 @@ def _pick(logp, emit, temperature: float, Fpad, n_fed, kt, it: int, generator):
     if kt is not None: return keyed_sample(logp, kt, it) if emit.any() else logp.argmax(-1)
     return multinomial(logp.exp(), generator)
 
-def _block_input(lm, h, noise, latent_fn, rows, B: int, blk, step, kt, it: int, generator):
-    "The vector a block step feeds: `μ = prj(h)`, sampled around μ with `noise`, replaced by `latent_fn`: (z, μ) `[n, H]`."
-    z = mu = lm.prj(h)
+def _block_input(lm, h, noise, latent_fn, rows, B: int, blk, step, kt, it: int, generator, codes=None):
+    """The vector a block step feeds: `μ = prj(h)` (under each row's exploration code of `codes [B, D]`), sampled around
+    μ with `noise`, replaced by `latent_fn`: (z, μ) `[n, H]`."""
+    z = mu = lm.project(h, None if codes is None else codes[rows])
     if noise is not None: z = mu + noise.sigma.to(mu.dtype) * _eps(mu, kt, it, generator)
     if latent_fn is not None: z = _by_row(latent_fn, rows, B, z, blk, step)
     return z, mu
@@ -196,12 +197,14 @@ def _next_state(state, blk, emit, nxt, line_sep_id: int, s: int):
 def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int = 256,
                     temperature: float = 0.0, generator: torch.Generator | None = None,
                     forced: list[list[int]] | None = None, max_forward_passes: int | None = None,
-                    keys: list[int] | None = None, latent_fn=None, return_latents: bool = False, noise=None) -> Rollout:
+                    keys: list[int] | None = None, latent_fn=None, return_latents: bool = False, noise=None,
+                    codes: torch.Tensor | None = None) -> Rollout:
     """Batched latent-policy decoding with a KV cache; returns text tokens, their logprobs and latent positions.
     `latent_fn(z [B, H], block [B], step [B]) -> z` replaces the vectors fed inside blocks (counterfactuals: only rows
     in a block use the result; indexed by the prompts' rows, also after finished rows left the batch); `return_latents`
     records them. `noise` (a `LatentNoise`, used when `temperature > 0`) samples each fed vector `z = μ + σ·ε` (keyed
-    like the tokens) and records its log-density. A prompt ending in `<|line_sep|>` starts in a block.
+    like the tokens) and records its log-density. `codes [B, D]` (`LatentModel.set_explore`, used when `temperature > 0`)
+    perturb the projector per row. A prompt ending in `<|line_sep|>` starts in a block.
     Finished rows leave the batch once they are a quarter of it (`_keep_rows`). Each row is a state machine: 0 =
     sample a token from h; 1 = feed `<|latent_start|>`; 2..s+1 = feed prj(h); s+2 = feed `<|latent_end|>`; s+3 =
     force `<|action_sep|>`."""
@@ -216,6 +219,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     e_ls, e_le = (lm.embed(torch.tensor([i], device=dev)) for i in (sp.latent_start_id, sp.latent_end_id))
     T = temperature if temperature > 0 else 1.0
     noise = noise if temperature > 0 else None                                # greedy feeds μ
+    codes = codes.to(dev) if codes is not None and temperature > 0 else None  # and the projector itself
     kt, it = (torch.tensor(keys, device=dev) if keys is not None else None), 0
     while True:
         if (keep := _keep_rows(done, cache)) is not None:
@@ -238,7 +242,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         inp = torch.where((state == 1)[:, None], e_ls, lm.embed(torch.where(emit, nxt, torch.full_like(nxt, pad_id))))
         in_block = (state >= 2) & (state <= s + 1)
         if in_block.any():
-            z, mu = _block_input(lm, h, noise, latent_fn, rows, B, blk, state - 2, kt, it, generator)     # [n, H]
+            z, mu = _block_input(lm, h, noise, latent_fn, rows, B, blk, state - 2, kt, it, generator, codes)  # [n, H]
             if return_latents:
                 fed.append((rows, z, in_block & ~done, None if noise is None else noise.log_density(z, mu)))
             inp = torch.where(in_block[:, None], z, inp)

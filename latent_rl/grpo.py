@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from .trace import row_prompt
@@ -28,8 +28,8 @@ from .records import stage_summary
 from .onpolicy import OnPolicyStage, token_strings
 
 # %% auto #0
-__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'tis_cap', 'GRPOStep', 'reward_rise', 'throughput_summary',
-           'stochastic_latents', 'reference_policy', 'run_grpo']
+__all__ = ['pad_to', 'grpo_micro_loss', 'GRPOConfig', 'tis_cap', 'exploration', 'GRPOStep', 'reward_rise', 'throughput_summary',
+           'set_exploration', 'reference_policy', 'run_grpo']
 
 # %% ../nbs/20_grpo.ipynb #c9aec591
 def pad_to(rows: list[list[float]], N: int, fill: float) -> torch.Tensor:
@@ -45,11 +45,12 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
     as actions beside the text tokens (`latent_*` metrics; `latent_count`: the step's vectors, `norm = token`)."""
     P, C = [s["prompt"] for s in samples], [s["completion"] for s in samples]
     LA = [s["latent_at"] for s in samples]                                              # empty lists: no blocks
+    K = [s.get("key") for s in samples]                      # rollout keys: an exploring policy replays their codes
     Z = [s["latents"] for s in samples] if all("latents" in s for s in samples) else None
     SZ = [s["latent_lp"] for s in samples] if Z is not None and all("latent_lp" in s for s in samples) else None
     # [B, N], [B, M]×2
     if SZ is not None: logp, ld, lmask = policy.sampled_logprobs(P, C, LA, Z, temperature, pathwise=latent_pathwise)
-    else: logp, _ = policy.logprobs(P, C, LA, temperature, latents=Z)                   # [B, N] (Z: truncated replay)
+    else: logp, _ = policy.logprobs(P, C, LA, temperature, latents=Z, keys=K)           # [B, N] (Z: truncated replay)
     st = policy.replay_stats if Z is None else {}                                       # an exact latent replay's cost
     N, dev = logp.shape[1], logp.device
     mask = sampled_mask(C, LA, N, dev)                                                  # [B, N]
@@ -63,7 +64,7 @@ def grpo_micro_loss(policy: Policy, samples: list[dict], *, eps_low: float = 0.2
         with torch.no_grad(), gathered_weights(ref.module):
             # [B, N] (the text tokens' KL)
             if SZ is not None: ref_lp = ref.sampled_logprobs(P, C, LA, Z, temperature)[0]
-            else: ref_lp, _ = ref.logprobs(P, C, LA, temperature, latents=Z)           # [B, N]
+            else: ref_lp, _ = ref.logprobs(P, C, LA, temperature, latents=Z, keys=K)   # [B, N]
     # truncated IS (tis_cap > 0): the ratio against π_old, the trainer's logprobs at rollout time (`logp_old`)
     lo = pad_to([s["logp_old"] for s in samples], N, 0.0).to(dev) if tis_cap > 0 else None           # [B, N]
     loss, m = grpo_loss(logp, li, A, mask, eps_low=eps_low, eps_high=eps_high, norm=norm, token_count=token_count,
@@ -105,7 +106,9 @@ class GRPOConfig(VLLMConfig):
     dynamic_sampling: NonNegInt = 0      # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
     kl_beta: NonNegFloat = 0.0           # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
     tis_cap: float = -1.0                # truncated importance sampling: ratio against the trainer's own π_old, tokens weighted by min(π_old/π_engine, cap); -1 = 2.0 with vLLM rollouts, off for exact engines; 0 = off
-    latent_sigma: NonNegFloat = 0.0      # stochastic latents: z = μ + σ·ε, σ = this × the latents' scale per dim; 0 = off (a saved σ is kept)
+    explore: Literal["tokens", "gaussian", "svp", "dropout"] = "tokens"  # exploration inside the latent blocks: tokens (text sampling only), gaussian (z = μ + σ·ε), svp / dropout (the projector perturbed by one code per rollout)
+    explore_scale: NonNegFloat = 0.0     # the family's scale: gaussian σ (× the latents' scale per dim; else latent_sigma), svp α in s(1 + α·g), dropout p
+    latent_sigma: NonNegFloat = 0.0      # stochastic latents: z = μ + σ·ε, σ = this × the latents' scale per dim; 0 = off (a saved σ is kept); > 0 means explore=gaussian
     latent_sigma_learn: bool = False     # learn σ (log σ per dimension) with the policy; else σ stays fixed
     latent_pathwise: bool = False        # stochastic latents: the text tokens' gradient also reaches μ one hop (z = μ + σ·ε, ε held)
     steps: PosInt = 50
@@ -118,6 +121,11 @@ class GRPOConfig(VLLMConfig):
 def tis_cap(cfg: GRPOConfig) -> float:
     "The truncated-IS cap in force: `cfg.tis_cap`, or with -1 (auto) 2.0 for vLLM rollouts and 0 (off) otherwise."
     return cfg.tis_cap if cfg.tis_cap >= 0 else (2.0 if cfg.use_vllm else 0.0)
+
+def exploration(cfg: GRPOConfig) -> tuple[str, float]:
+    "The family in force and its scale: `explore`, or `gaussian` at `latent_sigma` when only that is set."
+    if cfg.explore == "tokens" and cfg.latent_sigma: return "gaussian", cfg.latent_sigma
+    return cfg.explore, cfg.explore_scale or (cfg.latent_sigma if cfg.explore == "gaussian" else 0.0)
 
 # %% ../nbs/20_grpo.ipynb #3e419025
 @dataclass
@@ -141,8 +149,9 @@ class GRPOStep(OnPolicyStage):
         self.truncated = self.cfg.replay == "truncated" and self.policy.has_blocks   # replay recorded latents
         self.stochastic = self.policy.stochastic                                   # z sampled, replayed as actions
         self.tis_cap = tis_cap(self.cfg)
-        if self.tis_cap > 0 and (self.truncated or self.stochastic):
-            raise ConfigError("tis_cap needs an exact replay: set --tis_cap 0 with replay=truncated or latent_sigma")
+        if self.tis_cap > 0 and (self.truncated or self.stochastic or self.policy.explores):
+            raise ConfigError("tis_cap needs an exact replay of the rollout's tokens alone: set --tis_cap 0 with "
+                              "replay=truncated or explore")
         self.rec_lp, self.rec_ro = self.recorder("logprobs.jsonl"), self.recorder("rollouts.jsonl")
 
     def loss(self, step, part, idx):
@@ -174,7 +183,7 @@ class GRPOStep(OnPolicyStage):
         "`group_size` scored samples of each (step, prompt) of `pairs` (sampling round `rnd`), and the round's figures."
         G = self.cfg.group_size
         flat = [(s, i, rnd * G + j) for s, i in pairs for j in range(G)]          # (step, prompt, sample): its key
-        ro = self.rollouts(flat, sync=rnd == 0)
+        ro, keys = self.rollouts(flat, sync=rnd == 0), self.keys(flat)
         if not flat: return [], {}
         texts = [self.policy.tok.decode(c) for c in ro.completion_ids]
         R, parts = self.rewards(texts, flat)
@@ -182,10 +191,10 @@ class GRPOStep(OnPolicyStage):
         samples = [
             {
                 "prompt": self.prompts[i], "completion": c, "latent_at": la, "logp_inf": lp, "adv": a,
-                "reward": r, "idx": i, "step": s, "text": t, "parts": {k: v[n] for k, v in parts.items()},
+                "reward": r, "idx": i, "step": s, "text": t, "parts": {k: v[n] for k, v in parts.items()}, "key": k,
             }
-            for n, ((s, i, _), c, la, lp, a, r, t) in enumerate(
-                zip(flat, ro.completion_ids, ro.latent_at, ro.logprobs, adv, R, texts)
+            for n, ((s, i, _), c, la, lp, a, r, t, k) in enumerate(
+                zip(flat, ro.completion_ids, ro.latent_at, ro.logprobs, adv, R, texts, keys)
             )
         ]
         if self.truncated or self.stochastic:
@@ -195,9 +204,13 @@ class GRPOStep(OnPolicyStage):
         metrics = dict(am, **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()})
         return [samples[k:k + G] for k in range(0, len(samples), G)], metrics
 
+    def keys(self, flat: list[tuple]) -> list[int]:
+        "Each (step, prompt, sample)'s key: its tokens' and latents' draws and its exploration code (`Policy.codes`)."
+        return [row_key(self.cfg.seed, s, i, j) for s, i, j in flat]
+
     def rollouts(self, flat: list[tuple], sync: bool = True):
         "Sample every (step, prompt, sample) of `flat` from the current weights, keyed by (seed, step, prompt, sample)."
-        keys, P = [row_key(self.cfg.seed, s, i, j) for s, i, j in flat], [self.prompts[i] for _, i, _ in flat]
+        keys, P = self.keys(flat), [self.prompts[i] for _, i, _ in flat]
         ro = self.rollout(P, keys, self.cfg.max_new_tokens, sync, return_latents=self.truncated or self.stochastic,
                           latent_noise=self.stochastic)
         if ro is not None: self.stats["gen_tokens"] += sum(map(len, ro.completion_ids))
@@ -284,11 +297,12 @@ class GRPOStep(OnPolicyStage):
                 group=g,
                 prompt=row_prompt(row),
                 truth=row["output"],
+                explore=exploration(self.cfg)[0],
                 samples=[
                     {
                         "text": x["text"], "tokens": token_strings(self.policy.tok, x["completion"]), "reward": x["reward"],
                         "adv": x["adv"], "correct": bool(x["parts"]["correct"]) if "correct" in x["parts"] else None,
-                        "latent_at": x["latent_at"],
+                        "latent_at": x["latent_at"], "key": x["key"],
                     }
                     for x in grp
                 ],
@@ -333,24 +347,31 @@ def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
     }
 
 # %% ../nbs/20_grpo.ipynb #d7e1f006
-def stochastic_latents(cfg: GRPOConfig, policy: Policy) -> None:
-    "Give a latent policy its noise scale (`latent_sigma`; a saved one is kept) and make σ trainable (`latent_sigma_learn`)."
+def set_exploration(cfg: GRPOConfig, policy: Policy) -> None:
+    """Give the policy its exploration inside the latent blocks (`exploration`): a noise scale for `gaussian` (a saved
+    one is kept; σ trainable with `latent_sigma_learn`), a code per rollout for `svp` / `dropout`; or refuse in one line."""
+    fam, scale = exploration(cfg)
     if not policy.has_blocks:
-        if cfg.latent_sigma or cfg.latent_sigma_learn:
-            raise ConfigError("latent_sigma: a text policy has no latent vectors")
+        if fam != "tokens" or cfg.latent_sigma_learn:
+            raise ConfigError(f"explore={fam}: a text policy has no latent vectors to explore; use explore=tokens")
         return
-    if cfg.latent_sigma: policy.model.set_noise(cfg.latent_sigma, cfg.latent_sigma_learn)
+    if fam in ("svp", "dropout"):
+        if cfg.replay == "truncated": raise ConfigError(f"explore={fam} replays each code: use replay=exact")
+        try: policy.model.set_explore(fam, scale)
+        except ValueError as e: raise ConfigError(str(e)) from None
+    elif fam == "gaussian" and scale: policy.model.set_noise(scale, cfg.latent_sigma_learn)
     elif policy.model.noise is not None: policy.model.noise.log_sigma.requires_grad_(cfg.latent_sigma_learn)
-    elif cfg.latent_sigma_learn: raise ConfigError("latent_sigma_learn needs a noise scale: set latent_sigma > 0")
-    if policy.model.noise is not None and cfg.temperature <= 0:
-        raise ConfigError(
-            "stochastic latents sample at temperature > 0 (greedy rollouts would feed μ): raise temperature"
-        )
+    elif fam == "gaussian" or cfg.latent_sigma_learn:
+        raise ConfigError("explore=gaussian (and latent_sigma_learn) needs a noise scale: set latent_sigma > 0")
+    if (policy.stochastic or policy.explores) and cfg.temperature <= 0:
+        raise ConfigError(f"explore={fam} samples at temperature > 0 (greedy rollouts feed μ): raise temperature")
 
 def reference_policy(cfg: GRPOConfig, acc) -> Policy:
     "The starting policy, frozen, for the KL penalty (`kl_beta`): decoder layers sharded under `--strategy fsdp`."
     ref = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
-    if cfg.latent_sigma and ref.has_blocks and not ref.stochastic: ref.model.set_noise(cfg.latent_sigma)
+    fam, scale = exploration(cfg)
+    if fam == "gaussian" and ref.has_blocks and not ref.stochastic: ref.model.set_noise(scale)
+    if fam in ("svp", "dropout") and ref.has_blocks: ref.model.set_explore(fam, scale)    # scores under the same codes
     ref.module.eval().requires_grad_(False)
     shard_frozen(ref.module, cfg, acc)
     return ref
@@ -363,7 +384,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = True) -> Path:
     acc = setup(cfg.seed)
     write_config(cfg, acc)
     policy = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
-    stochastic_latents(cfg, policy)
+    set_exploration(cfg, policy)
     lora_student(cfg, policy.lm, policy.module)
     rows = load_train(cfg, progress and acc.is_main_process)   # traced_frac < 1: most rows carry only their answer
     if "path" in reward_fn.weights and any("trace" not in r for r in rows):

@@ -628,8 +628,8 @@ class RolloutViewer(Inspector):
         s = nearest(self.steps, step)
         at = [r for r in self.rows if r["step"] == s]
         rec = min(at, key=lambda r: (abs(r["group"] - group), r["group"]))
-        S = rec["samples"]
-        G = len(S)
+        S, ex = rec["samples"], rec.get("explore", "tokens")          # the family that varied the group's rollouts
+        G, code = len(S), lambda q: f", code {q['key'] % 10**6:06d}" if ex != "tokens" and "key" in q else ""
         hs = 0.16 * (self.max_lines + 2.5)
         fig = Figure(figsize=(14, 2.8 + hs * G), layout="constrained")
         gs = fig.add_gridspec(1 + G, 2, height_ratios=[2.8] + [hs] * G, width_ratios=[1, 1.2])
@@ -654,9 +654,9 @@ class RolloutViewer(Inspector):
             a = fig.add_subplot(gs[1 + i, :], gid=f"sample{i}")
             lines = completion_lines(q["tokens"], q.get("latent_at", ())) if "tokens" in q else frame_lines(q["text"])
             _text_lines(a, lines, max_lines=self.max_lines, width=150,
-                        title=f"sample {i}: reward {R[i]:.2f}, advantage {A[i]:+.2f}, {_verdict(q.get('correct'))}, "
+                        title=f"sample {i}{code(q)}: reward {R[i]:.2f}, advantage {A[i]:+.2f}, {_verdict(q.get('correct'))}, "
                               f"{len(q.get('latent_at', []))} latent block(s), {len(q.get('tokens', []))} tokens")
-        fig.suptitle(f"{self.run.name}: rollouts")
+        fig.suptitle(f"{self.run.name}: rollouts, exploring by {ex}: {len({q['text'] for q in S})} distinct of {G}")
         return fig
 
 # %% ../nbs/23_inspect.ipynb #cd979290
@@ -682,8 +682,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     "`latent-rl plot RUN_DIR [--out DIR]`: write the run's figures as PNG files and print their paths."
     ap = argparse.ArgumentParser(
         prog="latent-rl plot",
-        description="Write the figures of a run directory (metrics, logprob "
-        "alignment, clipping, KD anchors, rollouts — whichever apply) as PNG files.",
+        description="Write the figures of a run directory (metrics, logprob alignment, clipping, KD anchors, rollouts — "
+                    "whichever apply) as PNG files.",
     )
     ap.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
     ap.add_argument("--out", default=None, help="output directory (default: RUN_DIR/figures)")

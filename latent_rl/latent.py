@@ -19,8 +19,8 @@ from .losses import KDTarget
 from .fields import NonNegFloat, PosFloat, Fraction, check_fields
 
 # %% auto #0
-__all__ = ['ValueKDAt', 'VALUE_KD_AT', 'LatentSpec', 'Projector', 'LatentModel', 'LatentNoise', 'pack_phases', 'pad_ids',
-           'CodiOptions', 'kd_layer_indices']
+__all__ = ['ValueKDAt', 'VALUE_KD_AT', 'LatentSpec', 'Projector', 'LatentModel', 'LatentNoise', 'right_basis', 'ProjectorNoise',
+           'pack_phases', 'pad_ids', 'CodiOptions', 'kd_layer_indices']
 
 # %% ../nbs/07_latent.ipynb #2440d8e2
 @dataclass
@@ -51,6 +51,8 @@ class LatentModel(nn.Module):
         self.prj = (projector or Projector(ref.shape[1])).to(device=ref.device, dtype=ref.dtype)
         # a stochastic latent policy's scale (`set_noise`); None = deterministic
         self.noise: LatentNoise | None = None
+        # parameter noise of the projector, one code per rollout (`set_explore`); None = off
+        self.explore: ProjectorNoise | None = None
 
     @property
     def body(self): return backbone(self.model)
@@ -59,6 +61,9 @@ class LatentModel(nn.Module):
     @property
     def head(self): return lm_head(self.model)                                      # bias, scale, soft cap
     def embed(self, ids): return self.model.get_input_embeddings()(ids)
+    def project(self, h: torch.Tensor, code: torch.Tensor | None = None) -> torch.Tensor:
+        "The vector a latent step feeds, `prj(h)` `[b, H]`; under each row's exploration `code` `[b, D]` when given."
+        return self.prj(h) if code is None or self.explore is None else self.explore(self.prj, h, code)
 
     def save(self, path, tok=None, state_dict: dict | None = None):
         """A directory HF loads as a normal model, plus `projector.pt` and `latent_spec.json` (of `state_dict` when
@@ -113,6 +118,11 @@ class LatentModel(nn.Module):
         self.noise = LatentNoise(sigma * g, learn).to(g.device)
         return self
 
+    def set_explore(self, family: str, scale: float):
+        "Explore by the projector's parameters, one code per rollout (`ProjectorNoise`); `family = tokens`: off."
+        self.explore = None if family == "tokens" else ProjectorNoise(family, scale)
+        return self
+
 # %% ../nbs/07_latent.ipynb #ce636f2d
 class LatentNoise(nn.Module):
     "The scale of a stochastic latent policy: z = μ + σ·ε, ε ~ N(0, I), `log_sigma [H]` per dimension (learned or fixed)."
@@ -130,6 +140,50 @@ class LatentNoise(nn.Module):
         ls = self.log_sigma.float()                                                          # [H]
         e = (z.float() - mu.float()) / ls.exp()                                              # [..., H]
         return (-0.5 * e * e - ls - 0.5 * math.log(2 * math.pi)).mean(-1)
+
+# %% ../nbs/07_latent.ipynb #54f67013
+_BASES: dict = {}
+
+def right_basis(W: torch.Tensor) -> torch.Tensor:
+    "`[in, r]` right singular vectors of `W [out, in]` (no gradient), kept while W is unchanged (its version)."
+    k = (W.data_ptr(), W.shape, W._version, W.dtype)
+    if k not in _BASES:
+        if len(_BASES) > 64: _BASES.clear()
+        w = W.detach().to(torch.float32 if W.element_size() < 4 else W.dtype)                   # fp64 stays fp64
+        _BASES[k] = torch.linalg.svd(w, full_matrices=False)[2].T.to(W.dtype)                   # [in, r]
+    return _BASES[k]
+
+# %% ../nbs/07_latent.ipynb #367fa1c3
+@dataclass
+class ProjectorNoise:
+    "Parameter noise of the projector, one code per rollout: `svp` (scale α) or `dropout` (scale: the drop probability)."
+    family: Literal["svp", "dropout"]
+    scale: float
+
+    def __post_init__(self):
+        if self.family not in ("svp", "dropout"): raise ValueError(f"explore: no projector family {self.family!r}")
+        if self.family == "dropout" and not 0 < self.scale < 1:
+            raise ValueError(f"explore=dropout: explore_scale is the drop probability, in (0, 1); got {self.scale}")
+        if self.family == "svp" and not self.scale > 0:
+            raise ValueError(f"explore=svp: explore_scale is α in s(1 + α·g), > 0; got {self.scale}")
+
+    def width(self, prj: nn.Module) -> int:
+        "Standard normals per code: one per singular value of each Linear (svp), one per inner dimension (dropout)."
+        lin = [m for m in prj if isinstance(m, nn.Linear)]
+        return sum(min(m.weight.shape) for m in lin) if self.family == "svp" else lin[-1].in_features
+
+    def __call__(self, prj: nn.Module, h: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+        "`prj(h)` `[b, H]` with each row's weights perturbed by its `code` `[b, D]`."
+        x, g, off, last = h, code.to(h.dtype), 0, max(i for i, m in enumerate(prj) if isinstance(m, nn.Linear))
+        for i, m in enumerate(prj):
+            if self.family == "svp" and isinstance(m, nn.Linear):
+                V = right_basis(m.weight)                                            # [in, r]
+                a = self.scale * g[:, off:off + V.shape[1]]                          # [b, r]
+                x, off = x + ((x @ V) * a) @ V.T, off + V.shape[1]                   # W(x + V·diag(αg)·Vᵀx)
+            if self.family == "dropout" and i == last:
+                x = x * (g >= math.sqrt(2) * torch.erfinv(torch.tensor(2 * self.scale - 1))).to(x.dtype) / (1 - self.scale)
+            x = m(x)
+        return x
 
 # %% ../nbs/07_latent.ipynb #ec8010f6
 def pack_phases(

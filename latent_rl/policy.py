@@ -13,12 +13,12 @@ from .models import backbone, lm_head, lm_head_weight, load_model, resolve_model
 from .logprobs import token_logprobs
 from .latent import LatentModel
 from .student import grouped_student_pass, CALL_COST
-from .generate import Rollout, generate_text, generate_latent
+from .generate import Rollout, generate_text, generate_latent, keyed_normal
 
 
 # %% auto #0
-__all__ = ['replay_examples', 'completion_labels', 'sampled_mask', 'replay_hidden', 'Policy', 'truncated_replay_hidden',
-           'sampled_replay']
+__all__ = ['CODE_STEP', 'replay_examples', 'completion_labels', 'sampled_mask', 'replay_hidden', 'Policy',
+           'truncated_replay_hidden', 'sampled_replay']
 
 # %% ../nbs/10_policy.ipynb #b1197e3c
 def replay_examples(
@@ -51,19 +51,23 @@ def sampled_mask(completions: list[list[int]], latent_at: list[list[int]] | None
 
 # %% ../nbs/10_policy.ipynb #6b442b95
 def replay_hidden(
-    lm: LatentModel, prompts, completions, latent_at, call_cost: float = CALL_COST
+    lm: LatentModel, prompts, completions, latent_at, call_cost: float = CALL_COST, codes: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict]:
-    """(`[B, N, H]` states predicting each completion token, exactly replayed in `phase_groups`; {positions_run,
-    positions_real, calls})."""
+    """(`[B, N, H]` states predicting each completion token, exactly replayed in `phase_groups` (under each row's
+    exploration code of `codes [B, D]`); {positions_run, positions_real, calls})."""
     ex, N = replay_examples(prompts, completions, latent_at), max(1, max(map(len, completions)))
-    sp = grouped_student_pass(lm, ex, call_cost, ce=False, return_hidden=True)
+    sp = grouped_student_pass(lm, ex, call_cost, ce=False, return_hidden=True, latent_codes=codes)
     # [B, N, H]
     return sp.pred_hidden[:, :N], {"positions_run": sp.n_run, "positions_real": sp.n_real, "calls": sp.calls}
 
 # %% ../nbs/10_policy.ipynb #6b6a632c
+CODE_STEP = -1      # the keyed stream's step of a rollout's exploration code (decode steps count from 0)
+
 class Policy:
     """A text or latent policy with one rollout / replay interface. A latent replay runs its rows in `phase_groups`
-    of about equal spans and lengths (`call_cost`: positions one model call is worth) and leaves `replay_stats`."""
+    of about equal spans and lengths (`call_cost`: positions one model call is worth) and leaves `replay_stats`.
+    A latent policy that explores by its projector's parameters (`LatentModel.set_explore`) draws each row's code
+    from the row's key, in `generate` and again in every replay: the keys are all a rollout needs to keep."""
     def __init__(self, model: nn.Module, tok, kind: str | None = None, call_cost: float = CALL_COST):
         self.model, self.tok, self.call_cost, self.replay_stats = model, tok, call_cost, {}
         self.kind = kind or ("latent" if isinstance(model, LatentModel) else "text")
@@ -117,12 +121,16 @@ class Policy:
     def generate(self, prompts, *, max_new_tokens: int = 256, temperature: float = 1.0,
                  generator: torch.Generator | None = None, keys: list[int] | None = None, return_latents: bool = False,
                  latent_noise: bool = False) -> Rollout:
-        """Sample (or greedy-decode, `temperature <= 0`) completions; `keys` make each row's samples batch-independent;
-        `latent_noise` samples a stochastic latent policy's vectors (`LatentModel.set_noise`) too."""
+        """Sample (or greedy-decode, `temperature <= 0`) completions; `keys` make each row's samples batch-independent
+        (and give an exploring policy each row's code); `latent_noise` samples a stochastic latent policy's vectors
+        (`LatentModel.set_noise`) too."""
         if latent_noise and not self.stochastic:
             raise ValueError("latent_noise needs a stochastic latent policy (LatentModel.set_noise)")
+        if self.explores and temperature > 0 and keys is None:
+            raise ValueError("an exploring policy draws each rollout's code from its key: pass keys")
         kw = (
-            {"return_latents": return_latents, "noise": self.model.noise if latent_noise else None}
+            {"return_latents": return_latents, "noise": self.model.noise if latent_noise else None,
+             "codes": self.codes(keys) if temperature > 0 else None}
             if self.kind == "latent"
             else {}
         )
@@ -145,20 +153,36 @@ class Policy:
         return self.kind == "latent"
 
     @property
+    def explores(self) -> bool:
+        "Whether rollouts perturb the projector by a code per row (`LatentModel.set_explore`), replayed from their keys."
+        return self.kind == "latent" and self.model.explore is not None
+
+    def codes(self, keys: list[int] | None) -> torch.Tensor | None:
+        "`[B, D]` each row's exploration code, a pure function of its key (None: the policy does not explore)."
+        if not self.explores or keys is None: return None
+        D = self.model.explore.width(self.model.prj)
+        return keyed_normal(torch.tensor(keys, device=self.device), CODE_STEP, D).to(self.head_weight.dtype)
+
+    @property
     def stochastic(self) -> bool:
         "Whether its latent vectors are sampled (`LatentModel.set_noise`): GRPO replays them as actions."
         return self.kind == "latent" and self.model.noise is not None
 
-    def hidden(self, prompts, completions, latent_at=None, latents=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden(self, prompts, completions, latent_at=None, latents=None,
+               keys: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(`[B, N, H]` final hidden state predicting each completion token, `[B, N]` real-token mask). A latent policy
-        given the rollout's recorded `latents` replays them in two parallel forwards (`truncated_replay_hidden`)."""
+        given the rollout's recorded `latents` replays them in two parallel forwards (`truncated_replay_hidden`); an
+        exploring one replays each row under the code of its rollout's key (`keys`)."""
         N = max(1, max(map(len, completions)))
         dev = self.device
+        if self.explores and keys is None: raise ValueError("an exploring policy replays its rollouts' codes: pass keys")
         if self.kind == "latent" and latents is not None:
+            if self.explores: raise ValueError("explore: a truncated replay feeds recorded latents; use replay=exact")
             return (truncated_replay_hidden(self.model, prompts, completions, latent_at, latents)[:, :N],
                     completion_labels(completions, N, dev) != IGNORE_INDEX)
         if self.kind == "latent":
-            h, self.replay_stats = replay_hidden(self.model, prompts, completions, latent_at, self.call_cost)
+            h, self.replay_stats = replay_hidden(self.model, prompts, completions, latent_at, self.call_cost,
+                                                 self.codes(keys))
             return h, completion_labels(completions, N, dev) != IGNORE_INDEX
         seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
         L = max(map(len, seqs))
@@ -172,9 +196,11 @@ class Policy:
         h = hid.gather(1, at[:, :, None].expand(-1, -1, hid.shape[-1]))                   # [B, N, H]
         return h, completion_labels(completions, N, dev) != IGNORE_INDEX
 
-    def logprobs(self, prompts, completions, latent_at=None, temperature=1.0, chunk_size: int = 1024, latents=None):
-        "(`[B, N]` logprob of each completion token at `temperature` (0 past the end), `[B, N]` hidden states)."
-        h, real = self.hidden(prompts, completions, latent_at, latents)
+    def logprobs(self, prompts, completions, latent_at=None, temperature=1.0, chunk_size: int = 1024, latents=None,
+                 keys: list[int] | None = None):
+        """(`[B, N]` logprob of each completion token at `temperature` (0 past the end), `[B, N]` hidden states); `keys`:
+        the rollouts' keys (an exploring policy's codes)."""
+        h, real = self.hidden(prompts, completions, latent_at, latents, keys)
         lab = completion_labels(completions, h.shape[1], self.device)
         return token_logprobs(h, self.head, lab, temperature, chunk_size), h
 

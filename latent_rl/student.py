@@ -111,6 +111,7 @@ class _Pass:
     states_at: torch.Tensor | None = None       # [B, T] trace tokens whose predicting states are asked for
     token_weight: torch.Tensor | None = None    # [B, T] CE weight of each trace token
     forced_latents: torch.Tensor | None = None  # [B, K, S] token ids fed instead of latents (-1: none)
+    latent_codes: torch.Tensor | None = None    # [B, D] each row's exploration code (`LatentModel.set_explore`)
     tail_cost: float | None = None
     prefix: tuple | None = None
     cache: object = None                # the KV cache of the rows still in the batch
@@ -240,8 +241,9 @@ def _run_phase(st: _Pass, ph: _Phase, k: int, last: bool):
 
 # %% ../nbs/07b_student.ipynb #78f9b0ff
 def _latent_input(st: _Pass, k: int, j: int) -> torch.Tensor:
-    "Step `j` of block `k`'s input: `prj(h)`, or the forced token's embedding (latent teacher forcing)."
-    z = st.lm.prj(st.h)                                                             # [b, H]
+    """Step `j` of block `k`'s input: `prj(h)` (under each row's exploration code), or the forced token's embedding
+    (latent teacher forcing)."""
+    z = st.lm.project(st.h, None if st.latent_codes is None else st.latent_codes[st.bi])   # [b, H]
     if st.forced_latents is not None:
         f = st.forced_latents[st.bi.to(st.forced_latents.device), k, j].to(z.device)   # [b] token ids, -1: none
         if f.ge(0).any(): z = torch.where(f.ge(0)[:, None], st.lm.embed(f.clamp(min=0)), z)
@@ -313,7 +315,7 @@ def student_pass(
     chunk_size: int = 1024, ce: bool = True, return_logprobs: bool = False, return_hidden: bool = False,
     return_latents: bool = False, latent_states: bool = False, states_at: torch.Tensor | None = None,
     token_weight: torch.Tensor | None = None, forced_latents: torch.Tensor | None = None,
-    tail_cost: float | None = None, prefix: tuple | None = None,
+    tail_cost: float | None = None, prefix: tuple | None = None, latent_codes: torch.Tensor | None = None,
 ) -> StudentPass:
     """The batched student over `{prompt_ids, trace_ids, spans}` examples, all rows in lockstep in one KV cache: per
     phase, its text (`_run_phase`), then the latent block of the rows that have one (`_latent_block`); a row leaves
@@ -321,11 +323,12 @@ def student_pass(
     `forced_latents [B, K, S]` token ids (-1: none) replace latent inputs by those tokens' embeddings. `tail_cost`
     (positions a call is worth): a phase that is some rows' last runs as far as the others need, those rows' tails
     apart (`tail_cuts`). `prefix` (`teacher_pass(keep_prefix=True)` on these examples): phase 0 from the teacher's
-    pass (`_prefix_phase`). Every choice gives the same result."""
+    pass (`_prefix_phase`). `latent_codes [B, D]`: each row's exploration code (`LatentModel.project`). Every choice
+    gives the same result."""
     st, phases = _start_pass(lm, examples, layers=layers, ss_coins=ss_coins, chunk_size=chunk_size, ce=ce,
                              return_logprobs=return_logprobs, return_hidden=return_hidden, latent_states=latent_states,
                              states_at=states_at, token_weight=token_weight, forced_latents=forced_latents,
-                             tail_cost=tail_cost, prefix=prefix)
+                             tail_cost=tail_cost, prefix=prefix, latent_codes=latent_codes)
     K = len(phases) - 1
     for k in range(K + 1):
         ph = _phase_of(st, phases, k)
@@ -401,7 +404,8 @@ def _pad1(x: torch.Tensor | None, n: int, fill) -> torch.Tensor | None:
 def _slice_rows(kw: dict, g: list[int], K: int, T: int) -> dict:
     "The per-row inputs of `student_pass` for the rows `g` of a group with `K` spans and `T` trace tokens at most."
     out = dict(kw)
-    for name, width in (("ss_coins", K + 1), ("states_at", T), ("token_weight", T), ("forced_latents", K)):
+    for name, width in (("ss_coins", K + 1), ("states_at", T), ("token_weight", T), ("forced_latents", K),
+                        ("latent_codes", None)):
         if kw.get(name) is not None: out[name] = kw[name][g][:, :width]
     if kw.get("prefix") is not None:                                                 # the teacher's cache and states
         (cache, last, hs), rows = kw["prefix"], torch.tensor(g, device=kw["prefix"][1].device)

@@ -365,3 +365,23 @@ def test_two_process_fsdp_latent_grpo_with_a_kl_reference(latent_dir, tmp_path):
     )
     s = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
     assert len(s) == 2 and all("kl_ref" in r and r["align_abs_max"] <= 1e-4 for r in s)
+
+
+def test_two_processes_exploring_by_codes_equal_one(latent_dir, tmp_path):
+    """Latent GRPO exploring by a projector code per rollout (svp; a KL reference scoring under the same codes): 2
+    processes (DDP, FSDP2) train the weights 1 process does, and the ratio is 1 at the first step on every rank."""
+    args = [
+        "grpo", "--recipe", "none", "--model", latent_dir, "--train", ROWS, "--max_train", 16, "--steps", 2,
+        "--batch_size", 2, "--group_size", 4, "--max_new_tokens", 200, "--lr", 1e-4, "--warmup", 0, "--save_every", 0,
+        "--record_every", 0, "--temperature", 1.0, "--explore", "svp", "--explore_scale", 1.0, "--kl_beta", 0.05,
+        "--rewards", "format:1,correct:1", "--dynamic_sampling", 2, *EXACT,
+    ]
+    launch(1, *args, "--out", tmp_path / "one")
+    a = weights(tmp_path / "one" / "final")
+    for strategy in ("ddp", "fsdp"):
+        launch(2, *args, "--strategy", strategy, "--out", tmp_path / strategy, timeout=300)
+        s = [json.loads(l) for l in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
+        assert s[0]["align_abs_max"] <= 1e-4 and abs(s[0]["ratio_mean"] - 1) < 1e-5, s[0]   # rollouts score in fp32
+        assert_close(a, weights(tmp_path / strategy / "final"), EXACT_TOL)
+    base = weights(latent_dir)
+    assert max((a[k] - base[k]).abs().max().item() for k in base) > 1e-6

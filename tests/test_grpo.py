@@ -95,7 +95,7 @@ def _to_last_line(r):
 
 def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, cfg_kw=None):
     "GRPO through the real stage and loop on `answer starts with '0'`; the per-step mean rewards."
-    from latent_rl.grpo import GRPOConfig, GRPOStep, stochastic_latents
+    from latent_rl.grpo import GRPOConfig, GRPOStep, set_exploration
     from latent_rl.policy import Policy
     from latent_rl.engine import setup
     from latent_rl.loop import train_loop
@@ -123,7 +123,7 @@ def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, c
     )
     torch.set_num_threads(1)
     acc, pol = setup(cfg.seed), Policy.load(cfg.model)
-    stochastic_latents(cfg, pol)
+    set_exploration(cfg, pol)
     assert pol.kind == kind
     train_loop(
         GRPOStep(cfg, acc, pol, rows, [encode(pol.tok, prompt(r)) for r in rows], _answer_starts_with("0")),
