@@ -226,8 +226,8 @@ def _grpo_samples(pol: Policy, P, ro, rows, group_size) -> list[dict]:
     "GRPO samples of a rollout: the demo's rewards, group advantages, and the rollout's logprobs (and latents)."
     R = weighted("correct:1,format:0.1")([pol.tok.decode(c) for c in ro.completion_ids], rows)
     adv, _ = group_advantages(torch.tensor(R), group_size)
-    return [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": lp, "adv": a}
-            for p, c, la, lp, a in zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, adv.tolist())]
+    return [{"prompt": p, "completion": c, "latent_at": la, "logp_inf": lp, "adv": a, "key": i}   # key: as generated
+            for i, (p, c, la, lp, a) in enumerate(zip(P, ro.completion_ids, ro.latent_at, ro.logprobs, adv.tolist()))]
 
 def _grpo_row(kind, replay, ro, t_gen, t_train, m, st, S: int = 0) -> dict:
     """One bench row; `S` latent steps a block: each block in `latent_at` fed S + 2 positions that emit no token
@@ -265,6 +265,7 @@ def _grpo_variants(smp: dict, ro: dict) -> dict:
             ]
             for r in ("sampled z", "sampled z, pathwise")
         },
+        ("svp", "exact, codes replayed"): smp["svp"],
     }
 
 def _time_training(pols: dict, variants: dict, reps: int, timed) -> tuple[dict, dict, dict]:
@@ -284,7 +285,7 @@ def _time_training(pols: dict, variants: dict, reps: int, timed) -> tuple[dict, 
                 return m
             metrics[k, replay], dt = timed(step)
             # exact replays
-            stats[k, replay] = dict(pols[k].replay_stats) if k == "latent" and replay != "truncated" else {}
+            stats[k, replay] = dict(pols[k].replay_stats) if k in ("latent", "svp") and replay != "truncated" else {}
             if it: t_train[k, replay].append(dt)
     return t_train, stats, metrics
 
@@ -297,6 +298,7 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         "latent": Policy(*LatentModel.load(model, device=device), "latent"),
     }
     pols["stochastic"] = Policy(LatentModel.load(model, device=device)[0].set_noise(0.3), pols["text"].tok, "latent")
+    pols["svp"] = Policy(LatentModel.load(model, device=device)[0].set_explore("svp", 0.25), pols["text"].tok, "latent")
     P = [prompt_ids(pols["text"].tok, prompt_text(r["code"], r["input"])) for r in rows]
     sync, reps, ro = (torch.cuda.synchronize if device == "cuda" else lambda: None), 1 if quick else 3, {}
     def timed(fn):
@@ -338,7 +340,8 @@ def grpo_bench(quick: bool = False, device: str = "cpu", model: str = "data/teac
         "replay_calls / replay_pad_ratio: the exact replay's model calls and positions run per real position; "
         "'+ KL to ref': kl_beta 0.04, a frozen copy of the policy scores the same tokens (no gradient); "
         "stochastic: the latent policy with latent_sigma 0.3 (its own rollouts, noise fed in the blocks), replayed "
-        "with the recorded z in one forward (sampled z) or two (pathwise); align_abs_max is the text tokens'; "
+        "with the recorded z in one forward (sampled z) or two (pathwise); svp: the latent policy exploring by a "
+        "projector code per rollout (explore_scale 0.25), replayed exactly under each row's code; align_abs_max is the text tokens'; "
         "rollout_pos_per_s counts every position the decoder fed: tokens, and each latent block's markers and steps.",
     }
 
