@@ -21,7 +21,8 @@ from .recipes import recipe_fields
 from .evaluate import evaluate_path, save_records, paired_delta
 from .diagnose import diagnose
 from .latent_probes import latent_usage
-from .inspect_runs import plot_run, save_figure
+from .inspect_runs import plot_run
+from .figures import save_figure
 
 # %% auto #0
 __all__ = ['DEMO_VARIANTS', 'COMPARISONS', 'reward_curve', 'DemoRun', 'demo_data', 'demo_sft', 'evaluate_stage', 'demo_codi',

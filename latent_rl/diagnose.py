@@ -5,7 +5,6 @@
 # %% ../nbs/22_diagnose.ipynb #97757c18
 from __future__ import annotations
 import argparse, json, sys, time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -13,187 +12,15 @@ import torch
 from .latent import LatentModel
 from .rows import load_traced
 from .models import load_model, model_exists
-from .trace import parse_trace
-from .rewards import common_prefix
-from .evaluate import (frames_json, true_line_frames, save_records, within_noise, evaluate,
-                                load_policy, MODE_FILES, find_records)
-# run records are read as a running job writes them (half-written last line skipped)
-from .records import RunRecord
+from .evaluate import (true_line_frames, save_records, within_noise, evaluate, load_policy, MODE_FILES, find_records)
 from .latent_probes import collect_states, run_probes, latent_usage
+from .diagnose_stats import (BUCKETS, accuracy_by_length, length_table, OUTCOMES, faithfulness, smooth,
+                                      kd_floor, fmt_pct, fmt_points)
 
 # %% auto #0
-__all__ = ['BUCKETS', 'OUTCOMES', 'MODE_COLORS', 'record_frames', 'length_bucket', 'accuracy_by_length', 'length_table',
-           'frame_path', 'compare_paths', 'classify', 'faithfulness', 'smooth', 'plateau_step', 'kd_floor',
-           'usage_markdown', 'fig_usage', 'fig_accuracy_by_length', 'fig_faithfulness', 'fig_probes', 'fig_kd_floor',
-           'diagnostics_figures', 'render_markdown', 'load_report', 'write_report', 'resolve_run', 'diagnose', 'main']
-
-# %% ../nbs/22_diagnose.ipynb #b9012a7d
-def record_frames(rec: dict) -> list[dict]:
-    "The parsed frames of an evaluation record (compact JSON), parsing `generated` when the record predates `frames`."
-    if rec.get("frames") is not None: return rec["frames"]
-    return frames_json(parse_trace(rec.get("generated", "")).frames)
-
-def _as_dicts(frames) -> list[dict]:
-    return [
-        f
-        if isinstance(f, dict)
-        else {"kind": f.kind, "line": f.line.rstrip("\n"), "locals": f.locals, "value": f.value}
-        for f in frames
-    ]
-
-# %% ../nbs/22_diagnose.ipynb #36d3ba03
-BUCKETS = (("≤3", 0, 3), ("4", 4, 4), ("5–6", 5, 6), ("7–10", 7, 10), ("11–20", 11, 20), ("21+", 21, None))
-
-def length_bucket(n: int | None) -> str:
-    "The bucket label of a trace with `n` LINE frames ('?' when unknown)."
-    if n is None: return "?"
-    for name, lo, hi in BUCKETS:
-        if n >= lo and (hi is None or n <= hi): return name
-    return "?"
-
-def accuracy_by_length(records: dict[str, list[dict]]) -> dict:
-    """`{mode: {bucket: {n, exact, format_valid}}}` (rates; `None` for an empty bucket), buckets in `BUCKETS` order +
-    'all'."""
-    out = {}
-    for mode, recs in records.items():
-        groups = {name: [] for name, _, _ in BUCKETS}
-        for r in recs: groups.setdefault(length_bucket(r.get("n_line_frames")), []).append(r)
-        groups["all"] = list(recs)
-        out[mode] = {
-            b: {
-                "n": len(g), "exact": sum(r["correct"] for r in g) / len(g) if g else None,
-                "format_valid": sum(r["well_formed"] for r in g) / len(g) if g else None,
-            }
-            for b, g in groups.items()
-        }
-    return out
-
-def _pct(x, nd=1): return "—" if x is None else f"{100 * x:.{nd}f}%"
-def _pts(d): return f"{abs(100 * d):.1f} points {'below' if d < 0 else 'above'}"
-
-def length_table(acc: dict) -> str:
-    "Markdown: one row per bucket, exact match then format validity of every mode side by side."
-    modes = list(acc)
-    if not modes: return "_no evaluation records_"
-    buckets = [b for b in acc[modes[0]] if b != "all" and any(acc[m].get(b, {}).get("n") for m in modes)] + ["all"]
-    head = ["LINE frames", "n"] + [f"{m} exact" for m in modes] + [f"{m} valid" for m in modes]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
-    for b in buckets:
-        n = acc[modes[0]].get(b, {}).get("n", 0)
-        cells = [b if b != "all" else "**all**", str(n)] + [_pct(acc[m].get(b, {}).get("exact")) for m in modes] + \
-                [_pct(acc[m].get(b, {}).get("format_valid")) for m in modes]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-# %% ../nbs/22_diagnose.ipynb #bb8efbe2
-def frame_path(frames) -> list[tuple[str, str]]:
-    "The control-flow path of parsed frames (`Frame`s or compact dicts): `[(kind, source line)]`."
-    return [(f["kind"], f["line"].rstrip("\n")) for f in _as_dicts(frames)]
-
-def compare_paths(generated, true) -> dict:
-    "`{match, diverge_at, gen_len, true_len}` for two frame lists (or paths)."
-    g = generated if generated and isinstance(generated[0], tuple) else frame_path(generated)
-    t = true if true and isinstance(true[0], tuple) else frame_path(true)
-    k = common_prefix(g, t)
-    d = None if k == len(g) == len(t) else k
-    return {"match": d is None, "diverge_at": d, "gen_len": len(g), "true_len": len(t)}
-
-OUTCOMES = ("correct", "correct, wrong path", "right path, wrong value", "wrong path")
-
-def classify(rec: dict, true_frames) -> dict:
-    "One record against its true frames: `{outcome, path_match, diverge_at, malformed}` (outcome in `OUTCOMES`)."
-    c = compare_paths(record_frames(rec), true_frames)
-    if rec["correct"]: out = "correct" if c["match"] else "correct, wrong path"
-    else: out = "right path, wrong value" if c["match"] else "wrong path"
-    return {
-        "outcome": out, "path_match": c["match"], "diverge_at": c["diverge_at"], "malformed": not rec["well_formed"],
-    }
-
-def faithfulness(records: list[dict], true_traces: dict[str, str]) -> dict:
-    "Path-match rate and the split of wrong answers for one mode's records; `true_traces` maps id → true trace text."
-    cls = []
-    for r in records:
-        if r["id"] not in true_traces: raise KeyError(f"record {r['id']!r}: no true trace among the rows")
-        cls.append(classify(r, parse_trace(true_traces[r["id"]]).frames))
-    n = len(cls)
-    wrong = [c for c in cls if c["outcome"] in OUTCOMES[2:]]
-    cnt = Counter(c["outcome"] for c in cls)
-    div = sorted(c["diverge_at"] for c in cls if c["outcome"] == "wrong path" and c["diverge_at"] is not None)
-    return {
-        "n": n, "path_match": sum(c["path_match"] for c in cls) / max(n, 1),
-        "counts": {o: cnt.get(o, 0) for o in OUTCOMES}, "n_wrong": len(wrong),
-        "wrong_right_path": cnt.get("right path, wrong value", 0) / max(len(wrong), 1) if wrong else None,
-        "wrong_wrong_path": cnt.get("wrong path", 0) / max(len(wrong), 1) if wrong else None,
-        "wrong_path_malformed": sum(c["malformed"] for c in cls if c["outcome"] == "wrong path"),
-        "median_diverge_at": div[len(div) // 2] if div else None,
-    }
-
-# %% ../nbs/22_diagnose.ipynb #4fa949c6
-def smooth(values, window: int | None = None) -> list[float]:
-    "Trailing moving average (`window` default: a tenth of the series, at least 1)."
-    v = np.asarray(values, np.float64)
-    if not len(v): return []
-    w = window or max(1, round(len(v) / 10))
-    c = np.cumsum(np.insert(v, 0, 0.0))
-    return [float((c[i + 1] - c[max(0, i + 1 - w)]) / (i + 1 - max(0, i + 1 - w))) for i in range(len(v))]
-
-def plateau_step(steps, values, frac: float = 0.02, window: int | None = None) -> tuple[int | None, dict]:
-    """The first step after which the smoothed value never improves by more than `frac` of its range; and `{first, min,
-    min_step, final, range}`."""
-    if not len(values): return None, {}
-    m = np.array(smooth(values, window))
-    rng = float(m.max() - m.min())
-    future_min = np.minimum.accumulate(m[::-1])[::-1]                                 # min over t ≥ s
-    s = int(np.argmax(m - future_min <= frac * rng + 1e-12))
-    return int(steps[s]), {"first": float(m[0]), "min": float(m.min()), "min_step": int(steps[int(m.argmin())]),
-                           "final": float(m[-1]), "range": rng}
-
-# %% ../nbs/22_diagnose.ipynb #463bc9be
-def kd_floor(run) -> dict | None:
-    """Per-layer KD residual curves, their plateau steps and the losses' plateaus from a CODI run directory (None if no
-    records)."""
-    run = Path(run)
-    out = {"layers": [], "steps": [], "per_layer": [], "table": [], "by_anchor": [], "losses": {}}
-    ka = run / "kd_anchors.jsonl"
-    if ka.exists():
-        recs = [r for r in RunRecord.read(ka) if "dist" in r]
-        for i, r in enumerate(recs):
-            if "step" not in r or "layers" not in r: raise ValueError(f"{ka}: record {i} lacks 'step' or 'layers'")
-        recs.sort(key=lambda r: r["step"])
-        if recs:
-            layers = recs[-1]["layers"]
-            out["layers"] = layers
-            for r in recs:
-                d = [a for ex in r["dist"] for a in ex if len(a) == len(layers)]       # anchors × layers
-                if not d: continue
-                out["steps"].append(r["step"])
-                out["per_layer"].append(np.mean(d, 0).tolist())
-            P = np.array(out["per_layer"])                                             # [records, L_sel]
-            for j, l in enumerate(layers):
-                st, m = plateau_step(out["steps"], P[:, j]) if len(P) else (None, {})
-                out["table"].append(
-                    {"layer": l, "plateau_step": st, **m, "raw_final": float(P[-1, j]) if len(P) else None}
-                )
-            if len(P):
-                st, m = plateau_step(out["steps"], P.mean(1))
-                out["table"].append({"layer": "mean", "plateau_step": st, **m, "raw_final": float(P[-1].mean())})
-            tail = recs[-max(1, len(recs) // 4):]                                      # last quarter of the run
-            by_q = {}
-            for r in tail:
-                for ex in r["dist"]:
-                    for q, a in enumerate(ex): by_q.setdefault(q, []).append(float(np.mean(a)))
-            out["by_anchor"] = [{"anchor": q, "mean": float(np.mean(v)), "n": len(v)} for q, v in sorted(by_q.items())]
-    mp = run / "metrics.jsonl"
-    if mp.exists():
-        rows = [r for r in RunRecord.read(mp) if "step" in r and "event" not in r]
-        for k in ("kd_loss", "student_loss", "teacher_loss"):
-            pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
-            if pts and any(v for _, v in pts):
-                st, m = plateau_step([s for s, _ in pts], [v for _, v in pts])
-                out["losses"][k] = {
-                    "steps": [s for s, _ in pts], "values": [v for _, v in pts], "plateau_step": st, **m,
-                }
-    return out if (out["steps"] or out["losses"]) else None
+__all__ = ['MODE_COLORS', 'usage_markdown', 'fig_usage', 'fig_accuracy_by_length', 'fig_faithfulness', 'fig_probes',
+           'fig_kd_floor', 'diagnostics_figures', 'render_markdown', 'load_report', 'write_report', 'resolve_run',
+           'diagnose', 'main']
 
 # %% ../nbs/22_diagnose.ipynb #2d82ab3f
 _VARIANT_DESC = {"shuffle": "another program's latents (same block, same step)", "zero": "zero vectors",
@@ -360,11 +187,11 @@ def _findings(rep: dict) -> list[str]:
         out.append(rep["usage"]["verdict"][0].upper() + rep["usage"]["verdict"][1:] + ".")
     if "latent" in m and "explicit" in m:
         gap = m["latent"]["accuracy"] - m["explicit"]["accuracy"]
-        out.append(f"The latent student is {_pts(gap)} the explicit teacher ({_pct(m['latent']['accuracy'])} vs "
-                   f"{_pct(m['explicit']['accuracy'])} exact match).")
+        out.append(f"The latent student is {fmt_points(gap)} the explicit teacher ({fmt_pct(m['latent']['accuracy'])} vs "
+                   f"{fmt_pct(m['explicit']['accuracy'])} exact match).")
     if "latent" in m and "no-trace" in m:
         d = m["latent"]["accuracy"] - m["no-trace"]["accuracy"]
-        out.append(f"It is {_pts(d)} the no-trace baseline ({_pct(m['no-trace']['accuracy'])}).")
+        out.append(f"It is {fmt_points(d)} the no-trace baseline ({fmt_pct(m['no-trace']['accuracy'])}).")
     bl = rep.get("by_length") or {}
     if "latent" in bl and "explicit" in bl:
         gaps = [(b, bl["explicit"][b]["exact"] - bl["latent"][b]["exact"]) for b, _, _ in BUCKETS
@@ -378,9 +205,9 @@ def _findings(rep: dict) -> list[str]:
     fl = (rep.get("faithfulness") or {}).get("latent")
     if fl and fl["n_wrong"]:
         out.append(
-            f"Of the latent student's {fl['n_wrong']} wrong answers, {_pct(fl['wrong_right_path'])} follow the true path "
-            f"(values lost in the latent blocks) and {_pct(fl['wrong_wrong_path'])} leave it "
-            f"({fl['wrong_path_malformed']} of those malformed); its path-match rate is {_pct(fl['path_match'])}."
+            f"Of the latent student's {fl['n_wrong']} wrong answers, {fmt_pct(fl['wrong_right_path'])} follow the true path "
+            f"(values lost in the latent blocks) and {fmt_pct(fl['wrong_wrong_path'])} leave it "
+            f"({fl['wrong_path_malformed']} of those malformed); its path-match rate is {fmt_pct(fl['path_match'])}."
         )
     pb = rep.get("probes") or {}
     for t, name in (("value", "the changed value"), ("var", "which variable changed")):
@@ -389,9 +216,9 @@ def _findings(rep: dict) -> list[str]:
             lat = b.get("latent", {})
             stu = b.get("student", {})
             out.append(
-                f"Probing {name}: best latent vector {_pct(lat.get('accuracy'))} ({lat.get('features')}), best student "
-                f"anchor {_pct(stu.get('accuracy'))} ({stu.get('features')}), teacher {_pct(b['teacher']['accuracy'])} "
-                f"({b['teacher']['features']}); chance {_pct(pb['targets'][t]['chance'])}."
+                f"Probing {name}: best latent vector {fmt_pct(lat.get('accuracy'))} ({lat.get('features')}), best student "
+                f"anchor {fmt_pct(stu.get('accuracy'))} ({stu.get('features')}), teacher {fmt_pct(b['teacher']['accuracy'])} "
+                f"({b['teacher']['features']}); chance {fmt_pct(pb['targets'][t]['chance'])}."
             )
     kd = rep.get("kd_floor") or {}
     mean = next((r for r in kd.get("table", []) if r["layer"] == "mean"), None)
@@ -428,7 +255,7 @@ def render_markdown(rep: dict) -> str:
         "|---|---|---:|---:|---:|---|",
     ]
     for mode, m in rep.get("modes", {}).items():
-        L.append(f"| {mode} | `{m.get('model')}` | {_pct(m['accuracy'])} | {_pct(m['format_valid'])} | {m['n']} | {m.get('source')} |")
+        L.append(f"| {mode} | `{m.get('model')}` | {fmt_pct(m['accuracy'])} | {fmt_pct(m['format_valid'])} | {m['n']} | {m.get('source')} |")
     L += ["", "## 2. Latent usage", ""] + (
         usage_markdown(rep["usage"])
         if isinstance(rep.get("usage"), dict) and "variants" in rep["usage"]
@@ -456,8 +283,8 @@ def _md_faithfulness(rep: dict) -> list[str]:
         for mode, x in fa.items():
             c = x["counts"]
             L.append(
-                f"| {mode} | {_pct(x['path_match'])} | {c['correct']} | {c['correct, wrong path']} | {x['n_wrong']} | "
-                f"{c['right path, wrong value']} ({_pct(x['wrong_right_path'])}) | {c['wrong path']} ({_pct(x['wrong_wrong_path'])}) | "
+                f"| {mode} | {fmt_pct(x['path_match'])} | {c['correct']} | {c['correct, wrong path']} | {x['n_wrong']} | "
+                f"{c['right path, wrong value']} ({fmt_pct(x['wrong_right_path'])}) | {c['wrong path']} ({fmt_pct(x['wrong_wrong_path'])}) | "
                 f"{x['wrong_path_malformed']} | {'—' if x['median_diverge_at'] is None else x['median_diverge_at']} |"
             )
         L += ["", "![control-flow faithfulness](faithfulness.png)", ""]
@@ -480,10 +307,10 @@ def _md_probes(rep: dict) -> list[str]:
             "",
             "| features | var | value |",
             "|---|---:|---:|",
-            f"| *chance (majority class)* | {_pct(tg['var']['chance'])} | {_pct(tg['value']['chance'])} |",
+            f"| *chance (majority class)* | {fmt_pct(tg['var']['chance'])} | {fmt_pct(tg['value']['chance'])} |",
         ]
         for r in pb["rows"]:
-            L.append(f"| {r['features']} | {_pct(r.get('var'))} | {_pct(r.get('value'))} |")
+            L.append(f"| {r['features']} | {fmt_pct(r.get('var'))} | {fmt_pct(r.get('value'))} |")
         L += ["", "![latent probes](probes.png)", ""]
     else: L += [f"_probes not run: {pb.get('error') if isinstance(pb, dict) else 'disabled'}_", ""]
     return L

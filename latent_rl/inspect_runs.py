@@ -4,123 +4,25 @@
 
 # %% ../nbs/23_inspect.ipynb #70ccd752
 from __future__ import annotations
-import argparse, io, json, math, sys
+import argparse, json, math, sys
 from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
 
 import torch
-from .records import (METRICS_STEP_OFFSET, run_file, read_records, read_config,
-                               read_metrics, read_logprobs, read_rollouts, read_anchors, run_kind, steps_of)
+from .records import (METRICS_STEP_OFFSET, run_file, read_records, read_config, read_metrics, read_logprobs,
+                               read_rollouts, read_anchors, run_kind, steps_of)
 from .run_stats import (token_arrays, leaks, alignment_stats, ratios, clip_stats, by_step, eps_of,
                                  completion_lines, trace_lines, frame_lines, prompt_lines, nearest)
 from .latent import CodiOptions, LatentModel
 from .objective import codi_forward
 from .tokens import codi_example
+from .figures import save_figure, Inspector, text_lines, int_steps, steps_slider
 
 # %% auto #0
-__all__ = ['METRIC_PANELS', 'FIG_W', 'MIN_PT', 'in_kernel', 'to_png', 'show', 'panel', 'save_figure', 'Inspector', 'plot_metrics',
-           'AlignmentInspector', 'ClipInspector', 'latent_states', 'AnchorInspector', 'RolloutViewer', 'plot_run',
-           'main']
-
-# %% ../nbs/23_inspect.ipynb #2ac5b5e8
-def in_kernel() -> bool:
-    "True inside a Jupyter kernel (where widget output areas display)."
-    try: from IPython import get_ipython
-    except ImportError: return False
-    ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
-
-def to_png(fig: Figure, dpi: int = 100) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-def show(fig: Figure, dpi: int = 100):
-    "Display a figure in a notebook (as a PNG)."
-    from IPython.display import Image, display
-    display(Image(to_png(fig, dpi)))
-
-def panel(fig: Figure, gid: str):
-    "The axes of `fig` whose gid is `gid`."
-    for ax in fig.axes:
-        if ax.get_gid() == gid: return ax
-    raise KeyError(f"no panel {gid!r}; panels: {[a.get_gid() for a in fig.axes]}")
-
-def save_figure(fig: Figure, path, dpi: int = 110) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    return path
-
-# %% ../nbs/23_inspect.ipynb #d0f6241f
-class Inspector:
-    """Base: named ipywidgets `controls` drive `figure(**values)`; `fig` is the latest figure; displaying shows the
-    widget."""
-    controls: dict = {}
-    def _setup(self, **controls):
-        self.controls, self._fig, self._hold, self._out = controls, None, False, None
-        for c in controls.values(): c.observe(lambda ch: self.update(), names="value")
-
-    def values(self) -> dict: return {k: c.value for k, c in self.controls.items()}
-    def figure(self, **kw) -> Figure: raise NotImplementedError
-
-    @property
-    def fig(self) -> Figure:
-        if self._fig is None: self._fig = self.figure(**self.values())
-        return self._fig
-
-    @property
-    def out(self):
-        import ipywidgets as W
-        if self._out is None: self._out = W.Output()
-        return self._out
-
-    def update(self) -> Figure | None:
-        if self._hold: return None
-        self._fig = self.figure(**self.values())
-        if in_kernel():
-            from IPython.display import Image, display
-            with self.out:
-                self.out.clear_output(wait=True)
-                display(Image(to_png(self._fig)))
-        return self._fig
-
-    def widget(self):
-        import ipywidgets as W
-        row = W.HBox(list(self.controls.values()), layout=W.Layout(flex_flow="row wrap", align_items="center"))
-        box = W.VBox([row, self.out])                     # controls on one line, wrapping whole controls if narrow
-        self.update()
-        return box
-
-    def _ipython_display_(self):
-        from IPython.display import display
-        display(self.widget())
-
-# %% ../nbs/23_inspect.ipynb #2cb7d1a6
-def _text_lines(ax, lines, max_lines=40, width=110, hl=lambda s: "[latent" in s, size=7.5, title=None):
-    "Monospace lines in an axis-less panel; highlighted lines in colour; overflow counted."
-    ax.axis("off")
-    if title: ax.set_title(title, loc="left", fontsize=10)
-    shown = lines[:max_lines]
-    if len(lines) > max_lines: shown = shown + [f"... {len(lines) - max_lines} more line(s)"]
-    for i, s in enumerate(shown):                        # fixed line height in points, from the top of the panel
-        s = s if len(s) <= width else s[:width - 3] + "..."
-        ax.annotate(
-            s, (0.0, 1.0), xycoords="axes fraction", xytext=(0, -(i + 1) * size * 1.45), textcoords="offset points",
-            family="monospace", fontsize=size, va="bottom", ha="left", color="tab:purple" if hl(s) else "black",
-        )
-
-def _int_steps(*axes):
-    from matplotlib.ticker import MaxNLocator
-    for a in axes: a.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-def _steps_slider(steps, desc="step"):
-    import ipywidgets as W
-    gaps = np.diff(steps)
-    return W.IntSlider(value=steps[-1], min=steps[0], max=steps[-1], step=int(np.gcd.reduce(gaps)) if len(gaps) else 1,
-                       description=desc, continuous_update=False)
+__all__ = ['METRIC_PANELS', 'FIG_W', 'MIN_PT', 'plot_metrics', 'AlignmentInspector', 'ClipInspector', 'latent_states',
+           'AnchorInspector', 'RolloutViewer', 'plot_run', 'main']
 
 # %% ../nbs/23_inspect.ipynb #e01b3e6c
 METRIC_PANELS = [
@@ -161,7 +63,7 @@ def plot_metrics(run_dir, rows: list[dict] | None = None) -> Figure:
         ax.set_ylabel(lab)
         ax.set_title(g.replace("_", " "))
         ax.grid(alpha=0.3)
-        _int_steps(ax)
+        int_steps(ax)
         if g == "lr": ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
         if len(keys) > 1: ax.legend(fontsize=7)
     fig.suptitle(f"{Path(run_dir).name} ({kind}): metrics over {len(rows)} logged steps")
@@ -173,7 +75,7 @@ class AlignmentInspector(Inspector):
     def __init__(self, run_dir):
         self.run = Path(run_dir)
         self.refresh(False)
-        self.slider = _steps_slider(self.steps)
+        self.slider = steps_slider(self.steps)
         self._setup(step=self.slider)
 
     def refresh(self, update: bool = True):
@@ -243,7 +145,7 @@ class AlignmentInspector(Inspector):
         at.set_title("alignment over steps")
         at.legend(fontsize=7)
         at.grid(alpha=0.3)
-        _int_steps(at)
+        int_steps(at)
         fig.suptitle(f"{self.run.name}: logprob alignment ({self.kind})")
         return fig
 
@@ -255,7 +157,7 @@ class ClipInspector(Inspector):
         el, eh = eps_of(run_dir)
         self.eps_low, self.eps_high = eps_low if eps_low is not None else el, eps_high if eps_high is not None else eh
         self.refresh(False)
-        self.slider = _steps_slider(self.steps)
+        self.slider = steps_slider(self.steps)
         self._setup(step=self.slider)
 
     def refresh(self, update: bool = True):
@@ -311,7 +213,7 @@ class ClipInspector(Inspector):
         for a in (ar, ac):
             a.legend(fontsize=7)
             a.grid(alpha=0.3)
-        _int_steps(ar, ac)
+        int_steps(ar, ac)
         s = nearest(self.steps, step)
         rows = [r for r in self.rows if r["step"] == s]
         r, adv = ratios(rows)
@@ -419,7 +321,7 @@ class AnchorInspector(Inspector):
         self._live, self._rows = {}, {}
         self.refresh(False)
         self.slider = (
-            _steps_slider(self.steps)
+            steps_slider(self.steps)
             if self.steps
             else W.IntSlider(value=0, min=0, max=0, description="step", disabled=True)
         )
@@ -534,7 +436,7 @@ class AnchorInspector(Inspector):
             3 if live else 2, 2, width_ratios=[1.2, 1], height_ratios=[3.75, 3.75] + ([lens_h] if live else [])
         )
         at = fig.add_subplot(gs[:2, 0], gid="trace")
-        _text_lines(
+        text_lines(
             at, lines, max_lines=40, width=70, size=MIN_PT, title=f"trace of {ex_id} ({len(spans)} latent blocks)"
         )
         ah = fig.add_subplot(gs[0, 1], gid="heatmap")
@@ -555,7 +457,7 @@ class AnchorInspector(Inspector):
         al.set_ylabel(f"mean {unit}")
         al.set_title("KD distance per layer over steps (all recorded anchors)", fontsize=10)
         al.grid(alpha=0.3)
-        _int_steps(al)
+        int_steps(al)
         if live: _lens_panel(fig.add_subplot(gs[2, :], gid="lens"), L)      # full width: one line per vector
         fig.suptitle(f"{self.run.name if self.run else 'latent model'}: CODI KD anchors, example {ex_id}")
         return fig
@@ -608,7 +510,7 @@ class RolloutViewer(Inspector):
         import ipywidgets as W
         self.run, self.max_lines = Path(run_dir), max_lines
         self.refresh(False)
-        self.slider = _steps_slider(self.steps)
+        self.slider = steps_slider(self.steps)
         self.group = W.IntSlider(value=0, min=0, max=self.n_groups - 1, description="group", continuous_update=False)
         self._setup(step=self.slider, group=self.group)
 
@@ -634,7 +536,7 @@ class RolloutViewer(Inspector):
         fig = Figure(figsize=(14, 2.8 + hs * G), layout="constrained")
         gs = fig.add_gridspec(1 + G, 2, height_ratios=[2.8] + [hs] * G, width_ratios=[1, 1.2])
         ap = fig.add_subplot(gs[0, 0], gid="prompt")
-        _text_lines(
+        text_lines(
             ap, prompt_lines(rec.get("prompt", "")) + [f"truth: {rec.get('truth', '?')}"], max_lines=14, width=80,
             hl=lambda l: l.startswith("truth:"), title="prompt",
         )
@@ -653,7 +555,7 @@ class RolloutViewer(Inspector):
         for i, q in enumerate(S):
             a = fig.add_subplot(gs[1 + i, :], gid=f"sample{i}")
             lines = completion_lines(q["tokens"], q.get("latent_at", ())) if "tokens" in q else frame_lines(q["text"])
-            _text_lines(a, lines, max_lines=self.max_lines, width=150,
+            text_lines(a, lines, max_lines=self.max_lines, width=150,
                         title=f"sample {i}{code(q)}: reward {R[i]:.2f}, advantage {A[i]:+.2f}, {_verdict(q.get('correct'))}, "
                               f"{len(q.get('latent_at', []))} latent block(s), {len(q.get('tokens', []))} tokens")
         fig.suptitle(f"{self.run.name}: rollouts, exploring by {ex}: {len({q['text'] for q in S})} distinct of {G}")

@@ -8,8 +8,9 @@ import pytest
 from conftest import run_cli, ROOT
 from latent_rl.records import read_metrics, read_logprobs, read_rollouts, read_anchors, run_kind, steps_of
 from latent_rl.run_stats import token_arrays, alignment_stats, clip_stats, ratios, leaks, completion_lines, trace_lines
+from latent_rl.figures import panel, to_png
 from latent_rl.inspect_runs import (
-    panel, plot_metrics, AlignmentInspector, ClipInspector, AnchorInspector, RolloutViewer, plot_run, main, to_png,
+    plot_metrics, AlignmentInspector, ClipInspector, AnchorInspector, RolloutViewer, plot_run, main,
 )
 
 TRACE_TOKENS = [
