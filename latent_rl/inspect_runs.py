@@ -28,6 +28,7 @@ __all__ = ['METRIC_PANELS', 'FIG_W', 'MIN_PT', 'plot_metrics', 'AlignmentInspect
 METRIC_PANELS = [
     ("loss", "loss", ["loss", "teacher_loss", "student_loss", "kd_loss", "jsd_loss", "sft_loss"]),
     ("lr", "learning rate", ["lr"]), ("grad_norm", "grad norm (before clipping)", ["grad_norm"]),
+    ("skipped", "steps skipped: non-finite loss or gradient (in all)", ["skipped_steps"]),   # drawn once one is
     ("reward", "reward / fraction", ["reward_mean", "reward_std", "adv_abs_mean", "frac_reward_zero_std"]),
     ("ratio", "ratio exp(logp - logp_inf)", ["ratio_mean", "ratio_mean_pos", "ratio_mean_neg"]),
     ("clip", "fraction of tokens clipped", ["clip_frac_low", "clip_frac_high"]),
@@ -43,7 +44,7 @@ def plot_metrics(run_dir, rows: list[dict] | None = None) -> Figure:
     "Every known metric of `RUN/metrics.jsonl` over optimizer steps, one panel per group."
     rows = read_metrics(run_dir) if rows is None else rows
     if not rows: raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'}: no step rows yet")
-    num = lambda k: any(isinstance(r.get(k), (int, float)) for r in rows)
+    num = lambda k: any(isinstance(r.get(k), (int, float)) and (k != "skipped_steps" or r[k] > 0) for r in rows)
     parts = sorted({k for r in rows for k in r if k.startswith("reward_") and k not in ("reward_mean", "reward_std")})
     have = [(g, lab, [k for k in keys + (parts if g == "reward" else []) if num(k)]) for g, lab, keys in METRIC_PANELS]
     have = [h for h in have if h[2]]

@@ -327,3 +327,12 @@ def test_inspectors_on_a_real_grpo_run(real_grpo_run):
     g = next(r for r in read_rollouts(run, step=1) if r["group"] == 0)
     assert [p.get_height() for p in panel(rv.fig, "bars").containers[0]] == [q["reward"] for q in g["samples"]]
     assert [p.name for p in plot_run(run)] == ["metrics.png", "alignment.png", "clip.png", "rollouts.png"]
+
+
+def test_plot_metrics_draws_skipped_steps_once_there_are_some(tmp_path):
+    "A run that skipped non-finite steps shows their count; a run that skipped none has no such panel."
+    from latent_rl.inspect_runs import plot_metrics
+    rows = [{"step": s, "loss": 1.0 / s, "lr": 1e-3, "skipped_steps": int(s >= 3)} for s in range(1, 6)]
+    f = plot_metrics(tmp_path, rows)
+    assert list(panel(f, "skipped").lines[0].get_ydata()) == [0, 0, 1, 1, 1]
+    with pytest.raises(KeyError): panel(plot_metrics(tmp_path, [dict(r, skipped_steps=0) for r in rows]), "skipped")
