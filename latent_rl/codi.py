@@ -4,6 +4,7 @@
 
 # %% ../nbs/18_codi.ipynb #8c95713b
 from __future__ import annotations
+from typing import Literal
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -41,8 +42,8 @@ class CodiConfig(TrainConfig, CodiOptions):
     latent_steps: PosInt = 1             # latent vectors per block (each the projected last hidden state)
     answer_ce: NonNegFloat = 0.0        # traced_frac < 1: CE weight of the answer-only rows (answers as plain SFT targets, a seeded one beside each CODI example); 0 = they are unused
     curriculum: Fraction = 0.0          # fraction of the steps over which the latent share of spans grows to all (0: off)
-    curriculum_from: str = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
-    prj_init: str = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
+    curriculum_from: Literal["end", "start"] = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
+    prj_init: Literal["default", "embed"] = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
     bucket: bool = False                # span-aware batching: each batch from examples of similar span count
     phase_groups: bool = False          # run each batch's student in phase groups (same result, less padding when span counts mix)
     split_tails: bool = False           # rows whose last phase runs long finish it apart, in chunks (same result, less padding)

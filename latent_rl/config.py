@@ -4,6 +4,7 @@
 
 # %% ../nbs/14_config.ipynb #661920b8
 from __future__ import annotations
+from typing import Literal, get_args
 import argparse, inspect, io, json, os, sys, tokenize
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
@@ -11,33 +12,28 @@ from pathlib import Path
 import torch
 
 from .recipes import RECIPES, recipe_fields
-from .losses import NORMS
 from .models import HUB_NAME
 from .fields import (ConfigError, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction, RANGES, check_value,
                               check_fields, literal_choices)
 
 # %% auto #0
-__all__ = ['STAGES', 'CHOICES', 'STAGE_CONFIGS', 'RENAMED', 'FAST_DEV_RUN_ENV', 'FAST_DEV_RUN', 'check_field', 'upgrade_keys',
-           'config_from_dict', 'load_config_file', 'fast_dev_run_on', 'fast_dev_run', 'field_comments', 'parse_config',
-           'check_config', 'TrainConfig', 'VLLMConfig', 'check_precision', 'teacher_dtype']
+__all__ = ['Stage', 'STAGES', 'DType', 'Precision', 'Strategy', 'STAGE_CONFIGS', 'RENAMED', 'FAST_DEV_RUN_ENV', 'FAST_DEV_RUN',
+           'check_field', 'upgrade_keys', 'config_from_dict', 'load_config_file', 'fast_dev_run_on', 'fast_dev_run',
+           'field_comments', 'parse_config', 'check_config', 'TrainConfig', 'VLLMConfig', 'check_precision',
+           'teacher_dtype']
 
 # %% ../nbs/14_config.ipynb #3e8955f4
-STAGES = ("sft", "codi", "gkd", "grpo")   # the training stages, in pipeline order
-CHOICES = {  # choices of fields annotated `str` (a field annotated `Literal[...]` states its own: `latent_rl.fields`)
-    "stage": STAGES, "attention": ("flash", "math"),
-    "dtype": ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64"), "precision": ("fp32", "bf16"),
-    "wandb": ("disabled", "offline", "online"), "curriculum_from": ("end", "start"),
-    "prj_init": ("default", "embed"), "mode": ("trace", "answer"), "adv_scale": ("group", "batch", "none"),
-    "norm": NORMS, "truncation_strategy": ("delete", "keep"), "vllm_mode": ("colocate", "server"),
-    "replay": ("exact", "truncated"), "teacher_locals": ("greedy", "true"), "strategy": ("ddp", "fsdp"),
-    "step_blocks": ("each", "one"),
-}
+Stage = Literal["sft", "codi", "gkd", "grpo"]
+STAGES = get_args(Stage)                  # the training stages, in pipeline order
+DType = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64"]   # a weights' dtype
+Precision = Literal["fp32", "bf16"]       # fp32 | bf16 compute over fp32 master weights
+Strategy = Literal["ddp", "fsdp"]         # torch DDP (replicated) | FSDP2 (sharded)
 
 # %% ../nbs/14_config.ipynb #7ff3fab6
 def check_field(name: str, tp: str, v, where: str = "config", cls=None):
     """The value of field `name` (declared type `tp`, of the config class `cls`) checked for type, range and choices —
-    its `Literal` annotation's, else `CHOICES` — or a `ConfigError` saying why (`latent_rl.fields.check_value`)."""
-    return check_value(name, tp, v, where, (literal_choices(cls).get(name) if cls else None) or CHOICES.get(name))
+    its `Literal` annotation's — or a `ConfigError` saying why (`latent_rl.fields.check_value`)."""
+    return check_value(name, tp, v, where, literal_choices(cls).get(name) if cls else None)
 
 # %% ../nbs/14_config.ipynb #45961ec7
 STAGE_CONFIGS = ("SFTConfig", "CodiConfig", "GKDConfig", "GRPOConfig")   # the sections of a whole-pipeline file
@@ -156,7 +152,7 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
     for f in fields(cls):
         h = f.metadata.get("help", "") or helps.get(f.name, "")
         dflt = f"{rd[f.name]!r}, recipe {default_recipe}; bare {f.default!r}" if f.name in rd else repr(f.default)
-        ch = literal_choices(cls).get(f.name) or CHOICES.get(f.name)
+        ch = literal_choices(cls).get(f.name)
         rule = f"one of {' | '.join(map(str, ch))}" if ch else RANGES.get(str(f.type), ("", "", None))[1]
         dflt = f"{rule}; default: {dflt}" if rule else f"default: {dflt}"
         if str(f.type) == "bool":
@@ -201,7 +197,7 @@ def parse_config(cls, argv: list[str] | None = None, prog: str = "", default_rec
 def check_config(cfg, where: str | None = None):
     """`cfg` (a config dataclass, however built) with every field checked as a flag is (`check_field`: type, range,
     choices), or a `ConfigError` naming the first bad field. A `str` field may hold a path."""
-    return check_fields(cfg, where, CHOICES)
+    return check_fields(cfg, where)
 
 # %% ../nbs/14_config.ipynb #2daf934f
 @dataclass
@@ -223,12 +219,12 @@ class TrainConfig:
     max_train: NonNegInt = 0            # 0 = all training rows
     traced_frac: Fraction = 1.0         # answers outnumber traces: a seeded share of the training programs keeps its traces, the rest only their answers (the same programs in every stage)
     traced_seed: NonNegInt = 0          # which programs keep their traces (`latent_rl.rows.split_traced`)
-    step_blocks: str = "each"           # step-data files: a latent block per step (each) or one for the whole chain (one)
+    step_blocks: Literal["each", "one"] = "each"           # step-data files: a latent block per step (each) or one for the whole chain (one)
     seed: NonNegInt = 0                  # seeds the data order, sampling keys and initialisation
-    dtype: str = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
-    precision: str = "fp32"             # fp32 | bf16: bf16 compute over fp32 weights, gradients and AdamW states
+    dtype: DType = "fp32"                 # the weights' dtype (fp32: master weights; bf16 needs pure_low_precision)
+    precision: Precision = "fp32"             # fp32 | bf16: bf16 compute over fp32 weights, gradients and AdamW states
     pure_low_precision: bool = False    # allow training bf16/fp16 weights (AdamW then loses small updates; warns)
-    strategy: str = "ddp"               # ddp (torch DDP: replicated) | fsdp (FSDP2: sharded weights, grads, states)
+    strategy: Strategy = "ddp"               # ddp (torch DDP: replicated) | fsdp (FSDP2: sharded weights, grads, states)
     lora_r: NonNegInt = 0               # LoRA rank (0 = train every weight); the base stays frozen (latent_rl.models.add_lora)
     lora_alpha: PosFloat = 16.0         # LoRA scale α (updates are α/r · B·A)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"   # comma-separated module names
@@ -236,7 +232,7 @@ class TrainConfig:
     save_every: NonNegInt = 100         # steps between checkpoints (0 = none)
     save_merged: bool = False           # LoRA: each checkpoint also holds the merged model (final/ always does; without it a checkpoint holds what trains)
     log_every: PosInt = 10               # steps between metrics.jsonl rows (and progress-bar updates)
-    wandb: str = "disabled"             # disabled / offline / online (WANDB_* environment variables win)
+    wandb: Literal["disabled", "offline", "online"] = "disabled"             # disabled / offline / online (WANDB_* environment variables win)
     resume: bool = False                 # continue from the newest good checkpoint in `out`
     preempt_signals: str = "SIGTERM,SIGUSR1"  # signals that stop training after the step with a checkpoint, exit 143 (requeue)
     max_bad_steps: NonNegInt = 3         # non-finite steps in a row that are skipped before the run stops (0: stop at the first)
@@ -249,7 +245,7 @@ class VLLMConfig(TrainConfig):
     """`TrainConfig` and the vLLM rollout fields GKD and GRPO share (text policies; latent policies use the latent
     decoder)."""
     use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
-    vllm_mode: str = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
+    vllm_mode: Literal["colocate", "server"] = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
     vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL
     vllm_gpu_memory_utilization: Fraction = 0.3  # colocate: the engine's share of each GPU
     vllm_tensor_parallel_size: PosInt = 1  # colocate: ranks that share one engine

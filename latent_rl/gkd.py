@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib, random, time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from .trace import LINE_SEP, ACTION_SEP, ARG_SEP, FRAME_SEP, row_prompt
@@ -156,10 +156,10 @@ class GKDConfig(VLLMConfig):
     steps_per_generation: PosInt = 1     # optimizer steps that share one generation (on-policy samples are buffered)
     max_new_tokens: PosInt = 256         # longest on-policy completion
     max_len: PosInt = 384                # prompt + completion
-    truncation_strategy: str = "delete"  # delete | keep
+    truncation_strategy: Literal["delete", "keep"] = "delete"  # delete | keep
     max_resample_rounds: PosInt = 10     # truncation_strategy delete: draws per over-long slot before an error
     max_locals: PosInt = 48              # explicit-trace teacher: longest locals it writes per block
-    teacher_locals: str = "greedy"       # explicit-trace teacher: each block's locals are its greedy guess | true (the row's real ones while the student follows the real trace)
+    teacher_locals: Literal["greedy", "true"] = "greedy"       # explicit-trace teacher: each block's locals are its greedy guess | true (the row's real ones while the student follows the real trace)
     http_timeout: PosFloat = 60.0        # HTTP teacher: seconds per request
     http_retries: NonNegInt = 3          # HTTP teacher: retries after a 5xx, 408, 429 or a dropped connection
     http_backoff: NonNegFloat = 1.0      # seconds before the first retry (doubling)

@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 import torch
 from .trace import row_prompt
 from .tokens import prompt_ids
-from .losses import grpo_loss, group_advantages
+from .losses import grpo_loss, group_advantages, Norm
 from .policy import Policy, sampled_mask
 from .vllm import make_vllm_engine
 from .generate import row_key
@@ -100,9 +100,9 @@ class GRPOConfig(VLLMConfig):
     steps_per_generation: PosInt = 1     # optimizer steps that share one generation (later steps' ratios move off 1)
     eps_low: NonNegFloat = 0.2           # PPO clip below: ratio ≥ 1 − eps_low for negative advantages
     eps_high: NonNegFloat = 0.2          # PPO clip above: ratio ≤ 1 + eps_high for positive advantages
-    replay: str = "exact"                # latent policies: exact | truncated (recorded latents, one-hop gradient; research option); stochastic latents replay their z
-    norm: str = "sequence"               # sequence (Atropos) | token
-    adv_scale: str = "group"             # group | batch | none
+    replay: Literal["exact", "truncated"] = "exact"                # latent policies: exact | truncated (recorded latents, one-hop gradient; research option); stochastic latents replay their z
+    norm: Norm = "sequence"              # sequence (Atropos) | token
+    adv_scale: Literal["group", "batch", "none"] = "group"  # advantages over the std of each group's rewards, of the batch's, or unscaled
     dynamic_sampling: NonNegInt = 0      # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
     kl_beta: NonNegFloat = 0.0           # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
     tis_cap: float = -1.0                # truncated importance sampling: ratio against the trainer's own π_old, tokens weighted by min(π_old/π_engine, cap); -1 = 2.0 with vLLM rollouts, off for exact engines; 0 = off

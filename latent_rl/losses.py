@@ -14,8 +14,8 @@ from latent_rl.logprobs import (IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, _co
     _raw_logits)
 
 # %% auto #0
-__all__ = ['NORMS', 'KDTarget', 'KD_TARGETS', 'group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput', 'generalized_jsd',
-           'generalized_jsd_from_hidden', 'anchor_kd_loss', 'state_kd_loss', 'embed_kd_loss']
+__all__ = ['Norm', 'NORMS', 'KDTarget', 'KD_TARGETS', 'group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput',
+           'generalized_jsd', 'generalized_jsd_from_hidden', 'anchor_kd_loss', 'state_kd_loss', 'embed_kd_loss']
 
 # %% ../nbs/06_losses.ipynb #76fb23d0
 def _floats(d: dict) -> dict:
@@ -58,7 +58,8 @@ def _masked_mean(x, m):
     return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp_min(1)
 
 # %% ../nbs/06_losses.ipynb #71104518
-NORMS = ("sequence", "token")   # grpo_loss: mean over each sequence, then over sequences (Atropos) | over every token
+Norm = Literal["sequence", "token"]   # grpo_loss: mean over each sequence, then over sequences (Atropos) | over every token
+NORMS = get_args(Norm)
 
 # Long on purpose: Atropos's GRPO objective and every one of its diagnostics from the same tensors in one pass
 # (one device sync for the metrics); most lines are the documented parameters and the metrics dict.

@@ -4,13 +4,14 @@
 
 # %% ../nbs/26_plan.ipynb #bb7f3ae9
 from __future__ import annotations
+from typing import Literal
 import json, sys
 from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 import torch
 from .engine import decoder_layers
 from .models import resolve_model
-from .config import parse_config, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction
+from .config import Stage, Precision, Strategy, parse_config, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction
 
 # %% auto #0
 __all__ = ['MODEL_CONFIGS', 'LOGIT_ROWS', 'CHANGES', 'model_config', 'ModelShape', 'model_shape', 'PlanConfig', 'layer_act_bytes',
@@ -93,7 +94,7 @@ def model_shape(config) -> ModelShape:
 class PlanConfig:
     "What to plan: a model, a stage and the GPUs it runs on (`latent-rl plan`). Shapes are per GPU and micro-batch."
     model: str = "qwen2.5-coder-1.5b"   # a name of MODEL_CONFIGS, a config.json, a model directory or a hub name
-    stage: str = "sft"                  # sft | codi | gkd | grpo
+    stage: Stage = "sft"                  # sft | codi | gkd | grpo
     gpus: PosInt = 8
     gpu_mem: PosFloat = 80.0            # GB per GPU
     seq: PosInt = 2048                  # tokens per sequence (prompt + completion)
@@ -103,8 +104,8 @@ class PlanConfig:
     latent_share: Fraction = 0.35       # codi: share of the sequence its latent blocks replace (the student reads the rest)
     prefix_share: Fraction = 0.3        # codi, shared weights: share before the first block, which the student takes from the teacher's pass
     latent: bool = True                 # gkd / grpo: a latent student (codi always is one)
-    strategy: str = "fsdp"              # ddp | fsdp
-    precision: str = "bf16"             # bf16 (fp32 master weights) | fp32
+    strategy: Strategy = "fsdp"              # ddp | fsdp
+    precision: Precision = "bf16"             # bf16 (fp32 master weights) | fp32
     activation_checkpointing: bool = False
     lora_r: NonNegInt = 0               # LoRA rank (0 = full fine-tuning; --lora_r of the stages: a frozen bf16 base)
     teacher: str = ""                   # a frozen teacher model (codi: separate teacher; gkd: the teacher); "" = none
@@ -112,7 +113,7 @@ class PlanConfig:
     completion: NonNegInt = 0           # gkd: completion tokens per sequence (0 = half of seq)
     pad_ratio: PosFloat = 1.05          # latent replays (gkd / grpo): positions run per position of the longest sequence
     rollout_share: Fraction = 0.0       # fraction of each GPU held by a colocated vLLM engine (gkd / grpo)
-    attention: str = "flash"            # flash (GPU SDPA kernels: no S×S scores kept) | math (CPU, eager: scores kept)
+    attention: Literal["flash", "math"] = "flash"            # flash (GPU SDPA kernels: no S×S scores kept) | math (CPU, eager: scores kept)
     runtime_gb: NonNegFloat = 1.5       # CUDA context, NCCL and allocator slack per GPU (0 to compare with CPU peaks)
 
 # %% ../nbs/26_plan.ipynb #20f7096d

@@ -4,6 +4,7 @@
 
 # %% ../nbs/17_sft.ipynb #8ec7c475
 from __future__ import annotations
+from typing import Literal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ class SFTConfig(TrainConfig):
     size: str = "tiny"                  # tiny-model size (latent_rl.models.TINY_SIZES) when `model` is ""
     arch: str = "qwen2"                  # tiny-model architecture (qwen2 | llama)
     val: str = "data/corpus/val.jsonl"   # validation rows for the held-out loss ("" = none)
-    mode: str = "trace"                 # 'trace' (explicit) or 'answer' (no-trace baseline)
+    mode: Literal["trace", "answer"] = "trace"                 # 'trace' (explicit) or 'answer' (no-trace baseline)
     max_len: PosInt = 384                # prompt + target tokens (longer rows are dropped)
     out: str = "runs/sft"
     steps: PosInt = 600

@@ -44,3 +44,23 @@ def test_the_policy_owns_the_text_latent_difference():
 def test_stage_classes_are_declared_whole():
     assert {"OnPolicyStage", "GKDStep", "GRPOStep", "CodiStep", "SFTStep"} <= stage_classes(ROOT / "latent_rl")
     assert patched_stage_methods(ROOT / "latent_rl") == []
+
+
+def test_every_configs_choices_are_its_annotations():
+    """The values a config string may take are its field's `Literal` annotation, resolved for every stage's config (an
+    annotation that failed to resolve would drop every choice of its class in silence)."""
+    from latent_rl.fields import literal_choices
+    from latent_rl.sft import SFTConfig
+    from latent_rl.codi import CodiConfig
+    from latent_rl.gkd import GKDConfig
+    from latent_rl.grpo import GRPOConfig
+    from latent_rl.plan import PlanConfig
+    want = {
+        SFTConfig: {"mode", "dtype", "precision", "strategy", "step_blocks", "wandb"},
+        CodiConfig: {"curriculum_from", "prj_init", "kd_target", "dtype"},
+        GKDConfig: {"truncation_strategy", "teacher_locals", "vllm_mode"},
+        GRPOConfig: {"norm", "adv_scale", "replay", "explore", "vllm_mode"},
+        PlanConfig: {"stage", "attention", "precision", "strategy"},
+    }
+    for cls, names in want.items(): assert names <= set(literal_choices(cls)), (cls.__name__, names - set(literal_choices(cls)))
+    assert literal_choices(GRPOConfig)["norm"] == ("sequence", "token")
