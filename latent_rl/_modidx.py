@@ -655,6 +655,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.losses._JSDFromLogits.backward': ( 'losses.html#_jsdfromlogits.backward',
                                                                                 'latent_rl/losses.py'),
                                   'latent_rl.losses._JSDFromLogits.forward': ('losses.html#_jsdfromlogits.forward', 'latent_rl/losses.py'),
+                                  'latent_rl.losses._check_grpo_inputs': ('losses.html#_check_grpo_inputs', 'latent_rl/losses.py'),
                                   'latent_rl.losses._check_jsd_args': ('losses.html#_check_jsd_args', 'latent_rl/losses.py'),
                                   'latent_rl.losses._finish_topk': ('losses.html#_finish_topk', 'latent_rl/losses.py'),
                                   'latent_rl.losses._floats': ('losses.html#_floats', 'latent_rl/losses.py'),

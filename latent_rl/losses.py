@@ -61,6 +61,18 @@ def _masked_mean(x, m):
 Norm = Literal["sequence", "token"]   # grpo_loss: mean over each sequence, then over sequences (Atropos) | over every token
 NORMS = get_args(Norm)
 
+def _check_grpo_inputs(logp, logp_inf, mask, norm: str) -> None:
+    "Refuse what `grpo_loss` cannot score, saying what to do."
+    if logp_inf is None:
+        raise ValueError("grpo_loss needs the rollout engine's logprobs (logp_inf) for the importance ratio; "
+                         "got None. Make the generator return per-token logprobs of the sampled tokens "
+                         "(latent_rl generators do; for vLLM request logprobs and use processed logprobs).")
+    if norm not in NORMS: raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if logp.shape != mask.shape or logp_inf.shape != logp.shape:
+        raise ValueError(
+            f"shape mismatch: logp {tuple(logp.shape)}, logp_inf {tuple(logp_inf.shape)}, mask {tuple(mask.shape)}"
+        )
+
 # Long on purpose: Atropos's GRPO objective and every one of its diagnostics from the same tensors in one pass
 # (one device sync for the metrics); most lines are the documented parameters and the metrics dict.
 def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token logprobs (0 at unscored positions)
@@ -80,15 +92,7 @@ def grpo_loss(logp: torch.Tensor,              # [B, S] current policy token log
     """PPO-clipped GRPO loss against rollout logprobs, with 'sequence' or step-exact 'token' normalisation; with
     `kl_beta > 0`, plus `kl_beta · k3` per token, k3 = exp(ref − logp) − (ref − logp) − 1 ≥ 0 (unbiased for KL(π‖π_ref)
     on samples of π)."""
-    if logp_inf is None:
-        raise ValueError("grpo_loss needs the rollout engine's logprobs (logp_inf) for the importance ratio; "
-                         "got None. Make the generator return per-token logprobs of the sampled tokens "
-                         "(latent_rl generators do; for vLLM request logprobs and use processed logprobs).")
-    if norm not in NORMS: raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    if logp.shape != mask.shape or logp_inf.shape != logp.shape:
-        raise ValueError(
-            f"shape mismatch: logp {tuple(logp.shape)}, logp_inf {tuple(logp_inf.shape)}, mask {tuple(mask.shape)}"
-        )
+    _check_grpo_inputs(logp, logp_inf, mask, norm)
     B = logp.shape[0]
     A = advantages.reshape(-1, 1).to(logp.device, logp.dtype)       # [B, 1]
     if A.shape[0] != B: raise ValueError(f"{A.shape[0]} advantages for a batch of {B}")
