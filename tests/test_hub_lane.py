@@ -12,9 +12,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("LATENT_RL_HUB_LANE") != "1",
                                 reason="the hub rehearsal runs as its own CI step: make test-hub")
 
 def readme_hub_commands() -> list[str]:
-    "The commands of the README's hub section, comments dropped."
+    "The commands of the README's hub section, continued lines joined, comments dropped."
     text = (ROOT / "README.md").read_text()
     block = text.split("A hub model, on GPUs", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    block = re.sub(r"\\\n\s*", "", block)                                         # a command continued with `\`
     return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
 
 @pytest.fixture(scope="module")
