@@ -200,7 +200,8 @@ def make_optimizer(cfg, params: list, exempt=frozenset()) -> tuple[torch.optim.O
     groups = [{"params": [p for p in params if id(p) not in exempt]}, {"params": rest, "weight_decay": 0.0}] if rest \
         else params                                      # one group when nothing is exempt (older checkpoints: one)
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2))
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg.warmup, cfg.steps, cfg.min_lr_frac))
+    warmup, total, floor = cfg.warmup, cfg.steps, cfg.min_lr_frac      # the schedule keeps its numbers, not the config
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, floor))
 
 def log_step(rec, wb, bar, step: int, m: dict, sched, gn, m_step: float, t0: float, device) -> None:
     "One `metrics.jsonl` row (and W&B), and the progress bar's losses."

@@ -64,3 +64,22 @@ def test_every_configs_choices_are_its_annotations():
     }
     for cls, names in want.items(): assert names <= set(literal_choices(cls)), (cls.__name__, names - set(literal_choices(cls)))
     assert literal_choices(GRPOConfig)["norm"] == ("sequence", "token")
+
+
+def test_a_codi_runs_config_visits_the_loop_at_most_twice(tmp_path):
+    """Following a CODI run's config from `run_codi` (the functions that receive the config object, consecutive calls
+    in one module as one visit), the loop's module is visited at most twice — LoRA and the optimizer — where a7b17f3
+    visited it 7 times among 15 module changes (checkpoint files, the lock, data loading, W&B all lived there)."""
+    from latent_rl.codi import CodiConfig, run_codi
+    cfg = CodiConfig(model=str(ROOT / "data/teacher"), train=str(ROOT / "data/corpus/train.jsonl"), val="", steps=2,
+                     batch_size=4, max_train=16, log_every=1, save_every=0, out=str(tmp_path / "codi"))
+    seq = []
+    def tracer(frame, event, arg):
+        if event == "call" and "latent_rl" in frame.f_code.co_filename and any(v is cfg for v in frame.f_locals.values()):
+            m = Path(frame.f_code.co_filename).name
+            if not seq or seq[-1] != m: seq.append(m)
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    try: run_codi(cfg, progress=False)
+    finally: sys.settrace(old)
+    assert seq[0] == "codi.py" and seq.count("loop.py") <= 2, " → ".join(seq)
