@@ -145,13 +145,16 @@ class LatentNoise(nn.Module):
 _BASES: dict = {}
 
 def right_basis(W: torch.Tensor) -> torch.Tensor:
-    "`[in, r]` right singular vectors of `W [out, in]` (no gradient), kept while W is unchanged (its version)."
-    k = (W.data_ptr(), W.shape, W._version, W.dtype)
-    if k not in _BASES:
+    """`[in, r]` right singular vectors of `W [out, in]` (no gradient), kept while W's values are unchanged: checked by
+    value, since neither a pointer nor a version counter follows every write (FSDP2 refills its unsharded parameters in
+    place without a version bump, and a freed tensor's memory comes back under another tensor)."""
+    k = (W.data_ptr(), W.shape, W.dtype)
+    hit = _BASES.get(k)
+    if hit is None or not torch.equal(hit[0], W.detach()):
         if len(_BASES) > 64: _BASES.clear()
         w = W.detach().to(torch.float32 if W.element_size() < 4 else W.dtype)                   # fp64 stays fp64
-        _BASES[k] = torch.linalg.svd(w, full_matrices=False)[2].T.to(W.dtype)                   # [in, r]
-    return _BASES[k]
+        _BASES[k] = (W.detach().clone(), torch.linalg.svd(w, full_matrices=False)[2].T.to(W.dtype))   # [in, r]
+    return _BASES[k][1]
 
 # %% ../nbs/07_latent.ipynb #367fa1c3
 @dataclass

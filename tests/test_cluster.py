@@ -101,8 +101,12 @@ STAGES = {
 
 @pytest.fixture(scope="module")
 def latent_dir(tmp_path_factory):
+    "The shipped teacher as a latent model with a fresh projector, seeded: every session tests the same student."
+    import torch
     from latent_rl.latent import LatentModel
-    lm, tok = LatentModel.load(TEACHER)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm, tok = LatentModel.load(TEACHER)
     return lm.save(tmp_path_factory.mktemp("latent") / "student", tok)
 
 STAGES["gkd"] = lambda data, latent: [
@@ -374,7 +378,8 @@ def test_two_processes_exploring_by_codes_equal_one(latent_dir, tmp_path):
         "grpo", "--recipe", "none", "--model", latent_dir, "--train", ROWS, "--max_train", 16, "--steps", 2,
         "--batch_size", 2, "--group_size", 4, "--max_new_tokens", 200, "--lr", 1e-4, "--warmup", 0, "--save_every", 0,
         "--record_every", 0, "--temperature", 1.0, "--explore", "svp", "--explore_scale", 1.0, "--kl_beta", 0.05,
-        "--rewards", "format:1,correct:1", "--dynamic_sampling", 2, *EXACT,
+        "--rewards", "path:1,format:1,correct:1", *EXACT,   # path: a signal in every group, without dynamic sampling
+        # (whose refills differ by rank count: each rank refills its own share of the batch)
     ]
     launch(1, *args, "--out", tmp_path / "one")
     a = weights(tmp_path / "one" / "final")
