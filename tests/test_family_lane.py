@@ -36,7 +36,8 @@ def test_a_lora_student_of_a_pretrained_base_writes_traces_and_opens_latent_bloc
     """A Qwen2.5-Instruct-shaped model as it ships — 64 spare embedding rows beyond its tokenizer, so the trace tokens
     land on them without a resize — pretrained on program text (no trace token in it, as a hub model), published under
     its hub name in a local Hugging Face cache and loaded by that name, offline; then a short LoRA SFT. The trace
-    tokens' rows start at the base vocabulary's mean (not on the spare rows' noise), train apart and move; the student
+    tokens' rows start at the base vocabulary's mean (not on the spare rows' noise); the rows the model reads train apart
+    and move, and the stop token's head row trains (nothing reads its input row: it ends each sequence); the student
     writes every trace token where it belongs (8/8 memorised traces well formed, stopping at <|end_of_text|>) and, as a
     latent model, opens latent blocks at its LINE frames. (Before: rows that fit were left untrained and frozen.)"""
     import huggingface_hub.constants as hc
@@ -60,15 +61,19 @@ def test_a_lora_student_of_a_pretrained_base_writes_traces_and_opens_latent_bloc
     rows0 = json.loads((base / "config.json").read_text())["vocab_size"]
     ids = tok0.convert_tokens_to_ids(SEEN)
     assert start.get_input_embeddings().weight.shape[0] == rows0 and max(ids) < rows0        # on spare rows, no resize
-    W0 = start.get_input_embeddings().weight.detach()[ids].clone()
+    emb, head = (lambda m: m.get_input_embeddings().weight.detach()), (lambda m: m.get_output_embeddings().weight.detach())
+    W0, H0 = emb(start)[ids].clone(), head(start)[ids].clone()
     assert torch.allclose(W0, W0[:1].expand_as(W0))                                         # all at one start: the mean
     (tmp_path / "eight.jsonl").write_text("".join(l + "\n" for l in lines[:8]))
     run_cli("sft", "--recipe", "none", "--model", name, "--train", tmp_path / "eight.jsonl", "--val", "", "--steps", 200,
             "--batch_size", 8, "--lr", 1e-2, "--warmup", 10, "--save_every", 0, "--lora_r", 8, "--out",
             tmp_path / "lora", env={**ONE, **hub})
     final, _ = load_model(tmp_path / "lora" / "final")
-    W = final.get_input_embeddings().weight.detach()[ids]
-    assert torch.pdist(W).min() > 1e-3 and ((W - W0).norm(dim=1) > 1e-3).all()               # apart, and moved
+    W, H = emb(final)[ids], head(final)[ids]
+    read = [k for k, t in enumerate(SEEN) if t != END_OF_TEXT]     # the stop token ends each sequence: no position reads it
+    assert torch.pdist(W[read]).min() > 1e-3 and ((W - W0)[read].norm(dim=1) > 1e-3).all()   # read rows: apart, moved
+    stop = SEEN.index(END_OF_TEXT)
+    assert (H[stop] - H0[stop]).norm() > 1e-3                      # the stop token's head row (untied here) trains
     rows = rows_of(tmp_path / "eight.jsonl")
     r = evaluate_path(tmp_path / "lora" / "final", rows, max_new_tokens=400, progress=False)
     assert r["format_valid"] >= 0.75 and all(x["generated"].endswith(END_OF_TEXT) for x in r["records"]), r["format_valid"]
