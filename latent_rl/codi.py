@@ -44,6 +44,7 @@ class CodiConfig(TrainConfig, CodiOptions):
     curriculum: Fraction = 0.0          # fraction of the steps over which the latent share of spans grows to all (0: off)
     curriculum_from: Literal["end", "start"] = "end"        # end: the blocks nearest the answer go latent first | start: Coconut's order
     prj_init: Literal["default", "embed"] = "default"           # default | embed: a fresh projector's output starts at the embeddings' scale
+    soft_temp: NonNegFloat = 0.0         # > 0: soft-token latents, each latent step feeds softmax(logits / soft_temp) · E (soft thinking; the projector unused); 0 = the projector
     bucket: bool = False                # span-aware batching: each batch from examples of similar span count
     phase_groups: bool = False          # run each batch's student in phase groups (same result, less padding when span counts mix)
     split_tails: bool = False           # rows whose last phase runs long finish it apart, in chunks (same result, less padding)
@@ -184,6 +185,7 @@ def run_codi(cfg: CodiConfig, progress: bool = True) -> Path:
     opts = cfg.options()
     lm, tok = LatentModel.load(cfg.model, dtype=cfg.dtype, latent_steps=cfg.latent_steps)
     lm.spec.latent_steps = cfg.latent_steps
+    if cfg.soft_temp: lm.spec.soft_temp = cfg.soft_temp
     if cfg.prj_init == "embed" and not LatentModel.is_latent_dir(cfg.model): lm.init_projector_to_embeddings()
     lora_student(cfg, lm.model, lm)                                  # the projector trains fully
     lm.to(acc.device)

@@ -106,8 +106,8 @@ class GRPOConfig(VLLMConfig):
     dynamic_sampling: NonNegInt = 0      # rounds of fresh prompts drawn to replace groups whose rewards are all equal (DAPO); 0 = off
     kl_beta: NonNegFloat = 0.0           # weight of a per-token KL penalty (k3) to the starting policy; 0 = off (no reference loaded)
     tis_cap: float = -1.0                # truncated importance sampling: ratio against the trainer's own π_old, tokens weighted by min(π_old/π_engine, cap); -1 = 2.0 with vLLM rollouts, off for exact engines; 0 = off
-    explore: Literal["tokens", "gaussian", "svp", "dropout"] = "tokens"  # exploration inside the latent blocks: tokens (text sampling only), gaussian (z = μ + σ·ε), svp / dropout (the projector perturbed by one code per rollout)
-    explore_scale: NonNegFloat = 0.0     # the family's scale: gaussian σ (× the latents' scale per dim; else latent_sigma), svp α in s(1 + α·g), dropout p
+    explore: Literal["tokens", "gaussian", "svp", "dropout", "gumbel"] = "tokens"  # exploration inside the latent blocks: tokens (text sampling only), gaussian (z = μ + σ·ε), svp / dropout (the projector perturbed by one code per rollout), gumbel (Gumbel noise on soft-token latents' logits, one code per rollout)
+    explore_scale: NonNegFloat = 0.0     # the family's scale: gaussian σ (× the latents' scale per dim; else latent_sigma), svp α in s(1 + α·g), dropout p, gumbel β in log p + β·g
     latent_sigma: NonNegFloat = 0.0      # stochastic latents: z = μ + σ·ε, σ = this × the latents' scale per dim; 0 = off (a saved σ is kept); > 0 means explore=gaussian
     latent_sigma_learn: bool = False     # learn σ (log σ per dimension) with the policy; else σ stays fixed
     latent_pathwise: bool = False        # stochastic latents: the text tokens' gradient also reaches μ one hop (z = μ + σ·ε, ε held)
@@ -349,13 +349,13 @@ def throughput_summary(res: dict, stage: GRPOStep, wall_s: float) -> dict:
 # %% ../nbs/20_grpo.ipynb #d7e1f006
 def set_exploration(cfg: GRPOConfig, policy: Policy) -> None:
     """Give the policy its exploration inside the latent blocks (`exploration`): a noise scale for `gaussian` (a saved
-    one is kept; σ trainable with `latent_sigma_learn`), a code per rollout for `svp` / `dropout`; or refuse in one line."""
+    one is kept; σ trainable with `latent_sigma_learn`), a code per rollout for `svp` / `dropout` / `gumbel`; or refuse in one line."""
     fam, scale = exploration(cfg)
     if not policy.has_blocks:
         if fam != "tokens" or cfg.latent_sigma_learn:
             raise ConfigError(f"explore={fam}: a text policy has no latent vectors to explore; use explore=tokens")
         return
-    if fam in ("svp", "dropout"):
+    if fam in ("svp", "dropout", "gumbel"):
         if cfg.replay == "truncated": raise ConfigError(f"explore={fam} replays each code: use replay=exact")
         try: policy.model.set_explore(fam, scale)
         except ValueError as e: raise ConfigError(str(e)) from None
@@ -371,7 +371,7 @@ def reference_policy(cfg: GRPOConfig, acc) -> Policy:
     ref = Policy.load(cfg.model, dtype=cfg.dtype, device=str(acc.device))
     fam, scale = exploration(cfg)
     if fam == "gaussian" and ref.has_blocks and not ref.stochastic: ref.model.set_noise(scale)
-    if fam in ("svp", "dropout") and ref.has_blocks: ref.model.set_explore(fam, scale)    # scores under the same codes
+    if fam in ("svp", "dropout", "gumbel") and ref.has_blocks: ref.model.set_explore(fam, scale)    # scores under the same codes
     ref.module.eval().requires_grad_(False)
     shard_frozen(ref.module, cfg, acc)
     return ref

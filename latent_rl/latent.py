@@ -20,7 +20,7 @@ from .fields import NonNegFloat, PosFloat, Fraction, check_fields
 
 # %% auto #0
 __all__ = ['ValueKDAt', 'VALUE_KD_AT', 'LatentSpec', 'Projector', 'LatentModel', 'LatentNoise', 'right_basis', 'ProjectorNoise',
-           'pack_phases', 'pad_ids', 'CodiOptions', 'kd_layer_indices']
+           'GumbelNoise', 'pack_phases', 'pad_ids', 'CodiOptions', 'kd_layer_indices']
 
 # %% ../nbs/07_latent.ipynb #2440d8e2
 @dataclass
@@ -30,6 +30,7 @@ class LatentSpec:
     line_sep_id: int
     action_sep_id: int
     latent_steps: int = 1
+    soft_temp: float = 0.0      # > 0: soft-token latents, softmax(logits / soft_temp) · E (soft thinking); 0: prj(h)
 
     @classmethod
     def from_tokenizer(cls, tok, latent_steps: int = 1):
@@ -51,8 +52,8 @@ class LatentModel(nn.Module):
         self.prj = (projector or Projector(ref.shape[1])).to(device=ref.device, dtype=ref.dtype)
         # a stochastic latent policy's scale (`set_noise`); None = deterministic
         self.noise: LatentNoise | None = None
-        # parameter noise of the projector, one code per rollout (`set_explore`); None = off
-        self.explore: ProjectorNoise | None = None
+        # one exploration code per rollout (`set_explore`): the projector's parameters, or a soft token's logits
+        self.explore: ProjectorNoise | GumbelNoise | None = None
 
     @property
     def body(self): return backbone(self.model)
@@ -62,8 +63,19 @@ class LatentModel(nn.Module):
     def head(self): return lm_head(self.model)                                      # bias, scale, soft cap
     def embed(self, ids): return self.model.get_input_embeddings()(ids)
     def project(self, h: torch.Tensor, code: torch.Tensor | None = None) -> torch.Tensor:
-        "The vector a latent step feeds, `prj(h)` `[b, H]`; under each row's exploration `code` `[b, D]` when given."
+        """The vector a latent step feeds `[b, H]` from the state `h` `[b, H]`: `prj(h)`, or a soft token where
+        `spec.soft_temp > 0`; under each row's exploration `code` `[b, D]` when given."""
+        if self.spec.soft_temp > 0: return self.soft_token(h, code)
         return self.prj(h) if code is None or self.explore is None else self.explore(self.prj, h, code)
+
+    def soft_token(self, h: torch.Tensor, code: torch.Tensor | None = None) -> torch.Tensor:
+        """`[b, H]` the input embeddings mixed by softmax(logits(h) / soft_temp) (soft thinking, CoT2); under a `gumbel`
+        code, by softmax((log p + β·g) / soft_temp), g ~ Gumbel(0, 1) (SofT-GRPO's Gumbel-softmax)."""
+        z = self.head.logits(h)                                                          # [b, V]
+        z = z.to(torch.promote_types(z.dtype, torch.float32))                            # fp32 at least; fp64 stays
+        if code is not None and self.explore is not None: z = self.explore(z, code)
+        E = self.model.get_input_embeddings().weight                                     # [V', H]
+        return torch.softmax(z / self.spec.soft_temp, -1).to(E.dtype) @ E[: z.shape[-1]]   # [b, H]
 
     def save(self, path, tok=None, state_dict: dict | None = None):
         """A directory HF loads as a normal model, plus `projector.pt` and `latent_spec.json` (of `state_dict` when
@@ -119,9 +131,19 @@ class LatentModel(nn.Module):
         return self
 
     def set_explore(self, family: str, scale: float):
-        "Explore by the projector's parameters, one code per rollout (`ProjectorNoise`); `family = tokens`: off."
-        self.explore = None if family == "tokens" else ProjectorNoise(family, scale)
+        """Explore by one code per rollout: the projector's parameters (`ProjectorNoise`: svp, dropout) or Gumbel noise
+        on a soft token's logits (`GumbelNoise`: gumbel, soft-token latents only); `family = tokens`: off."""
+        if family == "gumbel" and not self.spec.soft_temp > 0:
+            raise ValueError("explore=gumbel perturbs soft-token latents (a vocabulary mixture); this model feeds its "
+                             "projector's vectors: train its CODI student with --soft_temp > 0, or use svp/dropout")
+        self.explore = (None if family == "tokens" else GumbelNoise(scale) if family == "gumbel"
+                        else ProjectorNoise(family, scale))
         return self
+
+    @property
+    def code_width(self) -> int:
+        "Standard normals per exploration code: the vocabulary for `gumbel`, else `ProjectorNoise.width`."
+        return self.head_weight.shape[0] if isinstance(self.explore, GumbelNoise) else self.explore.width(self.prj)
 
 # %% ../nbs/07_latent.ipynb #ce636f2d
 class LatentNoise(nn.Module):
@@ -187,6 +209,21 @@ class ProjectorNoise:
                 x = x * (g >= math.sqrt(2) * torch.erfinv(torch.tensor(2 * self.scale - 1))).to(x.dtype) / (1 - self.scale)
             x = m(x)
         return x
+
+# %% ../nbs/07_latent.ipynb #soft0ex1
+@dataclass
+class GumbelNoise:
+    "Gumbel noise on a soft token's log-probabilities, one code per rollout (SofT-GRPO): `scale` β in log p + β·g."
+    scale: float
+
+    def __post_init__(self):
+        if not self.scale > 0: raise ValueError(f"explore=gumbel: explore_scale is β in log p + β·g, > 0; got {self.scale}")
+
+    def __call__(self, logits: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+        "`[b, V]` log p + β·g from `logits` `[b, V]`, g = −log(−log Φ(n)) a Gumbel(0, 1) draw per entry of `code` `[b, V]`."
+        dt = torch.promote_types(logits.dtype, torch.float32)                            # fp32 at least; fp64 stays
+        u = torch.special.ndtr(code.to(dt)).clamp(1e-12, 1 - 1e-7)                        # [b, V] uniform
+        return torch.log_softmax(logits.to(dt), -1) - self.scale * torch.log(-torch.log(u))
 
 # %% ../nbs/07_latent.ipynb #ec8010f6
 def pack_phases(

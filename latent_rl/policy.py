@@ -154,13 +154,13 @@ class Policy:
 
     @property
     def explores(self) -> bool:
-        "Whether rollouts perturb the projector by a code per row (`LatentModel.set_explore`), replayed from their keys."
+        "Whether rollouts explore by a code per row (`LatentModel.set_explore`), replayed from their keys."
         return self.kind == "latent" and self.model.explore is not None
 
     def codes(self, keys: list[int] | None) -> torch.Tensor | None:
         "`[B, D]` each row's exploration code, a pure function of its key (None: the policy does not explore)."
         if not self.explores or keys is None: return None
-        D = self.model.explore.width(self.model.prj)
+        D = self.model.code_width
         return keyed_normal(torch.tensor(keys, device=self.device), CODE_STEP, D).to(self.head_weight.dtype)
 
     @property
@@ -246,7 +246,7 @@ def _recorded_forward(lm: LatentModel, emb, am, pos, bi, li, Z, hop: bool) -> tu
     chain."""
     # [B, L, H]
     h = lm.body(inputs_embeds=emb, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state
-    mu = lm.prj(h[bi, li - 1])  # [M, H]
+    mu = lm.project(h[bi, li - 1])  # [M, H]
     if hop:
         h = lm.body(
             inputs_embeds=emb.index_put((bi, li), Z + mu - mu.detach()), attention_mask=am, position_ids=pos,

@@ -48,7 +48,7 @@ def _ref_block(lm, cache):
     o = body(inputs_embeds=emb(torch.tensor([[lm.spec.latent_start_id]])), use_cache=True, **cache_kw(body, cache))
     cache, h = out_cache(o), o.last_hidden_state[:, -1:]
     for _ in range(lm.spec.latent_steps):
-        o = body(inputs_embeds=lm.prj(h), use_cache=True, **cache_kw(body, cache))
+        o = body(inputs_embeds=lm.project(h), use_cache=True, **cache_kw(body, cache))
         cache, h = out_cache(o), o.last_hidden_state[:, -1:]
     o = model(inputs_embeds=emb(torch.tensor([[lm.spec.latent_end_id]])), use_cache=True, **cache_kw(model, cache))
     return out_cache(o), o.logits[:, -1]

@@ -7,7 +7,24 @@ import pytest, torch
 from conftest import ROWS, TEACHER, rows_of, steps_of
 from test_grpo import grpo, _learn
 
-FAMILIES = {"tokens": 0.0, "gaussian": 0.3, "svp": 1.0, "dropout": 0.3}     # each family's scale in these tests
+FAMILIES = {"tokens": 0.0, "gaussian": 0.3, "svp": 1.0, "dropout": 0.3, "gumbel": 1.0}   # each family's scale here
+CODES = ["svp", "dropout", "gumbel"]                                       # the families drawn from a rollout's key
+SOFT = 0.5                                                                 # the soft-token students' τ (gumbel's)
+
+
+@pytest.fixture(scope="module")
+def soft_student(tmp_path_factory):
+    "The shipped teacher as a soft-token latent model (τ 0.5; a seeded, unused projector): gumbel's student."
+    from latent_rl.latent import LatentModel
+    d = tmp_path_factory.mktemp("soft")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm, tok = LatentModel.load(TEACHER)
+    lm.spec.soft_temp = SOFT
+    return lm.save(d / "student", tok)
+
+def _student(request, fam):
+    return request.getfixturevalue("soft_student" if fam == "gumbel" else "latent_student")
 
 
 def _explorer(path, fam):
@@ -26,7 +43,7 @@ def _samples(pol, P, keys, ro):
 
 
 @pytest.mark.parametrize("fam", list(FAMILIES))
-def test_family_replays_its_rollouts_exactly(fam, latent_student):
+def test_family_replays_its_rollouts_exactly(fam, request):
     """At a generation's first step the trainer's logprobs equal the rollout's (≤ 1e-4; the densities too for gaussian),
     ratio 1; a row sampled alone is the row sampled in the batch. Replayed under other keys, a code family's logprobs
     move: the code is what the replay reproduces."""
@@ -34,7 +51,7 @@ def test_family_replays_its_rollouts_exactly(fam, latent_student):
     from latent_rl.generate import row_key
     from latent_rl.trace import prompt_text
     from latent_rl.tokens import encode
-    pol = _explorer(latent_student, fam)
+    pol = _explorer(_student(request, fam), fam)
     P = [encode(pol.tok, prompt_text(r["code"], r["input"])) for r in rows_of(ROWS)[:6] for _ in range(2)]
     keys = [row_key(7, 0, b // 2, b % 2) for b in range(len(P))]
     ro = pol.sample(P, max_new_tokens=120, temperature=1.0, keys=keys, return_latents=pol.stochastic,
@@ -46,19 +63,19 @@ def test_family_replays_its_rollouts_exactly(fam, latent_student):
     one = pol.sample(P[3:4], max_new_tokens=120, temperature=1.0, keys=keys[3:4], return_latents=pol.stochastic,
                      latent_noise=pol.stochastic)
     assert one.completion_ids[0] == ro.completion_ids[3]
-    if fam in ("svp", "dropout"):
+    if fam in CODES:
         _, m2 = grpo_micro_loss(pol, [dict(x, key=x["key"] + 1) for x in _samples(pol, P, keys, ro)], temperature=1.0)
         assert m2["align_abs_max"] > 1e-3, m2["align_abs_max"]
 
 
-@pytest.mark.parametrize("fam", ["svp", "dropout"])
-def test_codes_change_what_a_group_computes(fam, latent_student):
+@pytest.mark.parametrize("fam", CODES)
+def test_codes_change_what_a_group_computes(fam, request):
     """One prompt, greedy text (T → 0 leaves the tokens nothing to explore): the group's eight codes feed eight
     different latents, where the unperturbed policy feeds one."""
     from latent_rl.generate import generate_latent, row_key
     from latent_rl.trace import prompt_text
     from latent_rl.tokens import encode
-    pol = _explorer(latent_student, fam)
+    pol = _explorer(_student(request, fam), fam)
     r = rows_of(ROWS)[0]
     P, keys = [encode(pol.tok, prompt_text(r["code"], r["input"]))] * 8, [row_key(3, 0, 0, j) for j in range(8)]
     kw = dict(eos_id=pol.eos_id, pad_id=pol.pad_id, max_new_tokens=60, temperature=1e-4, keys=keys, return_latents=True)
@@ -71,8 +88,8 @@ def test_codes_change_what_a_group_computes(fam, latent_student):
 
 def test_a_hub_named_model_replays_its_codes(tmp_path):
     """A Llama-3-shaped latent model (BOS before every text, untied head), published under its hub name in a local
-    Hugging Face cache and loaded by that name: forced rollouts through a block under svp and dropout codes replay to
-    1e-5."""
+    Hugging Face cache and loaded by that name: forced rollouts through a block under svp, dropout and gumbel codes
+    (soft tokens, τ 0.5) replay to 1e-5."""
     import huggingface_hub.constants as hc
     from unittest import mock
     from latent_rl.fixtures import build_fixture, fixture_texts, publish
@@ -94,8 +111,9 @@ def test_a_hub_named_model_replays_its_codes(tmp_path):
     assert all(p[0] == pol.tok.bos_token_id for p in P)
     forced = [[7, sp.line_sep_id, sp.action_sep_id, 9, 11, pol.eos_id]] * len(P)
     keys = [row_key(1, b) for b in range(len(P))]
-    for fam, scale in (("svp", 1.0), ("dropout", 0.3)):
-        pol.model.set_explore(fam, scale)
+    for fam in CODES:
+        pol.model.spec.soft_temp = SOFT if fam == "gumbel" else 0.0
+        pol.model.set_explore(fam, FAMILIES[fam])
         with torch.no_grad():
             ro = generate_latent(pol.model, P, eos_id=pol.eos_id, pad_id=pol.pad_id, forced=forced, temperature=1.0,
                                  keys=keys, codes=pol.codes(keys))
@@ -106,31 +124,33 @@ def test_a_hub_named_model_replays_its_codes(tmp_path):
         assert (other - ref).abs().max() > 1e-4                       # the tokens after the block felt the code
 
 
-@pytest.mark.parametrize("fam", ["svp", "dropout"])
+@pytest.mark.parametrize("fam", CODES)
 def test_code_family_raises_a_reachable_reward(tmp_path, fam, latent_student):
     """test_grpo's reachable reward with a code per rollout (the stage's real loop, ratio over the text tokens): ≤ 0.3
     at the first step, ≥ 0.8 over the last three of 16."""
-    R = _learn(tmp_path, "latent", latent_student, 16, cfg_kw={"explore": fam, "explore_scale": FAMILIES[fam]})
+    R = _learn(tmp_path, "latent", latent_student, 16, cfg_kw={"explore": fam, "explore_scale": FAMILIES[fam]},
+               soft_temp=SOFT if fam == "gumbel" else 0.0)
     s = steps_of(tmp_path / "run")
     assert R[0] <= 0.3 and sum(R[-3:]) / 3 >= 0.8, R
     assert s[0]["align_abs_max"] <= 1e-4
 
 
-@pytest.mark.parametrize("fam", ["svp", "dropout"])
+@pytest.mark.parametrize("fam", CODES)
 def test_code_family_with_the_sign_flipped_does_not_learn(tmp_path, fam, latent_student, monkeypatch):
     "The same runs with the advantages' sign flipped stay low: the signal's sign, not the noise, raises the reward."
     R = _learn(tmp_path, "latent", latent_student, 16, "sign", monkeypatch,
-               cfg_kw={"explore": fam, "explore_scale": FAMILIES[fam]})
+               cfg_kw={"explore": fam, "explore_scale": FAMILIES[fam]}, soft_temp=SOFT if fam == "gumbel" else 0.0)
     assert sum(R[-3:]) / 3 <= 0.3, R
 
 
 def test_explore_refusals(tmp_path, latent_student):
-    "A code family on a text policy, with a truncated replay, or at a scale out of range: one line, exit 2."
+    """A code family on a text policy, with a truncated replay, at a scale out of range, or gumbel on a projector's
+    latents: one line, exit 2."""
     for model, extra, msg in (
         (TEACHER, ["--explore", "svp", "--explore_scale", 1], "text policy has no latent vectors"),
         (latent_student, ["--explore", "dropout", "--explore_scale", 1.5], "in (0, 1)"),
         (latent_student, ["--explore", "svp", "--explore_scale", 1, "--replay", "truncated"], "use replay=exact"),
-        (latent_student, ["--explore", "gumbel"], "explore"),
+        (latent_student, ["--explore", "gumbel", "--explore_scale", 1], "soft-token latents"),
     ):
         p = grpo(tmp_path / "r", "--model", model, "--steps", 1, *extra, check=False)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr[-800:]

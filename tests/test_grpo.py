@@ -93,8 +93,8 @@ def _to_last_line(r):
     tr = r["trace"]
     return tr[:tr.rfind("<|line_sep|>", 0, tr.index("<|return_sep|>"))]
 
-def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, cfg_kw=None):
-    "GRPO through the real stage and loop on `answer starts with '0'`; the per-step mean rewards."
+def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, cfg_kw=None, soft_temp=0.0):
+    "GRPO through the real stage and loop on `answer starts with '0'`; the per-step mean rewards (`soft_temp`: soft tokens)."
     from latent_rl.grpo import GRPOConfig, GRPOStep, set_exploration
     from latent_rl.policy import Policy
     from latent_rl.engine import setup
@@ -107,6 +107,7 @@ def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, c
         from latent_rl.latent import LatentModel
         torch.manual_seed(0)
         lm, tok = LatentModel.load(TEACHER)
+        lm.spec.soft_temp = soft_temp
         path, prompt, N = (
             lm.save(tmp_path / "student", tok), (lambda r: prompt_text(r["code"], r["input"]) + _to_last_line(r)), 24,
         )

@@ -224,6 +224,24 @@ def test_rollout_viewer(grpo_run):
     assert texts[0] == "LINE [latent 1] |     y = x + 1"
     assert f"reward {g['samples'][0]['reward']:.2f}" in panel(fig, "sample0").get_title(loc="left")
 
+def test_rollout_viewer_labels_each_samples_code_where_a_family_explored(grpo_run):
+    """The exploration view: a group recorded under `explore=gumbel` labels each sample with its code (the key it is
+    drawn from: the same label for the same key) and names the family and how many distinct completions the group
+    holds; a text-sampling group labels none."""
+    rows = read_rollouts(grpo_run)
+    for r in rows:
+        r["explore"] = "gumbel"
+        for j, q in enumerate(r["samples"]): q.update(key=10**6 * 7 + 1000 * r["group"] + j)
+    _jsonl(grpo_run / "rollouts.jsonl", rows)
+    fig = RolloutViewer(grpo_run).figure(step=2, group=1)
+    titles = [panel(fig, f"sample{i}").get_title(loc="left") for i in range(4)]
+    assert [t.split(":")[0] for t in titles] == [f"sample {j}, code 00{1000 + j}" for j in range(4)], titles
+    assert "exploring by gumbel: 1 distinct of 4" in fig._suptitle.get_text()
+    for r in rows: r.pop("explore")
+    _jsonl(grpo_run / "rollouts.jsonl", rows)
+    fig = RolloutViewer(grpo_run).figure(step=2, group=1)
+    assert "code" not in panel(fig, "sample0").get_title(loc="left") and "by tokens" in fig._suptitle.get_text()
+
 def test_plot_run_and_cli(grpo_run, tmp_path):
     paths = plot_run(grpo_run)
     assert [p.name for p in paths] == ["metrics.png", "alignment.png", "clip.png", "rollouts.png"]

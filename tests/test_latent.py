@@ -513,3 +513,68 @@ def test_phase_groups_replay_a_batch_where_some_or_no_row_opened_a_block():
         a = grouped_student_pass(lm, xs, 0.0, ce=False, return_hidden=True)
         b = student_pass(lm, xs, ce=False, return_hidden=True)
         assert torch.allclose(a.pred_hidden, b.pred_hidden, atol=1e-5)
+
+
+# ---------------------------------------------------------------- soft-token latents (LatentSpec.soft_temp > 0)
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("call_cost,tail_cost", [(None, None), (0.0, None), (None, 0.0)], ids=["lockstep", "groups", "tails"])
+def test_soft_tokens_batched_equal_reference(steps, call_cost, tail_cost):
+    """Soft-token blocks (each latent step feeds softmax(logits/τ)·E): the batched CODI forward's loss and gradients
+    equal the per-example reference's, which calls the same `project`; the projector gets no gradient."""
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps, soft_temp=0.5))
+    exs, opts = batch(0), CodiOptions(anchor_kd=2.0)
+    out = codi_forward(lm, exs, opts, how=Execution(call_cost, tail_cost))
+    ps = list(lm.parameters())
+    gb = torch.autograd.grad(out.loss, ps, allow_unused=True)
+    ref_loss, _ = ref_forward(lm, exs, opts, None)
+    gr = torch.autograd.grad(ref_loss, ps, allow_unused=True)
+    assert abs(out.loss.item() - ref_loss.item()) < 1e-5, (out.loss.item(), ref_loss.item())
+    for (n, _), a, b in zip(lm.named_parameters(), gb, gr):
+        if n.startswith("prj."): assert a is None and b is None, n
+        else: assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-8) + 1e-7, (n, (a - b).norm(), b.norm())
+    plain = codi_forward(LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps)), exs, opts)
+    assert abs(plain.loss.item() - out.loss.item()) > 1e-4              # the blocks feed something else
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_soft_token_decoding_reproduces_training_logprobs(steps):
+    "A soft-token student decodes what its training forward scores: forced rollouts' logprobs equal the forward's."
+    from latent_rl.generate import generate_latent
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=steps, soft_temp=0.7)).eval()
+    exs = [student_format(e) for e in batch(7)]
+    fwd = codi_forward(lm, exs, CodiOptions(), return_logprobs=True)
+    ro = generate_latent(lm, [e["prompt_ids"] for e in exs], eos_id=EOT, pad_id=0, forced=[e["trace_ids"] for e in exs],
+                         max_new_tokens=200)
+    for b, e in enumerate(exs):
+        assert ro.latent_at[b] == [i for i, _ in e["spans"]]
+        assert (torch.tensor(ro.logprobs[b]) - fwd.trace_logprobs[b, :len(e["trace_ids"])]).abs().max() <= 1e-4
+
+
+def test_soft_token_codi_steps_lower_the_codi_loss():
+    "CODI trains a soft-token student: Adam steps on its loss lower it, the same steps on the negative raise it."
+    def run(sign):
+        lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2, soft_temp=0.5))
+        opt, exs, losses = torch.optim.Adam(lm.parameters(), lr=3e-3), batch(0), []
+        for _ in range(12):
+            out = codi_forward(lm, exs, CodiOptions())
+            (sign * out.loss).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+        return losses
+    down, up = run(1.0), run(-1.0)
+    assert down[-1] < 0.8 * down[0] and up[-1] > 1.2 * up[0], (down, up)
+
+
+def test_soft_temp_is_saved_and_codi_cli_trains_soft_tokens(tmp_path):
+    "`latent-rl codi --soft_temp 0.5` writes a student whose spec keeps τ; loaded back, its blocks feed soft tokens."
+    from conftest import run_cli, TEACHER, ROWS, steps_of
+    run_cli("codi", "--recipe", "none", "--model", TEACHER, "--train", ROWS, "--val", "", "--max_train", 32,
+            "--steps", 3, "--batch_size", 4, "--soft_temp", 0.5, "--out", tmp_path / "r", "--log_every", 1, "--save_every", 0)
+    lm, _ = LatentModel.load(tmp_path / "r" / "final")
+    assert lm.spec.soft_temp == 0.5 and len(steps_of(tmp_path / "r")) == 3
+    h = torch.randn(2, lm.head_weight.shape[1])
+    with torch.no_grad():
+        E = lm.model.get_input_embeddings().weight
+        ref = torch.softmax(lm.head.logits(h).float() / 0.5, -1) @ E[: lm.head_weight.shape[0]]
+        assert torch.allclose(lm.project(h), ref, atol=1e-5)
