@@ -371,11 +371,12 @@ def test_two_process_fsdp_latent_grpo_with_a_kl_reference(latent_dir, tmp_path):
     assert len(s) == 2 and all("kl_ref" in r and r["align_abs_max"] <= 1e-4 for r in s)
 
 
-@pytest.mark.parametrize("fam", ["svp", "gumbel"])
-def test_two_processes_exploring_by_codes_equal_one(latent_dir, tmp_path, fam):
-    """Latent GRPO exploring by a code per rollout (svp on the projector; gumbel on soft tokens, τ 0.5; a KL reference
-    scoring under the same codes): 2 processes (DDP, FSDP2) train the weights 1 process does, and the ratio is 1 at the
-    first step on every rank."""
+@pytest.mark.parametrize("fam,scale", [("svp", 1.0), ("dropout", 0.3), ("gumbel", 1.0), ("gaussian", 0.3)])
+def test_two_processes_exploring_inside_the_blocks_equal_one(latent_dir, tmp_path, fam, scale):
+    """Latent GRPO exploring inside the blocks by every family — a code per rollout (svp and dropout on the projector;
+    gumbel on soft tokens, τ 0.5) or sampled latents (gaussian, their densities in the ratio) — with a KL reference
+    scoring under the same codes or densities: 2 processes (DDP, FSDP2) train the weights 1 process does, and the ratio
+    is 1 at the first step on every rank."""
     model = latent_dir
     if fam == "gumbel":
         from latent_rl.latent import LatentModel
@@ -385,7 +386,7 @@ def test_two_processes_exploring_by_codes_equal_one(latent_dir, tmp_path, fam):
     args = [
         "grpo", "--recipe", "none", "--model", model, "--train", ROWS, "--max_train", 16, "--steps", 2,
         "--batch_size", 2, "--group_size", 4, "--max_new_tokens", 200, "--lr", 1e-4, "--warmup", 0, "--save_every", 0,
-        "--record_every", 0, "--temperature", 1.0, "--explore", fam, "--explore_scale", 1.0, "--kl_beta", 0.05,
+        "--record_every", 0, "--temperature", 1.0, "--explore", fam, "--explore_scale", scale, "--kl_beta", 0.05,
         "--rewards", "path:1,format:1,correct:1", *EXACT,   # path: a signal in every group, without dynamic sampling
         # (whose refills differ by rank count: each rank refills its own share of the batch)
     ]
@@ -395,6 +396,7 @@ def test_two_processes_exploring_by_codes_equal_one(latent_dir, tmp_path, fam):
         launch(2, *args, "--strategy", strategy, "--out", tmp_path / strategy, timeout=300)
         s = [json.loads(l) for l in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
         assert s[0]["align_abs_max"] <= 1e-4 and abs(s[0]["ratio_mean"] - 1) < 1e-5, s[0]   # rollouts score in fp32
+        if fam == "gaussian": assert s[0]["latent_align_abs_max"] <= 1e-4, s[0]
         assert_close(a, weights(tmp_path / strategy / "final"), EXACT_TOL)
     base = weights(model)
     assert max((a[k] - base[k]).abs().max().item() for k in base) > 1e-6
