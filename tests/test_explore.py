@@ -89,7 +89,7 @@ def test_codes_change_what_a_group_computes(fam, request):
 def test_a_hub_named_model_replays_its_codes(tmp_path):
     """A Llama-3-shaped latent model (BOS before every text, untied head), published under its hub name in a local
     Hugging Face cache and loaded by that name: forced rollouts through a block under svp, dropout and gumbel codes
-    (soft tokens, τ 0.5) replay to 1e-5."""
+    (soft tokens, τ 0.5), and with gaussian latents (their densities too), replay to 1e-5."""
     import huggingface_hub.constants as hc
     from unittest import mock
     from latent_rl.fixtures import build_fixture, fixture_texts, publish
@@ -122,6 +122,15 @@ def test_a_hub_named_model_replays_its_codes(tmp_path):
         ref = torch.tensor(ro.logprobs)
         assert ro.latent_at == [[1]] * len(P) and (lp - ref).abs().max() < 1e-5, (fam, (lp - ref).abs().max())
         assert (other - ref).abs().max() > 1e-4                       # the tokens after the block felt the code
+    pol.model.spec.soft_temp, pol.model.explore = 0.0, None             # gaussian: sampled latents and their densities
+    pol.model.set_noise(FAMILIES["gaussian"])
+    with torch.no_grad():
+        ro = generate_latent(pol.model, P, eos_id=pol.eos_id, pad_id=pol.pad_id, forced=forced, temperature=1.0,
+                             keys=keys, return_latents=True, noise=pol.model.noise)
+        lp, ld, lmask = pol.sampled_logprobs(P, ro.completion_ids, ro.latent_at, ro.latents)
+    d = torch.tensor([x for row in ro.latent_logprobs for x in row])
+    assert d.numel() == len(P) * sp.latent_steps and (ld[lmask] - d).abs().max() < 1e-5
+    assert (lp - torch.tensor(ro.logprobs)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("fam", CODES)
