@@ -136,6 +136,9 @@ class LatentModel(nn.Module):
         if family == "gumbel" and not self.spec.soft_temp > 0:
             raise ValueError("explore=gumbel perturbs soft-token latents (a vocabulary mixture); this model feeds its "
                              "projector's vectors: train its CODI student with --soft_temp > 0, or use svp/dropout")
+        if family in ("svp", "dropout") and self.spec.soft_temp > 0:
+            raise ValueError(f"explore={family} perturbs the projector, which this model's soft-token latents do not "
+                             "use: use explore=gumbel")
         self.explore = (None if family == "tokens" else GumbelNoise(scale) if family == "gumbel"
                         else ProjectorNoise(family, scale))
         return self
