@@ -712,6 +712,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'latent_rl.models.load_tokenizer': ('models.html#load_tokenizer', 'latent_rl/models.py'),
                                   'latent_rl.models.lora_scale': ('models.html#lora_scale', 'latent_rl/models.py'),
                                   'latent_rl.models.merge_lora': ('models.html#merge_lora', 'latent_rl/models.py'),
+                                  'latent_rl.models.mix_embeddings': ('models.html#mix_embeddings', 'latent_rl/models.py'),
                                   'latent_rl.models.model_exists': ('models.html#model_exists', 'latent_rl/models.py'),
                                   'latent_rl.models.n_params': ('models.html#n_params', 'latent_rl/models.py'),
                                   'latent_rl.models.out_cache': ('models.html#out_cache', 'latent_rl/models.py'),

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from .trace import LATENT_START, LATENT_END, LINE_SEP, ACTION_SEP
 from .tokens import trace_token_ids
-from .models import backbone, lm_head, lm_head_weight, load_model, resolve_model
+from .models import backbone, lm_head, lm_head_weight, load_model, mix_embeddings, resolve_model
 from .losses import KDTarget
 from .fields import NonNegFloat, PosFloat, Fraction, check_fields
 
@@ -74,8 +74,7 @@ class LatentModel(nn.Module):
         z = self.head.logits(h)                                                          # [b, V]
         z = z.to(torch.promote_types(z.dtype, torch.float32))                            # fp32 at least; fp64 stays
         if code is not None and self.explore is not None: z = self.explore(z, code)
-        E = self.model.get_input_embeddings().weight                                     # [V', H]
-        return torch.softmax(z / self.spec.soft_temp, -1).to(E.dtype) @ E[: z.shape[-1]]   # [b, H]
+        return mix_embeddings(self.model, torch.softmax(z / self.spec.soft_temp, -1))    # [b, H]
 
     def save(self, path, tok=None, state_dict: dict | None = None):
         """A directory HF loads as a normal model, plus `projector.pt` and `latent_spec.json` (of `state_dict` when
@@ -125,8 +124,9 @@ class LatentModel(nn.Module):
     def set_noise(self, sigma: float, learn: bool = False):
         """Make the latent policy stochastic: σ per dimension = `sigma` × the latents' scale in that dimension, the
         gain of the projector's LayerNorm (1 for a fresh projector; the embeddings' std after
-        `init_projector_to_embeddings`)."""
-        g = self.prj[-1].weight.detach().float().abs().clamp_min(1e-6)               # [H]
+        `init_projector_to_embeddings`), or for soft-token latents (mixtures of embeddings) the embeddings' std."""
+        g = (self.model.get_input_embeddings().weight[: self.head_weight.shape[0]].detach().float().std(0)
+             if self.spec.soft_temp > 0 else self.prj[-1].weight.detach().float().abs()).clamp_min(1e-6)   # [H]
         self.noise = LatentNoise(sigma * g, learn).to(g.device)
         return self
 

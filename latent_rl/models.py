@@ -16,9 +16,9 @@ from .tokens import add_trace_tokens
 # %% auto #0
 __all__ = ['DTYPES', 'TOKENIZER_FILES', 'HUB_NAME', 'MODEL_FILES', 'TINY_SIZES', 'ROW_DELTA', 'LORA_TARGETS', 'resolve_dtype',
            'load_tokenizer', 'check_vocab', 'resolve_model', 'model_exists', 'load_model', 'tiny_config', 'build_tiny',
-           'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'Head', 'head_rows', 'lm_head', 'check_head', 'add_lora',
-           'fp32_masters', 'lora_scale', 'train_rows', 'fold_rows', 'merge_lora', 'export_state', 'save_lora',
-           'load_lora', 'adapters_off', 'cache_kw', 'out_cache', 'copy_cache']
+           'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'Head', 'head_rows', 'mix_embeddings', 'lm_head',
+           'check_head', 'add_lora', 'fp32_masters', 'lora_scale', 'train_rows', 'fold_rows', 'merge_lora',
+           'export_state', 'save_lora', 'load_lora', 'adapters_off', 'cache_kw', 'out_cache', 'copy_cache']
 
 # %% ../nbs/04_models.ipynb #43238021
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -181,6 +181,17 @@ def head_rows(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     src = out if hasattr(out, ROW_DELTA) else emb if out.weight is emb.weight else None
     if src is None or not _on(src): return weight
     return weight.index_add(0, src.latent_rl_rows, src.latent_rl_delta.to(weight.dtype))
+
+def mix_embeddings(model: nn.Module, p: torch.Tensor) -> torch.Tensor:
+    """The input embedding of a distribution `p` `[b, V]` over the first V tokens, `p @ E[:V]`, with the trained rows'
+    deltas (`p[:, rows] @ delta`: the `[V, H]` matrix with them added is never built). A soft token's input."""
+    emb = model.get_input_embeddings()
+    E = emb.weight                                                                 # [V', H]
+    x = p.to(E.dtype) @ E[: p.shape[-1]]                                           # [b, H]
+    if not _on(emb): return x
+    rows, d = emb.latent_rl_rows, emb.latent_rl_delta                              # [k], [k, H]
+    keep = rows < p.shape[-1]                                                      # rows past the head's V: never mixed
+    return x + (p[:, rows[keep]].to(d.dtype) @ d[keep]).to(x.dtype)                # [b, H]
 
 # %% ../nbs/04_models.ipynb #967170ca
 def lm_head(model) -> Head:

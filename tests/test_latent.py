@@ -552,6 +552,30 @@ def test_soft_token_decoding_reproduces_training_logprobs(steps):
         assert (torch.tensor(ro.logprobs[b]) - fwd.trace_logprobs[b, :len(e["trace_ids"])]).abs().max() <= 1e-4
 
 
+def test_soft_tokens_under_lora_mix_the_trained_rows():
+    """Under LoRA the trace tokens' rows train as deltas beside the frozen embeddings (`train_rows`): a soft token mixes
+    the rows with their deltas (as the model reads them), and the deltas get a gradient through it. A soft-token
+    model's Gaussian σ is the embeddings' per-dimension std (it has no projector gain)."""
+    from latent_rl.models import add_lora, train_rows
+    lm = LatentModel(tiny(0), LatentSpec(LS, LE, LSEP, ASEP, latent_steps=2, soft_temp=0.5))
+    add_lora(lm.model, 4, 8.0)
+    train_rows(lm.model, [3, 5, 7])
+    emb = lm.model.get_input_embeddings()
+    with torch.no_grad(): emb.latent_rl_delta.normal_()
+    h = torch.randn(2, lm.head_weight.shape[1])
+    z = lm.project(h)
+    with torch.no_grad():
+        E = emb.weight.clone()
+        E[[3, 5, 7]] += emb.latent_rl_delta
+        p = torch.softmax(lm.head.logits(h).float() / 0.5, -1)
+        assert torch.allclose(z, p @ E[: p.shape[-1]], atol=1e-5)
+        assert not torch.allclose(z, p @ emb.weight[: p.shape[-1]], atol=1e-3)   # the deltas count
+        assert torch.equal(emb(torch.tensor([[5]]))[0, 0], E[5])                  # as the model reads token 5
+    z.square().sum().backward()
+    assert emb.latent_rl_delta.grad is not None and emb.latent_rl_delta.grad.abs().sum() > 0
+    lm.set_noise(0.3)
+    assert torch.allclose(lm.noise.log_sigma.exp(), 0.3 * emb.weight[: p.shape[-1]].detach().std(0), atol=1e-6)
+
 def test_soft_temp_is_saved_and_codi_cli_trains_soft_tokens(tmp_path):
     "`latent-rl codi --soft_temp 0.5` writes a student whose spec keeps τ; loaded back, its blocks feed soft tokens."
     from conftest import run_cli, TEACHER, ROWS, steps_of
