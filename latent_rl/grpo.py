@@ -152,6 +152,11 @@ class GRPOStep(OnPolicyStage):
         if self.tis_cap > 0 and (self.truncated or self.stochastic or self.policy.explores):
             raise ConfigError("tis_cap needs an exact replay of the rollout's tokens alone: set --tis_cap 0 with "
                               "replay=truncated or explore")
+        if self.policy.has_blocks:                     # generation would open a block the replay does not see
+            sep = self.policy.model.spec.line_sep_id
+            if (i := next((i for i, p in enumerate(self.prompts) if p and p[-1] == sep), None)) is not None:
+                raise ValueError(f"training row {i}: its prompt ends in <|line_sep|>, where decoding opens a latent "
+                                 "block that GRPO's replay does not reproduce; end prompts before the trace")
         self.rec_lp, self.rec_ro = self.recorder("logprobs.jsonl"), self.recorder("rollouts.jsonl")
 
     def loss(self, step, part, idx):
