@@ -25,8 +25,9 @@ from .inspect_runs import plot_run
 from .figures import save_figure
 
 # %% auto #0
-__all__ = ['DEMO_VARIANTS', 'COMPARISONS', 'reward_curve', 'DemoRun', 'demo_data', 'demo_sft', 'evaluate_stage', 'demo_codi',
-           'demo_gkd', 'demo_grpo', 'comparisons', 'results_md', 'demo_diagnose', 'demo_figures', 'run_demo']
+__all__ = ['DEMO_VARIANTS', 'COMPARISONS', 'TEXT_ONLY', 'SETTINGS', 'reward_curve', 'DemoRun', 'demo_data', 'demo_sft',
+           'evaluate_stage', 'demo_codi', 'demo_gkd', 'demo_grpo', 'comparisons', 'results_md', 'study_families',
+           'study_md', 'demo_diagnose', 'demo_figures', 'run_demo']
 
 # %% ../nbs/28_demo.ipynb #0d6068e9
 def reward_curve(run_dir):
@@ -190,10 +191,9 @@ def demo_gkd(d: DemoRun):
     d.lap("eval gkd")
 
 def demo_grpo(d: DemoRun):
-    print("== 5/7 GRPO: reward = correct return value (+ well-formedness)")
-    d.models["grpo"] = run_grpo(
-        d.cfg(GRPOConfig, model=str(d.models["gkd"]), out=str(d.out / "grpo"), train=d.train), progress=d.progress
-    )
+    cfg = d.cfg(GRPOConfig, model=str(d.models["gkd"]), out=str(d.out / "grpo"), train=d.train)
+    print(f"== 5/7 GRPO: reward = correct return value (+ well-formedness); explores by {cfg.explore}")
+    d.models["grpo"] = run_grpo(cfg, progress=d.progress)
     d.lap("grpo")
     b = json.loads((Path(d.models["grpo"]) / "training_summary.json").read_text())["benchmark"]
     if "reward_rise_delta" in b:        # does the stage raise its own objective? last vs first tenth of the steps
@@ -232,6 +232,60 @@ def results_md(res: dict, comps: list[dict] = (), title: str = "") -> str:
             v = "within noise" if c["lo"] <= 0 <= c["hi"] else ("gain" if c["mean"] > 0 else "loss")
             L.append(f"| {c['what']} | {100 * c['mean']:+.1f} | {100 * c['lo']:+.1f} to {100 * c['hi']:+.1f} | {v} |")
     return "\n".join(L)
+
+# %% ../nbs/28_demo.ipynb #st0ex002
+TEXT_ONLY = "tokens (text sampling only)"
+SETTINGS = {"full": "every program traced (the demo's CODI student)", "a10": "traces for 10% of the programs",
+            "soft": "every program traced, soft-token latents"}
+
+def _paired_seeds(rs: list[dict], text: list[dict] | None) -> dict | None:
+    "`rs` − text sampling from the same start, seed with seed, pooled (None without text-sampling runs)."
+    if not text: return None
+    t = {r["seed"]: r for r in text}
+    pairs = [(t[r["seed"]], r) for r in rs if r["seed"] in t]
+    return paired_delta([int(c) for a, _ in pairs for c in a["correct"]], [int(c) for _, b in pairs for c in b["correct"]])
+
+
+# %% ../nbs/28_demo.ipynb #st0ex001
+def _pooled(rows: list[dict], base: dict) -> dict:
+    "`rows` (a run's seeds) − `base` over the same programs: each seed paired with `base`, pooled."
+    b, bits = [int(c) for c in base["correct"]], lambda r: [int(c) for c in r["correct"]]
+    return paired_delta([x for _ in rows for x in b], [x for r in rows for x in bits(r)])
+
+def study_families(data="data") -> list[dict]:
+    """Each exploration run of the study (`DATA/study/explore_results.jsonl`, seeds pooled) against its setting's CODI
+    start, text sampling from the same start, and the answer-only SFT model, each paired over the same programs."""
+    rows = [json.loads(l) for l in (Path(data) / "study/explore_results.jsonl").read_text().splitlines()]
+    base = {json.loads(l)["name"]: json.loads(l) for l in (Path(data) / "study/baselines.jsonl").read_text().splitlines()}
+    out = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        start = next(r for r in rows if r["setting"] == setting and r["stage"] == "codi")
+        runs = {}
+        for r in rows:
+            if r["setting"] == setting and r["stage"] == "grpo": runs.setdefault(r["name"], []).append(r)
+        for name, rs in runs.items():
+            out.append({"setting": setting, "family": name, "n": rs[0]["n"], "seeds": [r["accuracy"] for r in rs],
+                        "vs_start": _pooled(rs, start), "start": start["accuracy"],
+                        "vs_answer_only": _pooled(rs, base["SFT no-trace baseline (answer only)"]),
+                        "vs_text": _paired_seeds(rs, runs.get(TEXT_ONLY)) if name != TEXT_ONLY else None})
+    return out
+
+
+# %% ../nbs/28_demo.ipynb #st0ex003
+def study_md(fams: list[dict]) -> str:
+    "The study's exploration table as the demo prints it: per setting and family, Δ with 95% CIs and a verdict."
+    ci = lambda d: "—" if d is None else f"{100 * d['mean']:+.1f} ({100 * d['lo']:+.1f} to {100 * d['hi']:+.1f})"
+    verdict = lambda d: "refines" if d["lo"] > 0 else "loses" if d["hi"] < 0 else "within noise"
+    L = [f"**GRPO's exploration families, as the study measured them** (nbs/25_study.ipynb, ninth round: two seeds "
+         f"each, {fams[0]['n']:,} held-out programs, data/study/explore_results.jsonl)", "",
+         "| setting | GRPO explores by | pass@1 (seeds) | Δ vs its CODI start (95% CI) | verdict | Δ vs text sampling "
+         "| Δ vs answer-only SFT |", "|---|---|---:|---:|---|---:|---:|"]
+    for f in fams:
+        L.append(f"| {SETTINGS.get(f['setting'], f['setting'])} | {f['family']} | "
+                 f"{', '.join(f'{100 * a:.1f}' for a in f['seeds'])} | {ci(f['vs_start'])} | {verdict(f['vs_start'])} | "
+                 f"{ci(f['vs_text'])} | {ci(f['vs_answer_only'])} |")
+    return "\n".join(L)
+
 
 # %% ../nbs/28_demo.ipynb #f1067345
 def demo_diagnose(d: DemoRun) -> dict:
@@ -275,6 +329,7 @@ def run_demo(out="runs/demo", data="data", from_scratch: bool = False, limit: in
         d.res, comps, f"held-out output prediction ({d.res['teacher']['n']} programs of {d.data / 'corpus/test.jsonl'}; {d.setting})"
     )
     print("\n" + table + "\n")
+    if (d.data / "study/explore_results.jsonl").exists(): print(study_md(study_families(d.data)) + "\n")
     print(f"latent usage (CODI): {rep['usage'].get('verdict', '—')}")
     print("wall time per stage (s): " + ", ".join(f"{k} {v}" for k, v in d.times.items()))
     print(f"diagnosis: {rep['path']}")

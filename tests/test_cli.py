@@ -123,6 +123,9 @@ def test_demo_pipeline_smoke(tmp_path):
     )
     for stage in ("SFT", "CODI", "CODI → GKD", "CODI → GKD → GRPO"):
         assert f"| {stage} |" in p.stdout, p.stdout[-3000:]
+    # the study's exploration table beside the demo's own: which family refines in which setting
+    assert "GRPO's exploration families, as the study measured them" in p.stdout and "explores by tokens" in p.stdout
+    assert "| traces for 10% of the programs | tokens (text sampling only) | 23.5, 22.8 | +2.3 (+1.2 to +3.4) | refines |" in p.stdout
     res = json.loads((tmp_path / "demo" / "results.json").read_text())
     assert set(res["results"]) == {"teacher", "notrace", "codi", "gkd", "grpo"}
     assert (tmp_path / "figs" / "grpo_reward_curve.png").exists() and (
