@@ -255,8 +255,8 @@ def _pooled(rows: list[dict], base: dict) -> dict:
 def study_families(data="data") -> list[dict]:
     """Each exploration run of the study (`DATA/study/explore_results.jsonl`, seeds pooled) against its setting's CODI
     start, text sampling from the same start, and the answer-only SFT model, each paired over the same programs."""
-    rows = [json.loads(l) for l in (Path(data) / "study/explore_results.jsonl").read_text().splitlines()]
-    base = {json.loads(l)["name"]: json.loads(l) for l in (Path(data) / "study/baselines.jsonl").read_text().splitlines()}
+    read = lambda f: [json.loads(l) for l in (Path(data) / "study" / f).read_text().splitlines() if l.strip()]
+    rows, base = read("explore_results.jsonl"), {r["name"]: r for r in read("baselines.jsonl")}
     out = []
     for setting in dict.fromkeys(r["setting"] for r in rows):
         start = next(r for r in rows if r["setting"] == setting and r["stage"] == "codi")
@@ -329,7 +329,6 @@ def run_demo(out="runs/demo", data="data", from_scratch: bool = False, limit: in
         d.res, comps, f"held-out output prediction ({d.res['teacher']['n']} programs of {d.data / 'corpus/test.jsonl'}; {d.setting})"
     )
     print("\n" + table + "\n")
-    if (d.data / "study/explore_results.jsonl").exists(): print(study_md(study_families(d.data)) + "\n")
     print(f"latent usage (CODI): {rep['usage'].get('verdict', '—')}")
     print("wall time per stage (s): " + ", ".join(f"{k} {v}" for k, v in d.times.items()))
     print(f"diagnosis: {rep['path']}")
@@ -340,4 +339,6 @@ def run_demo(out="runs/demo", data="data", from_scratch: bool = False, limit: in
         "usage": {k: {kk: vv for kk, vv in u.items() if kk != "records"} for k, u in d.usage.items()},
     }
     (d.out / "results.json").write_text(json.dumps(summary, indent=1))
+    # the study's table last: the run's own results are written whatever its file holds
+    if (d.data / "study/explore_results.jsonl").exists(): print("\n" + study_md(study_families(d.data)))
     return summary
