@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 FROM_SCRATCH ?= 0
 DEMO_ARGS ?=
 
-.PHONY: test-hub test-families test-cluster lint venv lab docs docs-test demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check test-vllm
+.PHONY: test-plan test-hub test-families test-cluster lint venv lab docs docs-test demo test test-fast pytest-fast export check-export check-clean check-readme readme nbtest pytest bench clean-venv check-deps test-lowest gpu-check gpu-check-cpu test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -89,6 +89,13 @@ test-hub: venv
 test-cluster: venv
 	LATENT_RL_CLUSTER_LANE=1 $(BIN)/python -m pytest tests/test_cluster.py -q -ra --durations=5
 
+# The planner held to measured peaks (tests/test_plan.py's plan lane): each stage's real steps on a Llama-shaped model
+# (192M parameters) at two micro-batches, a LoRA step over a bf16 base against fp32 (memory, the adapters' gradients),
+# and GRPO training a LoRA student over a bf16 base. Its own CI step, ~8 min on 2 cores.
+test-plan: venv
+	LATENT_RL_PLAN_LANE=1 $(BIN)/python -m pytest tests/test_plan.py tests/test_grpo.py -q -ra -s --durations=3 \
+	  -k "quarter or bf16_lora or gradients or lora_student_over"
+
 # The unit tests (no CLI runs, no trained models): with the lessons, the quick check while editing a notebook.
 FAST_TESTS ?= tests/test_losses.py tests/test_trace.py tests/test_layout.py tests/test_heads.py tests/test_latent.py tests/test_rollouts.py
 pytest-fast: venv
@@ -145,9 +152,15 @@ test-vllm: .venv-vllm/.installed
 	.venv-vllm/bin/python -c "import torch, transformers, vllm; print('test-vllm: vllm', vllm.__version__, '(CPU), torch', torch.__version__, ', transformers', transformers.__version__)"
 	OMP_NUM_THREADS=2 .venv-vllm/bin/python -m pytest tests/test_vllm.py -q -ra --durations=5 -p no:cacheprovider
 
-# GPU and vLLM checks (tests/test_gpu.py) as one script with PASS/FAIL lines, for a machine with a CUDA GPU.
+# What only a GPU can show (.ci/gpu_check.py), for a machine with a CUDA GPU: the recipe's model and LoRA against the
+# planner, a profile, the decoders at real size, GRPO's bf16 alignment, the README's hub commands on CUDA. One PASS /
+# FAIL / SKIP line a step, each under its own time budget (8 minutes in all on one H100), figures in $OUT/gpu-check.json.
 gpu-check:
-	@bash .ci/gpu_check.sh
+	@bash .ci/gpu_check.sh --device cuda --scale full
+
+# The same script and steps on the CPU at reduced shapes, so it has run end to end before a GPU sees it: CI's step.
+gpu-check-cpu: venv
+	@bash .ci/gpu_check.sh --device cpu --scale cpu
 
 bench: venv
 	$(BIN)/python -m latent_rl.bench all

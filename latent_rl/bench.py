@@ -17,7 +17,7 @@ from .lean import final_norm, lean_off, one_step
 from .generate import generate_text
 from .latent import LatentModel, LatentSpec, CodiOptions, pack_phases, pad_ids
 from .logprobs import token_logprobs
-from .student import CALL_COST, Execution
+from .student import device_call_cost, Execution
 from .objective import CodiOutput, codi_forward, teacher_pass
 from .steps import find_data, load_step_rows, to_trace_row
 from .policy import Policy
@@ -111,11 +111,11 @@ def _time_interleaved(lm, impls: dict, batches, calls) -> dict[str, dict]:
                    "pad_ratio": sum(g["pads"]) / len(g["pads"]) if g["pads"] else None} for name, g in got.items()}
 
 # %% ../nbs/27_bench.ipynb #f1a0c0df
-def positions_floor(lm: LatentModel, examples: list[dict], how: Execution = Execution(tails=CALL_COST)) -> torch.Tensor:
+def positions_floor(lm: LatentModel, examples: list[dict], how: Execution | None = None) -> torch.Tensor:
     """A bound, not CODI: the teacher's pass as `codi_forward` runs it under `how`, then the student's positions after
     the prefix it shares with the teacher (latent steps as pad tokens) in one call on that prefix's cache. Returns the
     two passes' mean CE (a loss to backpropagate)."""
-    L = lm.model.config.num_hidden_layers
+    how, L = how or Execution(tails=device_call_cost(lm.head_weight.device)), lm.model.config.num_hidden_layers
     tp = teacher_pass(lm, examples, [L], keep_prefix=True, call_cost=how.teacher_cost)
     t_cache, dev, S = tp.prefix[0], lm.head.weight.device, lm.spec.latent_steps
     phases = pack_phases(examples, lm.spec, allow_empty=True)
@@ -140,14 +140,15 @@ FLOOR = "the same positions, latent chain cut (a bound)"
 def _codi_setting(lm: LatentModel, tok, batch_size: int, n_batches: int) -> list[dict]:
     "The bench rows of one setting: each implementation on each kind of batch, against the per-example reference."
     calls, opts, rows, S = {"n": 0}, CodiOptions(), [], lm.spec.latent_steps
+    C = device_call_cost(lm.head_weight.device)                          # positions a call is worth on this device
     hook = final_norm(lm.body).register_forward_hook(                     # once per call, full or lean (`one_step`)
         lambda *a: calls.__setitem__("n", calls["n"] + 1))
     impls = {"one pass": lambda b: codi_forward(lm, b, opts),
-             "phase groups": lambda b: codi_forward(lm, b, opts, how=Execution(groups=CALL_COST)),
-             "tails apart": lambda b: codi_forward(lm, b, opts, how=Execution(tails=CALL_COST)),
-             "tails apart, lean off": lambda b: _lean_off(codi_forward, lm, b, opts, how=Execution(tails=CALL_COST)),
+             "phase groups": lambda b: codi_forward(lm, b, opts, how=Execution(groups=C)),
+             "tails apart": lambda b: codi_forward(lm, b, opts, how=Execution(tails=C)),
+             "tails apart, lean off": lambda b: _lean_off(codi_forward, lm, b, opts, how=Execution(tails=C)),
              "tails apart, phase 0 run again": lambda b: codi_forward(
-                 lm, b, opts, how=Execution(tails=CALL_COST, share_prefix=False)),
+                 lm, b, opts, how=Execution(tails=C, share_prefix=False)),
              "per-example reference": lambda b: ref_forward(lm, b, opts)[0],
              FLOOR: lambda b: positions_floor(lm, b)}
     for kind, batches in _bench_batches(tok, batch_size, n_batches).items():
@@ -201,8 +202,8 @@ CODI_SETTINGS = ((8, 1), (8, 3), (16, 3))
 
 def codi_bench(quick: bool = False, settings=CODI_SETTINGS, size: str = "tiny", device: str = "cpu") -> dict:
     """Examples/s of the batched CODI forward+backward — one pass (rows leave when done), `phase_groups`
-    (`Execution(groups=CALL_COST)`), and one pass whose rows ending in a phase run their rest apart
-    (`Execution(tails=CALL_COST)`), the last also with the student's phase 0 run again instead of taken from the
+    (`Execution(groups=device_call_cost(device))`), and one pass whose rows ending in a phase run their rest apart
+    (`Execution(tails=...)`), the last also with the student's phase 0 run again instead of taken from the
     teacher's pass (`share_prefix=False`)
     — against the per-example reference on the same batches, timed interleaved, for each kind of batch of
     `_bench_batches` and each `(batch size, latent steps)` of `settings` (quick: the first only)."""
@@ -275,7 +276,7 @@ def _time_training(pols: dict, variants: dict, reps: int, timed) -> tuple[dict, 
     for pol in pols.values(): pol.module.train()
     for it in range(1 + reps):                                                       # the first round is a warm-up
         for (k, replay), s_ in variants.items():
-            pols[k].call_cost = math.inf if replay == "exact, one pass" else CALL_COST   # one lockstep pass, or groups
+            pols[k].call_cost = math.inf if replay == "exact, one pass" else None    # one lockstep pass, or the device's groups
             kl = "KL" in replay
             def step():
                 loss, m = grpo_micro_loss(pols[k], s_, ref=refs[k] if kl else None, kl_beta=0.04 if kl else 0.0,

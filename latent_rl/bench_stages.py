@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 from .corpus import load_rows
 from .tokens import sft_example, codi_example
-from .models import load_tokenizer, build_tiny, n_params
+from .models import load_tokenizer, build_tiny, n_params, LORA_TARGETS
+from .loop import lora_student
 from .latent import LatentModel, LatentSpec, CodiOptions
 from .objective import codi_forward
 from .policy import Policy
@@ -28,7 +29,7 @@ from .plan import MODEL_CONFIGS, PlanConfig, ModelShape, model_shape, plan_memor
 
 # %% auto #0
 __all__ = ['ARCHS', 'ENGINE_VARIANTS', 'CPU_RUNTIME_GB', 'VALIDATION', 'stages_bench', 'engine_rows', 'ckpt_bench',
-           'measure_step_peak', 'plan_bench']
+           'measure_step_peak', 'in_use_mb', 'plan_bench']
 
 # %% ../nbs/26c_bench_stages.ipynb #ef81f744
 ARCHS = {   # the Qwen2.5-Coder architectures the planner knows (latent_rl.plan); 'tiny' = the demo model
@@ -226,10 +227,11 @@ CPU_RUNTIME_GB = 0.05     # what a CPU process's resident set grows by besides t
 
 # %% ../nbs/26c_bench_stages.ipynb #ad034022
 def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: int = 1, max_len: int = 384,
-                      precision: str = "fp32", device: str = "cpu", steps: int = 2) -> dict:
-    """Run `steps` training steps of `stage`'s loss (AdamW, real corpus rows) on a random model of `arch` and return the
-    peak memory they added (CUDA: max allocated; CPU: peak resident set over the resident set before the model existed),
-    with the batch's real shape as a `PlanConfig` (runtime 0). Run it in a fresh process: peaks only grow."""
+                      precision: str = "fp32", device: str = "cpu", steps: int = 2, lora_r: int = 0) -> dict:
+    """Run `steps` training steps of `stage`'s loss (AdamW, real corpus rows) on a random model of `arch` (a LoRA student
+    of rank `lora_r` made as the stages make one: `lora_student`) and return the peak memory they added (CUDA: max
+    allocated; CPU: peak resident set over the resident set before the model existed), with the batch's real shape as
+    a `PlanConfig` (runtime 0). Run it in a fresh process: peaks only grow."""
     tok = load_tokenizer("data/tokenizer")
     rows = load_rows("data/corpus/train.jsonl", 400)
     a = dict(arch)
@@ -259,8 +261,10 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
         prefix_share=prefix if stage == "codi" else 0.3,
         micro_batch=micro_batch, latent_steps=latent_steps, spans=spans, latent=latent, strategy="ddp",
         precision=precision, runtime_gb=0.0 if device == "cuda" else CPU_RUNTIME_GB,
-        attention="flash" if device == "cuda" else "math",
+        attention="flash" if device == "cuda" else "math", lora_r=lora_r,
     )
+    lora = SimpleNamespace(lora_r=lora_r, lora_alpha=2.0 * lora_r, lora_targets=LORA_TARGETS, seed=0, dtype="fp32",
+                           precision=precision)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
     def loss(model, mod):
         if stage == "sft": return sft_batch_loss(model, exs, tok.pad_token_id)[0]
@@ -269,18 +273,32 @@ def measure_step_peak(stage: str, arch: dict, micro_batch: int, latent_steps: in
         if stage == "gkd": return gkd_loss(pol, SelfTeacher(pol), items)[0]
         smp = [dict(x, logp_inf=[0.0] * len(x["completion"]), adv=1.0 if k % 2 else -1.0) for k, x in enumerate(items)]
         return grpo_micro_loss(pol, smp)[0]
-    def train():                                # from before the model exists: all it adds is the step's memory
+    def build():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg).to(device).train()
         mod = LatentModel(model, LatentSpec.from_tokenizer(tok, latent_steps)) if latent else model
-        opt = torch.optim.AdamW(mod.parameters(), lr=1e-5)
+        lora_student(lora, model, mod)
+        return model, mod
+    def train():
+        opt = torch.optim.AdamW([p for p in mod.parameters() if p.requires_grad], lr=1e-5)
         for _ in range(steps):
             with amp: l = loss(model, mod)
             l.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+    # what the built model holds, then the steps' peak over it (building's own transients are not a step's)
+    base = in_use_mb(device)
+    model, mod = build()
+    held = in_use_mb(device) - base
     _, peak = added_peak_mb(train, device)
-    return {"plan": asdict(pc), "shape": asdict(shape), "peak_mb": peak}
+    return {"plan": asdict(pc), "shape": asdict(shape), "peak_mb": held + peak, "held_mb": held}
+
+def in_use_mb(device) -> float:
+    "Memory in use now, in MB: CUDA allocations, else the resident set (after a garbage collection)."
+    import gc
+    gc.collect()
+    if torch.device(device).type == "cuda": return torch.cuda.memory_allocated(device) / 2**20
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) / 1024
 
 # %% ../nbs/26c_bench_stages.ipynb #544efa2c
 _ARCHS = {   # the tiny architecture of the tests, and Qwen2.5-Coder-0.5B's layer shapes and vocabulary with 2 layers
@@ -288,6 +306,11 @@ _ARCHS = {   # the tiny architecture of the tests, and Qwen2.5-Coder-0.5B's laye
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
     "0.5b-2layer": dict(MODEL_CONFIGS["qwen2.5-coder-0.5b"], num_hidden_layers=2),
     "0.5b": MODEL_CONFIGS["qwen2.5-coder-0.5b"],     # on a GPU: the whole model
+    # Llama-3's vocabulary and layer family at a CPU's size: 4 layers of hidden 1024 (192M parameters, 131M of them the
+    # tied embeddings), the planner's check for a LoRA student over a Llama-3 base
+    "llama3-192m": dict(model_type="llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                        num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=128256,
+                        tie_word_embeddings=True, rope_theta=500000.0),
 }
 VALIDATION = [(stage, arch, mb, ls) for arch, mbs in (("tiny", (16, 48)), ("0.5b-2layer", (4,))) for stage in STAGES
               for mb in mbs for ls in ((1, 3) if stage != "sft" and arch == "tiny" and mb == 16 else (1,))]

@@ -15,7 +15,7 @@ import torch.nn as nn
 from .tokens import codi_example, latent_subset, sft_example
 from .models import load_model, n_params, lora_scale, export_state, save_lora, load_lora
 from .latent import LatentModel, CodiOptions
-from .student import CALL_COST, Execution
+from .student import device_call_cost, Execution
 from .objective import codi_forward
 from .records import RunRecord
 from .config import TrainConfig, ConfigError, teacher_dtype, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction
@@ -133,9 +133,10 @@ class CodiStep(Stage):
         K, (ss_p, tf_p) = max(len(e["spans"]) for e in batch), o.schedule(step, cfg.steps)   # this step's coins' odds
         ss = example_coins(cfg.seed, step, part, K + 1, ss_p, SS_SALT) if ss_p > 0 else None
         tf = example_coins(cfg.seed, step, part, K, tf_p, TF_SALT) if tf_p > 0 else None
+        cost = device_call_cost(self.module.head_weight.device)           # positions a model call is worth there
         out = codi_forward(self.module, batch, o, teacher=self.teacher, ss_coins=ss, tf_coins=tf, ss_p=ss_p, tf_p=tf_p,
-                           how=Execution(groups=CALL_COST if self.cfg.phase_groups else None,
-                                         tails=CALL_COST if self.cfg.split_tails else None))
+                           how=Execution(groups=cost if self.cfg.phase_groups else None,
+                                         tails=cost if self.cfg.split_tails else None))
         # the step's first micro-batch
         if cfg.anchor_every and step % cfg.anchor_every == 0 and step not in self.anchored:
             self.anchored.add(step)

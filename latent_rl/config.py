@@ -13,7 +13,7 @@ import torch
 
 from .recipes import RECIPES, recipe_fields
 from .models import HUB_NAME
-from .fields import (ConfigError, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction, RANGES, check_value,
+from .fields import (ConfigError, PosInt, PosFloat, NonNegInt, NonNegFloat, Fraction, AutoInt, RANGES, check_value,
                               check_fields, literal_choices)
 
 # %% auto #0
@@ -207,7 +207,9 @@ class TrainConfig:
     out: str = "runs/train"             # run directory: config, records, checkpoints, final/
     steps: PosInt = 100                  # optimizer steps
     batch_size: PosInt = 16             # global batch per optimizer step (over all processes and micro-batches)
-    grad_accum: PosInt = 1               # micro-batches per optimizer step (per process)
+    grad_accum: AutoInt = 1              # micro-batches per optimizer step (per process); auto: the fewest the planner fits in the device's memory (chosen at start, saved in config.json)
+    device_mem: NonNegFloat = 0.0       # GB per device that grad_accum auto and the fit check plan for (0: the device's own; the fit check runs on GPUs, or wherever this is set)
+    tf32: bool = True                    # CUDA: fp32 matmuls on TF32 tensor cores (bf16 autocast is unaffected; no effect on a CPU)
     lr: PosFloat = 1e-4                  # peak learning rate (AdamW)
     min_lr_frac: Fraction = 0.1         # cosine decay to this fraction of lr after warmup (1.0 = constant)
     warmup: NonNegInt = 10               # linear warmup steps
@@ -244,6 +246,7 @@ class TrainConfig:
 class VLLMConfig(TrainConfig):
     """`TrainConfig` and the vLLM rollout fields GKD and GRPO share (text policies; latent policies use the latent
     decoder)."""
+    rollout_rows: NonNegInt = 0          # rows the trainer's own decoder runs at once (0: a whole generation cycle); keyed sampling makes any split give the same rollouts
     use_vllm: bool = False               # text policies: rollouts from vLLM (GPU) instead of HF
     vllm_mode: Literal["colocate", "server"] = "colocate"          # colocate (one engine per rank, sleeps while training) | server (latent-rl serve-rollouts)
     vllm_server: str = "http://127.0.0.1:8000"  # server mode: the vLLM server's URL

@@ -20,12 +20,14 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed, DistributedType
 
 from .config import ConfigError
+from .models import unwrap
+from .latent import CodiOptions
 
 # %% auto #0
 __all__ = ['setup', 'log0', 'distributed', 'teardown', 'StepModule', 'decoder_layers', 'LayerKV', 'checkpointed_forward',
-           'checkpoint_layers', 'Engine', 'make_engine', 'gathered_weights', 'shard_frozen', 'local_tensor',
-           'param_checksum', 'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb', 'added_peak_mb',
-           'sum_over_ranks', 'reduce_metrics']
+           'checkpoint_layers', 'Engine', 'find_unused', 'make_engine', 'gathered_weights', 'shard_frozen',
+           'local_tensor', 'param_checksum', 'full_state_dict', 'save_shards', 'load_shards', 'peak_memory_mb',
+           'added_peak_mb', 'sum_over_ranks', 'reduce_metrics']
 
 # %% ../nbs/15_engine.ipynb #0d8c98d9
 def setup(seed: int = 0):
@@ -134,6 +136,21 @@ class Engine:
         "DDP: skip the all-reduce on every micro-batch but the step's last (FSDP2 reduce-scatters each: less memory)."
         return self.root.no_sync() if self.wrapped and self.strategy == "ddp" and not last else contextlib.nullcontext()
 
+# %% ../nbs/15_engine.ipynb #a69c0f08
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")   # HF configs' names for them
+
+def find_unused(module: nn.Module, cfg) -> bool:
+    """Whether a pass of the stage `cfg` configures can leave a trainable parameter of `module` without a gradient
+    (DDP's `find_unused_parameters`): a composite or mixture-of-experts model, a latent policy outside CODI (a
+    micro-batch without a latent block), a soft-token student (its projector never runs); not a text model or a CODI
+    student."""
+    latent = hasattr(module, "prj")
+    config = unwrap(module.model if latent else module).config
+    text = config.get_text_config()
+    if text is not config or any(getattr(text, k, None) for k in _EXPERTS): return True
+    if not latent: return False
+    return not isinstance(cfg, CodiOptions) or module.spec.soft_temp > 0
+
 # %% ../nbs/15_engine.ipynb #659cd7df
 def make_engine(module: nn.Module, cfg, acc) -> Engine:
     """Wrap `module` for `cfg.strategy` (fsdp: bf16 compute over fp32 master weights when `cfg.precision` is bf16).
@@ -143,9 +160,8 @@ def make_engine(module: nn.Module, cfg, acc) -> Engine:
     if getattr(cfg, "activation_checkpointing", False): checkpoint_layers(module)
     if W > 1 and strategy == "ddp":
         dev = [acc.local_process_index] if acc.device.type == "cuda" else None
-        return Engine(
-            DDP(root, device_ids=dev, broadcast_buffers=False, find_unused_parameters=True), module, strategy, W, True
-        )
+        ddp = DDP(root, device_ids=dev, broadcast_buffers=False, find_unused_parameters=find_unused(module, cfg))
+        return Engine(ddp, module, strategy, W, True)
     if strategy == "fsdp" and distributed():                   # also one process in a process group (the GPU bench)
         mesh = init_device_mesh(acc.device.type, (W,))
         bf16 = getattr(cfg, "precision", "fp32") == "bf16"

@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Literal, get_args, get_origin, get_type_hints
 
 # %% auto #0
-__all__ = ['PosInt', 'PosFloat', 'NonNegInt', 'NonNegFloat', 'Fraction', 'RANGES', 'ConfigError', 'check_value',
+__all__ = ['PosInt', 'PosFloat', 'NonNegInt', 'NonNegFloat', 'Fraction', 'AutoInt', 'RANGES', 'ConfigError', 'check_value',
            'literal_choices', 'check_fields']
 
 # %% ../nbs/00d_fields.ipynb #4ebecad0
@@ -21,10 +21,12 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 PosInt, PosFloat = int, float            # ≥ 1, > 0
 NonNegInt, NonNegFloat = int, float      # ≥ 0
 Fraction = float                         # between 0 and 1
+AutoInt = int                            # ≥ 1, or "auto": a value the run chooses at start (and saves)
 RANGES = {  # a field's annotation -> (the type it parses as, its rule in words, the rule)
     "PosInt": ("int", "≥ 1", lambda x: x > 0), "PosFloat": ("float", "> 0", lambda x: x > 0),
     "NonNegInt": ("int", "≥ 0", lambda x: x >= 0), "NonNegFloat": ("float", "≥ 0", lambda x: x >= 0),
     "Fraction": ("float", "between 0 and 1", lambda x: 0 <= x <= 1),
+    "AutoInt": ("auto_int", "≥ 1 or auto", lambda x: x == "auto" or x > 0),
 }
 
 # %% ../nbs/00d_fields.ipynb #40ea0a3b
@@ -44,6 +46,7 @@ def _typed(tp: str, v):
         else: return None
         return x if math.isfinite(x) else None
     elif tp == "str": return v if isinstance(v, str) else None
+    elif tp == "auto_int": return "auto" if isinstance(v, str) and v.strip() == "auto" else _typed("int", v)
     else: return v
     return None
 
@@ -52,7 +55,7 @@ def check_value(name: str, tp: str, v, where: str = "config", choices: tuple | N
     a `ConfigError` saying why."""
     base, rule, ok = RANGES.get(str(tp), ("str" if choices else str(tp), "", None))
     x = _typed(base, v)
-    what = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}.get(base, base)
+    what = {"bool": "true or false", "int": "an integer", "auto_int": "an integer or auto", "float": "a finite number", "str": "a string"}.get(base, base)
     if x is None: raise ConfigError(f"{where}: field '{name}' expects {what}, got {v!r}")
     if ok and not ok(x): raise ConfigError(f"{where}: field '{name}' must be {rule}, got {v!r}")
     if choices and x not in choices:

@@ -32,9 +32,10 @@ class Rollout:
     def __len__(self): return len(self.prompt_ids)
 
 def multinomial(probs, generator=None):
-    "One sample per row; runs where the generator lives (a CPU generator samples CUDA probabilities on the CPU)."
+    """One sample per row; runs where the generator lives (a CPU generator samples CUDA probabilities on the CPU: a host
+    read per call; the ids go back without another wait)."""
     dev = generator.device if generator is not None else probs.device
-    return torch.multinomial(probs.to(dev), 1, generator=generator).squeeze(-1).to(probs.device)
+    return torch.multinomial(probs.to(dev), 1, generator=generator).squeeze(-1).to(probs.device, non_blocking=True)
 
 _M32 = 0xFFFFFFFF
 
@@ -62,16 +63,34 @@ def seeded(stream: str, *parts: int) -> torch.Generator:
 _VHASH: dict = {}
 
 # %% ../nbs/08_generate.ipynb #65a0feeb
+_SAMPLE_ELEMS = 1 << 23     # `keyed_sample`'s chunk: its temporaries hold at most this many scores (64 MB in float64)
+
+def _gumbel_scores(logp: torch.Tensor, h: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:   # logp [B, C]; h [B]; vh [C]
+    "`logp + G` in float64, `G = -log(-log u)` with `u` hashed from each row's step hash `h` and each token's `vh`: [B, C]."
+    u = (_hash32(h[:, None] ^ vh[None]).to(torch.float64) + 0.5) / 2**32                 # [B, C] in (0, 1)
+    return logp.double() - torch.log(-torch.log(u))
+
 def keyed_sample(logp: torch.Tensor, keys: torch.Tensor, t: int) -> torch.Tensor:
     """One sample per row of `logp [B, V]` by the Gumbel-max trick with noise that is a pure function of
-    (row key, decode step, token id): a row's samples do not depend on which other rows share its batch or process."""
-    V, dev = logp.shape[-1], logp.device
+    (row key, decode step, token id): a row's samples do not depend on which other rows share its batch or process.
+    The vocabulary runs in chunks of `_SAMPLE_ELEMS // B` columns, a running maximum across them: no `[B, V]`
+    temporary, and the argmax of the whole row (its first index on ties, as `argmax`)."""
+    (B, V), dev = logp.shape, logp.device
     # [V]
     if (V, dev) not in _VHASH: _VHASH[(V, dev)] = _hash32(torch.arange(V, device=dev, dtype=torch.int64) + 0x165667B1)
-    k = keys.to(torch.int64)
+    k, vh = keys.to(torch.int64), _VHASH[(V, dev)]
     h = _hash32(_hash32(_hash32(k) ^ (k >> 32)) + t * 0x27D4EB2F)                      # [B] (all 62 key bits used)
-    u = (_hash32(h[:, None] ^ _VHASH[(V, dev)][None]).to(torch.float64) + 0.5) / 2**32  # [B, V] in (0, 1)
-    return (logp.double() - torch.log(-torch.log(u))).argmax(-1)
+    C, best, arg = max(1, _SAMPLE_ELEMS // max(B, 1)), None, None
+    for c0 in range(0, V, C):
+        s = _gumbel_scores(logp[:, c0:c0 + C], h, vh[c0:c0 + C])                        # [B, c]
+        a = s.argmax(-1)                                                                # [B] the chunk's first maximum
+        m = s.gather(-1, a[:, None])[:, 0]
+        if best is None:
+            best, arg = m, a
+            continue
+        win = (m > best) | (m.isnan() & ~best.isnan())          # a later chunk wins only above (a NaN is the maximum)
+        best, arg = torch.where(win, m, best), torch.where(win, a + c0, arg)
+    return arg
 
 def keyed_normal(keys: torch.Tensor, t: int, H: int) -> torch.Tensor:
     """`[B, H]` standard normal noise that is a pure function of (row key, decode step, dimension): Box–Muller on
@@ -93,11 +112,16 @@ def _sample(logits, temperature: float, generator=None, keys=None, t: int = 0):
     return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
 
 # %% ../nbs/08_generate.ipynb #7780262f
-def _keep_rows(done: torch.Tensor, cache) -> torch.Tensor | None:
-    """The batch slots to keep once finished rows are a quarter of the batch (the KV cache is cut to them in place),
-    else None: a long straggler then decodes alone instead of dragging every finished row through each call."""
-    if int(done.sum()) * 4 < done.shape[0] or bool(done.all()): return None
-    keep = (~done).nonzero()[:, 0]                                            # [n]
+def _cuts(n_done: int, n: int) -> bool:
+    "Do finished rows leave the batch now: `n_done` of its `n` slots are done, a quarter or more but not all?"
+    return n_done * 4 >= n and n_done < n
+
+def _keep_rows(done: torch.Tensor, n_done: int, cache) -> torch.Tensor | None:
+    """The batch slots to keep once finished rows (`n_done`, read on the host) are a quarter of the batch (the KV cache
+    is cut to them in place), else None: a long straggler then decodes alone instead of dragging every finished row
+    through each call. The live slots in order come from a stable sort, which needs no host read (`nonzero` does)."""
+    if not _cuts(n_done, done.shape[0]): return None
+    keep = torch.argsort(done.int(), stable=True)[:done.shape[0] - n_done]      # [n] the live slots, in order
     cache.batch_select_indices(keep)
     return keep
 
@@ -143,8 +167,9 @@ def generate_text(model, prompts: list[list[int]], *, eos_id: int, pad_id: int, 
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         steps.append((rows, nxt, lp, alive))
         done = done | (nxt == eos_id)
-        if done.all(): break
-        if (keep := _keep_rows(done, cache)) is not None:
+        n_done = int(done.sum())                                              # the token's one host read
+        if n_done == len(done): break
+        if (keep := _keep_rows(done, n_done, cache)) is not None:
             rows, done, alive, nxt, mask, next_pos, kt = _take(keep, rows, done, alive, nxt, mask, next_pos, kt)
         mask = torch.cat([mask, alive.long()[:, None]], 1)
         logits, passes = head.logits(one_step(body, cache, mask, next_pos, ids=nxt)), passes + 1   # cache extended
@@ -170,11 +195,12 @@ def _forced_table(forced: list[list[int]] | None, eos_id: int, dev):
     return (torch.tensor([list(f) + [eos_id] * (max(map(len, forced)) + 1 - len(f)) for f in forced], device=dev),
             torch.tensor([len(f) for f in forced], device=dev))
 
-def _pick(logp, emit, temperature: float, Fpad, n_fed, kt, it: int, generator):
-    "The token each row emits now from `logp [n, V]`: forced, greedy, keyed by its row, or drawn."
+def _pick(logp, emits: bool, temperature: float, Fpad, n_fed, kt, it: int, generator):
+    """The token each row emits now from `logp [n, V]`: forced, greedy, keyed by its row, or drawn. `emits` (known on
+    the host): does any row emit now? If none does, no token is used and a keyed step skips its sampling."""
     if Fpad is not None: return Fpad.gather(1, n_fed.clamp(max=Fpad.shape[1] - 1)[:, None]).squeeze(1)
     if temperature <= 0: return logp.argmax(-1)
-    if kt is not None: return keyed_sample(logp, kt, it) if emit.any() else logp.argmax(-1)
+    if kt is not None: return keyed_sample(logp, kt, it) if emits else logp.argmax(-1)
     return multinomial(logp.exp(), generator)
 
 def _block_input(lm, h, noise, latent_fn, rows, B: int, blk, step, kt, it: int, generator, codes=None):
@@ -191,6 +217,14 @@ def _next_state(state, blk, emit, nxt, line_sep_id: int, s: int):
     state = torch.where(fed_line_sep, torch.ones_like(state),
                         torch.where((state >= 1) & (state <= s + 2), state + 1, torch.zeros_like(state)))
     return state, blk + fed_line_sep.long()
+
+def _step_flags(done, in_block, state, s: int) -> tuple[int, bool, bool]:
+    """A latent decode step's one host read: (rows done, any row in a block now, any row emitting at the next step
+    (`state`) among the slots that step keeps: all of them, or the live ones where `_keep_rows` cuts the batch)."""
+    emit = (state == 0) | (state == s + 3)
+    n, blk, e_all, e_live = torch.stack([done.sum(), in_block.any().long(), emit.any().long(),
+                                         (emit & ~done).any().long()]).tolist()
+    return n, bool(blk), bool(e_live if _cuts(n, len(done)) else e_all)
 
 # %% ../nbs/08_generate.ipynb #bd846753
 @torch.no_grad()
@@ -220,15 +254,16 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
     T = temperature if temperature > 0 else 1.0
     noise = noise if temperature > 0 else None                                # greedy feeds μ
     codes = codes.to(dev) if codes is not None and temperature > 0 else None  # and the projector itself
-    kt, it = (torch.tensor(keys, device=dev) if keys is not None else None), 0
+    # keyed sampling runs at a step where some row emits; the first step samples without asking (unused if none does)
+    kt, it, n_done, emits = (torch.tensor(keys, device=dev) if keys is not None else None), 0, 0, True
     while True:
-        if (keep := _keep_rows(done, cache)) is not None:
+        if (keep := _keep_rows(done, n_done, cache)) is not None:
             rows, done, h, state, blk, n_fed, next_pos, mask, kt, Fpad, f_len = _take(
                 keep, rows, done, h, state, blk, n_fed, next_pos, mask, kt, Fpad, f_len)
         # 1) rows that emit a text token now: sample (state 0) or force <|action_sep|> (state s+3)
         emit = (state == 0) | (state == s + 3)
         logp = torch.log_softmax(head.logits(h).float() / T, -1)               # [n, V]
-        nxt = _pick(logp, emit, temperature, Fpad, n_fed, kt, it, generator)
+        nxt = _pick(logp, emits, temperature, Fpad, n_fed, kt, it, generator)
         it += 1
         nxt = torch.where(state == s + 3, torch.full_like(nxt, sp.action_sep_id), nxt)
         live_emit = emit & ~done
@@ -237,11 +272,13 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         finished_now = live_emit & ((nxt == eos_id) | (n_fed >= max_new_tokens))
         if forced is not None: finished_now = finished_now | (live_emit & (n_fed >= f_len))
         done = done | finished_now
-        if done.all() or (max_forward_passes is not None and passes >= max_forward_passes): break
+        in_block = (state >= 2) & (state <= s + 1)
+        state_n, blk_n = _next_state(state, blk, emit, nxt, sp.line_sep_id, s)   # 3) transitions, after this call
+        n_done, any_block, emits = _step_flags(done, in_block, state_n, s)      # the step's one host read
+        if n_done == len(done) or (max_forward_passes is not None and passes >= max_forward_passes): break
         # 2) what each row feeds next
         inp = torch.where((state == 1)[:, None], e_ls, lm.embed(torch.where(emit, nxt, torch.full_like(nxt, pad_id))))
-        in_block = (state >= 2) & (state <= s + 1)
-        if in_block.any():
+        if any_block:
             z, mu = _block_input(lm, h, noise, latent_fn, rows, B, blk, state - 2, kt, it, generator, codes)  # [n, H]
             if return_latents:
                 fed.append((rows, z, in_block & ~done, None if noise is None else noise.log_density(z, mu)))
@@ -250,8 +287,7 @@ def generate_latent(lm, prompts: list[list[int]], *, eos_id: int, pad_id: int, m
         col = (~done).long()[:, None]
         mask = torch.cat([mask, col], 1)
         h, passes = one_step(lm.body, cache, mask, next_pos, embeds=inp), passes + 1              # cache extended
-        next_pos = next_pos + col[:, 0]
-        state, blk = _next_state(state, blk, emit, nxt, sp.line_sep_id, s)     # 3) transitions
+        next_pos, state, blk = next_pos + col[:, 0], state_n, blk_n
     return _latent_rollout(lm, prompts, steps, fed, eos_id, temperature, passes, return_latents, h.shape[-1],
                            noise is not None)
 
@@ -271,7 +307,7 @@ def _eps(mu: torch.Tensor, keys: torch.Tensor | None, t: int, generator=None) ->
     "A stochastic latent's ε `[n, H]`: keyed (`keyed_normal`) or from `generator`, in μ's dtype and device."
     if keys is not None: return keyed_normal(keys, t, mu.shape[-1]).to(mu)
     if generator is None: return torch.randn_like(mu)
-    return torch.randn(mu.shape, generator=generator, device=generator.device).to(mu)
+    return torch.randn(mu.shape, generator=generator, device=generator.device).to(mu, non_blocking=True)
 
 def _per_row_latents(fed, B: int, s: int, H: int, density: bool = False) -> tuple[list, list | None]:
     """The recorded block vectors as one `[n_blocks, latent_steps, H]` tensor per row (CPU), from `(rows, z, in a block,

@@ -124,7 +124,7 @@ def gkd_loss(policy: Policy, teacher: Teacher, items: list[dict], *, beta: float
                                                               temperature=temperature, tail=tail)
     n = sum(jm["n_tokens"] for _, jm in parts.values())
     w = {"rest": 1.0, "value": value_weight}
-    jsd = sum(w[k] * l * jm["n_tokens"] for k, (l, jm) in parts.items()) / max(1.0, n) if parts else h.sum() * 0
+    jsd = sum(w[k] * l * jm["n_tokens"] for k, (l, jm) in parts.items()) / max(1.0, n) if parts else (h.sum() + policy.head.weight.sum()) * 0
     loss, ce = jsd, None
     if sft_alpha > 0 and not on_policy:                                                 # never on its own samples
         ce, _ = sft_loss(h, policy.head, torch.where(mask, completion_labels(C, N, policy.device), IGNORE_INDEX))

@@ -11,7 +11,7 @@ from torch import nn
 from .models import cache_kw, out_cache
 
 # %% auto #0
-__all__ = ['lean_off', 'final_norm', 'lean_kind', 'one_step']
+__all__ = ['lean_off', 'final_norm', 'lean_kind', 'additive_mask', 'packed_attend', 'one_step']
 
 # %% ../nbs/05a_lean.ipynb #9add1578
 _LEAN = [True]              # `lean_off()` clears it: the full call everywhere (the oracle in tests and benches)
@@ -67,7 +67,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     d = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., d:], x[..., :d]], -1) * sin
 
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:    # keep: [B, 1, 1, T] bool
+    "`keep` as an additive mask in `dtype`: 0 where a column is attended, the dtype's lowest (finite) value elsewhere."
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
+
+def packed_attend(q, k, v, keep, scale) -> torch.Tensor:     # q: [B, h, 1, d]; k, v: [B, g, T, d]; keep: [B, 1, 1, T]
+    """`_attend` in the form CUDA's fused SDPA kernels take: each key/value group's `h/g` query heads on the
+    query-length axis, and `keep` (boolean, or additive from `additive_mask`) as an additive mask in q's dtype."""
+    B, h, _, d = q.shape
+    g = k.shape[1]
+    if keep.dtype != q.dtype: keep = additive_mask(keep if keep.dtype == torch.bool else keep == 0, q.dtype)
+    out = F.scaled_dot_product_attention(q.reshape(B, g, h // g, d), k, v, attn_mask=keep, scale=scale)  # [B, g, h/g, d]
+    return out.reshape(B, h, 1, d)
+
 def _attend(q, k, v, keep, scale) -> torch.Tensor:            # q: [B, h, 1, d]; k, v: [B, g, T, d]; keep: [B, 1, 1, T]
+    if q.is_cuda: return packed_attend(q, k, v, keep, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 # %% ../nbs/05a_lean.ipynb #d367e518
@@ -107,8 +121,9 @@ def one_step(body: nn.Module,                       # the backbone (`models.back
         out = body(**inp, attention_mask=mask, position_ids=pos[:, None], use_cache=True, **cache_kw(body, cache))
         assert out_cache(out) is cache, "one_step: the backbone returned a new cache object"
         return out.last_hidden_state[:, 0]
-    keep = mask.bool()[:, None, None, :]                                        # [B, 1, 1, T]
     h = (body.get_input_embeddings()(ids) if embeds is None else embeds)[:, None]   # [B, 1, H]
+    keep = mask.bool()[:, None, None, :]                                        # [B, 1, 1, T]
+    if keep.is_cuda: keep = additive_mask(keep, h.dtype)                        # `packed_attend`'s, once per call
     if kind == "gpt2":
         h = body.drop(h + body.wpe(pos)[:, None])
         for i, blk in enumerate(body.h): h = _gpt2_block(blk, h, keep, cache, i)

@@ -4,6 +4,7 @@
 
 # %% ../nbs/05_logprobs.ipynb #27f0d850
 from __future__ import annotations
+import contextlib, functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -75,7 +76,7 @@ def _raw_logits(h, W, b, cd):
 def _scaled_logits(h, W, b, t, cd, cap=None):
     "`softcap(h W^T + b) / t` for one chunk in compute dtype `[C, V]`; `t` is None for T = 1, `cap` None for no cap."
     if h.dtype == cd and b is None and cap is None:                  # fold 1/T into the [C, H] side
-        return (h if t is None else h / t.unsqueeze(1)) @ W.T
+        return ((h if t is None else h / t.unsqueeze(1)) @ W.T).to(cd)   # bf16 under autocast: back to cd
     z = _raw_logits(h, W, b, cd)
     if cap is not None: z = z.div_(cap).tanh_().mul_(cap)
     return z if t is None else z.div_(t.unsqueeze(1))
@@ -86,6 +87,35 @@ def _lse_(z: torch.Tensor) -> torch.Tensor:
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     return z.sub_(m).exp_().sum(1).log_().add_(m.squeeze(1))         # [C]
 
+# %% ../nbs/05_logprobs.ipynb #a69c0f01
+def _amp_state(t: torch.Tensor) -> tuple:
+    "`(device type, enabled, dtype)` of autocast on `t`'s device now: a Function's forward records it for its backward."
+    dev = t.device.type
+    if not torch.amp.is_autocast_available(dev): return dev, False, None
+    return dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+
+def _amp(state: tuple):
+    "Re-enter the autocast `state` of `_amp_state` (cpu or cuda): a backward otherwise runs outside the forward's."
+    dev, on, dtype = state
+    return torch.autocast(dev, dtype=dtype, enabled=on) if dtype is not None else contextlib.nullcontext()
+
+def _acc_mm_(acc: torch.Tensor,   # [M, N] float32 accumulator (a sum over chunks)
+             a: torch.Tensor,     # [M, K]
+             b: torch.Tensor,     # [K, N]
+             alpha: float = 1.0) -> torch.Tensor:
+    """`acc += alpha · a @ b` in place: one fused `addmm_`, or under autocast (which leaves in-place ops in float32) the
+    product in the autocast dtype, added into `acc` in float32."""
+    if torch.amp.is_autocast_available(acc.device.type) and torch.is_autocast_enabled(acc.device.type):
+        return acc.add_(a @ b, alpha=alpha)
+    return acc.addmm_(a, b, alpha=alpha)
+
+def _amp_backward(backward):
+    "Decorate a Function's `backward` to run under the autocast state its forward recorded in `ctx.amp` (`custom_bwd`)."
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        with _amp(ctx.amp): return backward(ctx, *grads)
+    return run
+
 # %% ../nbs/05_logprobs.ipynb #f828104d
 def _plain_chunk_grads(h, W, b, y, t, lse, coef, cap, gW, gb, need_h):
     "One chunk's backward without a cap: adds into `gW`, `gb` (when given); returns `dh [C, H]` (None unless `need_h`)."
@@ -94,7 +124,7 @@ def _plain_chunk_grads(h, W, b, y, t, lse, coef, cap, gW, gb, need_h):
     c = coef.unsqueeze(1)                                            # [C, 1]
     if gW is not None:
         ch = h.to(cd) * c                                            # [C, H]
-        gW.addmm_(p.T, ch, alpha=-1).index_add_(0, y, ch)
+        _acc_mm_(gW, p.T, ch, alpha=-1).index_add_(0, y, ch)
     if gb is not None: gb.sub_(p.T @ coef).index_add_(0, y, coef)
     if not need_h: return None
     pW = p @ W if W.dtype == cd else (p.to(W.dtype) @ W).to(cd)     # [C, H]
@@ -108,7 +138,7 @@ def _capped_chunk_grads(h, W, b, y, t, lse, coef, cap, gW, gb, need_h):
     d = z.sub_(lse.unsqueeze(1)).exp_().neg_()                       # [C, V] -softmax
     d.scatter_add_(1, y.unsqueeze(1), torch.ones_like(d[:, :1]))     # onehot(y) - softmax
     d.mul_(th.square_().neg_().add_(1)).mul_(coef.unsqueeze(1))      # ⊙ (1 - tanh²) · c_t
-    if gW is not None: gW.addmm_(d.T, h.to(cd))
+    if gW is not None: _acc_mm_(gW, d.T, h.to(cd))
     if gb is not None: gb.add_(d.sum(0))
     return (d.to(W.dtype) @ W).to(h.dtype) if need_h else None                           # [C, H]
 
@@ -129,10 +159,11 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             out[sl] = zy - lse[sl]
             del z
         ctx.save_for_backward(h, W, b, y, t, lse)
-        ctx.chunk_size, ctx.cap = chunk_size, cap
+        ctx.chunk_size, ctx.cap, ctx.amp = chunk_size, cap, _amp_state(h)
         return out
 
     @staticmethod
+    @_amp_backward
     def backward(ctx, g):                                            # g: [N]
         h, W, b, y, t, lse = ctx.saved_tensors
         need_h, need_W, need_b = ctx.needs_input_grad[:3]

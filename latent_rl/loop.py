@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from .models import add_lora, fp32_masters, export_state, save_lora, load_lora, lora_scale, ROW_DELTA
+from .models import add_lora, hold_frozen, fp32_masters, export_state, save_lora, load_lora, lora_scale, ROW_DELTA
 from .generate import seeded
 from .records import RunRecord, trim_records, rotate_records, wandb_run
 from .config import ConfigError, check_precision
@@ -21,8 +21,9 @@ from .checkpoints import resume_run, write_checkpoint, release_run_dir, list_che
 
 # %% auto #0
 __all__ = ['PREEMPT_EXIT', 'lr_lambda', 'batch_indices', 'bucket_groups', 'bucket_indices', 'Stage', 'PolicyStage',
-           'generation_cycle', 'drain', 'Preempted', 'StopRequest', 'lora_student', 'train_step', 'step_record',
-           'no_decay', 'make_optimizer', 'log_step', 'NonFiniteLoss', 'NonFiniteGuard', 'train_loop', 'finish_run']
+           'generation_cycle', 'drain', 'Preempted', 'StopRequest', 'lora_student', 'set_tf32', 'train_step',
+           'step_record', 'no_decay', 'make_optimizer', 'log_step', 'NonFiniteLoss', 'NonFiniteGuard', 'train_loop',
+           'finish_run']
 
 # %% ../nbs/16_loop.ipynb #22ccd1d3
 def lr_lambda(step: int, warmup: int, total: int, min_lr_frac: float = 0.1) -> float:
@@ -150,16 +151,24 @@ class StopRequest:
 
 # %% ../nbs/16_loop.ipynb #b3dae85b
 def lora_student(cfg, model: nn.Module, module: nn.Module) -> None:
-    """With `cfg.lora_r`: LoRA adapters in the HF `model` (inside the trained `module`), everything else in it frozen,
-    and
-    the trainable weights as fp32 masters. A bf16 base then needs bf16 compute (`--precision bf16`, autocast)."""
+    """With `cfg.lora_r`: LoRA adapters in the HF `model` (inside the trained `module`), everything else in it frozen
+    and, under `--precision bf16`, held in bf16 (`hold_frozen`: no per-call cast); the trainable weights as fp32
+    masters. A bf16 base needs bf16 compute (`--precision bf16`, autocast)."""
     if not cfg.lora_r: return
     if cfg.dtype not in ("fp32", "float32", "fp64", "float64") and cfg.precision != "bf16":
         raise ConfigError(
             f"lora_r over a {cfg.dtype} base needs --precision bf16 (the fp32 adapters run under autocast)"
         )
     add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+    if cfg.precision == "bf16": hold_frozen(model, torch.bfloat16)
     fp32_masters(module)
+
+# %% ../nbs/16_loop.ipynb #40ed1b28
+def set_tf32(on: bool, device) -> bool:
+    "TF32 for fp32 matmuls and cuDNN convolutions on a CUDA `device` (a CPU: nothing changes); whether it is on."
+    if torch.device(device).type != "cuda": return False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(on)
+    return bool(on)
 
 # %% ../nbs/16_loop.ipynb #154932a0
 def train_step(stage: Stage, eng: Engine, step: int, idx: list[int], amp) -> tuple[list[dict], float]:
@@ -251,6 +260,7 @@ def train_loop(stage: Stage, progress: bool = True) -> dict:
             f"batch_size {cfg.batch_size} must be divisible by processes × grad_accum = {W * cfg.grad_accum}"
         )
     check_precision(cfg, [p for p in stage.module.parameters() if p.requires_grad])
+    set_tf32(getattr(cfg, "tf32", True), acc.device)
     eng = make_engine(stage.module, cfg, acc)
     params = [p for p in stage.module.parameters() if p.requires_grad]           # after wrapping: shards under FSDP2
     amp = torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")

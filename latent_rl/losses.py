@@ -10,8 +10,8 @@ from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
-from latent_rl.logprobs import (IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, _compute_dtype, _lse_, _head_parts,
-    _raw_logits)
+from .logprobs import (IGNORE_INDEX, DEFAULT_CHUNK, token_logprobs, _compute_dtype, _lse_, _head_parts,
+    _raw_logits, _amp_state, _amp_backward, _acc_mm_)
 
 # %% auto #0
 __all__ = ['Norm', 'NORMS', 'KDTarget', 'KD_TARGETS', 'group_advantages', 'grpo_loss', 'sft_loss', 'TeacherOutput',
@@ -316,7 +316,7 @@ class _JSDFromHidden(torch.autograd.Function):
                                         student_tempered=fold)
             if cap is not None and d is not None: d.mul_(th.square_().neg_().add_(1))   # ⊙ (1 - tanh²)
             if need_h: gh[sl] = d.to(h.dtype) @ W
-            if need_W: gW.addmm_(d.T, h[sl].to(cd))
+            if need_W: _acc_mm_(gW, d.T, h[sl].to(cd))
             if need_b: gb += d.sum(0)
             del zs, d
         ctx.grads = (gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype))
@@ -400,10 +400,11 @@ class _GatheredLogits(torch.autograd.Function):
             out[sl] = torch.einsum("ch,ckh->ck", h[sl], Wk)
         if b is not None: out = out + b[ids]
         ctx.save_for_backward(h, W, b, ids)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.amp = chunk_size, _amp_state(h)
         return out
 
     @staticmethod
+    @_amp_backward
     def backward(ctx, g):                                            # g: [n, K]
         h, W, b, ids = ctx.saved_tensors
         need_h, need_W, need_b = ctx.needs_input_grad[:3]
@@ -442,10 +443,11 @@ class _ChunkedLogsumexp(torch.autograd.Function):
             z = _raw_logits(h[sl], W, b, cd)                         # [C, V]
             lse[sl] = _lse_(z if cap is None else z.div_(cap).tanh_().mul_(cap))
         ctx.save_for_backward(h, W, b, lse)
-        ctx.chunk_size, ctx.cap = chunk_size, cap
+        ctx.chunk_size, ctx.cap, ctx.amp = chunk_size, cap, _amp_state(h)
         return lse
 
     @staticmethod
+    @_amp_backward
     def backward(ctx, g):
         h, W, b, lse = ctx.saved_tensors
         need_h, need_W, need_b = ctx.needs_input_grad[:3]
@@ -462,7 +464,7 @@ class _ChunkedLogsumexp(torch.autograd.Function):
             d.sub_(lse[sl].unsqueeze(1)).exp_().mul_(g[sl].to(cd).unsqueeze(1))   # g * softmax
             if ctx.cap is not None: d.mul_(th.square_().neg_().add_(1))         # ⊙ (1 - tanh²)
             if need_h: gh[sl] = d.to(h.dtype) @ W
-            if need_W: gW.addmm_(d.T, h[sl].to(cd))
+            if need_W: _acc_mm_(gW, d.T, h[sl].to(cd))
             if need_b: gb += d.sum(0)
         return gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype), None, None
 

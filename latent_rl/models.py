@@ -17,8 +17,9 @@ from .tokens import add_trace_tokens
 __all__ = ['DTYPES', 'TOKENIZER_FILES', 'HUB_NAME', 'MODEL_FILES', 'TINY_SIZES', 'ROW_DELTA', 'LORA_TARGETS', 'resolve_dtype',
            'load_tokenizer', 'check_vocab', 'resolve_model', 'model_exists', 'load_model', 'tiny_config', 'build_tiny',
            'n_params', 'unwrap', 'backbone', 'lm_head_weight', 'Head', 'head_rows', 'mix_embeddings', 'lm_head',
-           'check_head', 'add_lora', 'fp32_masters', 'lora_scale', 'train_rows', 'fold_rows', 'merge_lora',
-           'export_state', 'save_lora', 'load_lora', 'adapters_off', 'cache_kw', 'out_cache', 'copy_cache']
+           'check_head', 'add_lora', 'hold_frozen', 'fp32_masters', 'lora_scale', 'train_rows', 'fold_rows',
+           'merge_lora', 'export_state', 'save_lora', 'load_lora', 'adapters_off', 'cache_kw', 'out_cache',
+           'copy_cache']
 
 # %% ../nbs/04_models.ipynb #43238021
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -242,6 +243,18 @@ def add_lora(model: nn.Module, r: int, alpha: float = 16.0, targets: str = LORA_
     model.latent_rl_lora = {"r": r, "alpha": alpha, "targets": targets}
     return model
 
+def hold_frozen(model: nn.Module, dtype: torch.dtype) -> int:
+    """Every frozen fp32 weight of `model` held in `dtype` (a LoRA student under `--precision bf16`: the base in the
+    compute dtype, so autocast never re-casts it per call and it holds 2 bytes a parameter, not 4); the dtype it came in
+    is kept as `model.latent_rl_save_dtype` for `export_state`. Returns the bytes it frees."""
+    freed = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.dtype == torch.float32 and dtype != torch.float32:
+            freed += p.numel() * (4 - torch.finfo(dtype).bits // 8)
+            p.data = p.data.to(dtype)                         # tied weights share the Parameter: cast once, still tied
+    if freed: model.latent_rl_save_dtype = torch.float32
+    return freed
+
 def fp32_masters(module: nn.Module) -> None:
     """Every trainable weight of `module` in fp32: over a bf16 base, the adapters (and a latent projector) train as fp32
     masters."""
@@ -292,18 +305,20 @@ def fold_rows(module: nn.Module, sd: dict) -> dict:
     return sd
 
 # %% ../nbs/04_models.ipynb #899299c8
-def merge_lora(sd: dict, scale: float, transposed=frozenset()) -> dict:
+def merge_lora(sd: dict, scale: float, transposed=frozenset(), dtype: torch.dtype | None = None) -> dict:
     """`sd` with each LoRA pair folded into its base weight (`W + scale · B A`, transposed for the modules named in
-    `transposed`: GPT-2's `Conv1D` stores `[in, out]`) under the plain module names."""
-    out = {}
+    `transposed`: GPT-2's `Conv1D` stores `[in, out]`) under the plain module names; with `dtype`, every floating
+    weight in it (a base held in bf16 for compute is saved as the fp32 model it came in as: the merge keeps the
+    adapters' small updates that a bf16 sum would round away)."""
+    out, dt = {}, lambda v: v.to(dtype) if dtype is not None and v.is_floating_point() else v
     for k, v in sd.items():
         if ".lora_A." in k or ".lora_B." in k: continue
         if k.endswith(".base_layer.weight"):
             pre = k[:-len(".base_layer.weight")]
             A, B = sd[f"{pre}.lora_A.default.weight"], sd[f"{pre}.lora_B.default.weight"]
             d = B.float() @ A.float()                                                  # [out, in]
-            out[f"{pre}.weight"] = (v.float() + scale * (d.T if pre in transposed else d)).to(v.dtype)
-        else: out[k.replace(".base_layer.", ".")] = v                      # biases of adapted layers, everything else
+            out[f"{pre}.weight"] = (v.float() + scale * (d.T if pre in transposed else d)).to(dtype or v.dtype)
+        else: out[k.replace(".base_layer.", ".")] = dt(v)                  # biases of adapted layers, everything else
     return out
 
 def export_state(module: nn.Module, state_dict: dict | None = None) -> dict | None:
@@ -313,7 +328,8 @@ def export_state(module: nn.Module, state_dict: dict | None = None) -> dict | No
     if scale is None: return state_dict
     sd = state_dict if state_dict is not None else module.state_dict()
     transposed = {n for n, m in module.named_modules() if getattr(m, "fan_in_fan_out", False)}
-    return fold_rows(module, merge_lora(sd, scale, transposed))
+    dtype = next((m.latent_rl_save_dtype for m in module.modules() if hasattr(m, "latent_rl_save_dtype")), None)
+    return fold_rows(module, merge_lora(sd, scale, transposed, dtype))
 
 def save_lora(module: nn.Module, path, state_dict: dict | None = None) -> None:
     "Beside a saved model, when it trains adapters: every weight that trains (the adapters, a latent projector)."

@@ -15,7 +15,7 @@ from .engine import gathered_weights
 from .loop import PolicyStage, generation_cycle
 
 # %% auto #0
-__all__ = ['OnPolicyStage', 'token_strings']
+__all__ = ['OnPolicyStage', 'token_strings', 'concat_rollouts']
 
 # %% ../nbs/18a_onpolicy.ipynb #e352fe24
 @dataclass(kw_only=True)
@@ -81,9 +81,10 @@ class OnPolicyStage(PolicyStage):
                                  eos_id=policy.eos_id, seeds=keys)
             ro.latent_at = ro.latent_at or [[] for _ in prompts]
         elif engine is None:
+            n = getattr(cfg, "rollout_rows", 0) or max(1, len(prompts))     # rows decoded at once (keyed: exact)
             with gathered_weights(policy.module):
-                if prompts: ro = policy.sample(prompts, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
-                                               keys=keys, **kw)
+                ro = concat_rollouts([policy.sample(prompts[i:i + n], max_new_tokens=max_new_tokens, keys=keys[i:i + n],
+                                                    temperature=cfg.temperature, **kw) for i in range(0, len(prompts), n)])
         self.timing["gen_s"] += time.time() - t0
         return ro
 
@@ -130,3 +131,11 @@ class OnPolicyStage(PolicyStage):
 def token_strings(tok, ids) -> list[str]:
     "Each id's token string (the id itself for a tokenizer without `convert_ids_to_tokens`)."
     return tok.convert_ids_to_tokens(list(ids)) if hasattr(tok, "convert_ids_to_tokens") else [str(i) for i in ids]
+
+# %% ../nbs/18a_onpolicy.ipynb #6ce3d7a4
+def concat_rollouts(ros: list[Rollout]) -> Rollout | None:
+    "The rows of `ros` (chunks of one generation, in order) as one `Rollout`; None for none."
+    if not ros: return None
+    cat = lambda k: None if getattr(ros[0], k) is None else [x for r in ros for x in getattr(r, k)]
+    return Rollout(cat("prompt_ids"), cat("completion_ids"), cat("logprobs"), ros[0].temperature, cat("latent_at"),
+                   cat("finished"), sum(r.forward_passes for r in ros), cat("latents"), cat("latent_logprobs"))

@@ -12,7 +12,7 @@ from .tokens import IGNORE_INDEX
 from .models import backbone, lm_head, lm_head_weight, load_model, resolve_model
 from .logprobs import token_logprobs
 from .latent import LatentModel
-from .student import grouped_student_pass, CALL_COST
+from .student import grouped_student_pass, device_call_cost
 from .generate import Rollout, generate_text, generate_latent, keyed_normal
 
 
@@ -51,11 +51,12 @@ def sampled_mask(completions: list[list[int]], latent_at: list[list[int]] | None
 
 # %% ../nbs/10_policy.ipynb #6b442b95
 def replay_hidden(
-    lm: LatentModel, prompts, completions, latent_at, call_cost: float = CALL_COST, codes: torch.Tensor | None = None
+    lm: LatentModel, prompts, completions, latent_at, call_cost: float | None = None, codes: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict]:
     """(`[B, N, H]` states predicting each completion token, exactly replayed in `phase_groups` (under each row's
     exploration code of `codes [B, D]`); {positions_run, positions_real, calls})."""
     ex, N = replay_examples(prompts, completions, latent_at), max(1, max(map(len, completions)))
+    call_cost = device_call_cost(lm.head_weight.device) if call_cost is None else call_cost   # the device's price
     sp = grouped_student_pass(lm, ex, call_cost, ce=False, return_hidden=True, latent_codes=codes)
     # [B, N, H]
     return sp.pred_hidden[:, :N], {"positions_run": sp.n_run, "positions_real": sp.n_real, "calls": sp.calls}
@@ -68,7 +69,7 @@ class Policy:
     of about equal spans and lengths (`call_cost`: positions one model call is worth) and leaves `replay_stats`.
     A latent policy that explores by its projector's parameters (`LatentModel.set_explore`) draws each row's code
     from the row's key, in `generate` and again in every replay: the keys are all a rollout needs to keep."""
-    def __init__(self, model: nn.Module, tok, kind: str | None = None, call_cost: float = CALL_COST):
+    def __init__(self, model: nn.Module, tok, kind: str | None = None, call_cost: float | None = None):
         self.model, self.tok, self.call_cost, self.replay_stats = model, tok, call_cost, {}
         self.kind = kind or ("latent" if isinstance(model, LatentModel) else "text")
         if self.kind not in ("text", "latent"):

@@ -42,50 +42,50 @@ RECIPES: dict[str, dict[str, dict]] = {
     "gpu-qwen2.5-coder-1.5b": {
         "SFTConfig": dict(
             model="Qwen/Qwen2.5-Coder-1.5B", precision="bf16", strategy="fsdp", activation_checkpointing=True,
-            steps=3000, batch_size=128, grad_accum=4, lr=2e-5, warmup=100, max_len=2048, save_every=500, log_every=10,
+            steps=3000, batch_size=128, grad_accum="auto", lr=2e-5, warmup=100, max_len=2048, save_every=500, log_every=10,
             wandb="online", out="runs/sft",
         ),
         "CodiConfig": dict(
             model="runs/sft/final", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=3000,
-            batch_size=64, grad_accum=4, lr=2e-5, warmup=100, latent_steps=6, kd_norm_std=True, max_len=2048,
+            batch_size=64, grad_accum="auto", lr=2e-5, warmup=100, latent_steps=6, kd_norm_std=True, max_len=2048,
             save_every=500, teacher_checkpointing=True, wandb="online", out="runs/codi",
         ),
         "GKDConfig": dict(
             model="runs/codi/final", teacher="runs/sft/final", precision="bf16", strategy="fsdp",
-            activation_checkpointing=True, steps=500, batch_size=64, grad_accum=4, lr=1e-6, lmbda=0.5, beta=0.5,
+            activation_checkpointing=True, steps=500, batch_size=64, grad_accum="auto", rollout_rows=128, lr=1e-6, lmbda=0.5, beta=0.5,
             topk=64, max_new_tokens=1024, max_len=2048, steps_per_generation=4, save_every=100, wandb="online",
             out="runs/gkd",
         ),
         "GRPOConfig": dict(
             model="runs/gkd/final", precision="bf16", strategy="fsdp", activation_checkpointing=True, steps=300,
-            batch_size=64, group_size=8, grad_accum=8, lr=1e-6, warmup=10, max_new_tokens=1024, steps_per_generation=2,
+            batch_size=64, group_size=8, grad_accum="auto", rollout_rows=128, lr=1e-6, warmup=10, max_new_tokens=1024, steps_per_generation=2,
             use_vllm=False, save_every=50, wandb="online", out="runs/grpo",
         ),
     },
 }
 
-# 7B: the same pipeline on Qwen2.5-Coder-7B; micro-batches of 2 × 2048 tokens on 8 GPUs (`latent-rl plan`: CODI 39 GB)
-RECIPES["gpu-qwen2.5-coder-7b"] = {
-    k: dict(v, grad_accum=2 * v["grad_accum"]) for k, v in RECIPES["gpu-qwen2.5-coder-1.5b"].items()
-}
+# 7B: the same pipeline on Qwen2.5-Coder-7B, full fine-tuning: 8 GPUs (16 bytes a parameter of weights, gradients and
+# AdamW states are 122 GB before a token; `latent-rl plan --recipe gpu-qwen2.5-coder-7b --stage sft --gpus 1` says so)
+RECIPES["gpu-qwen2.5-coder-7b"] = {k: dict(v) for k, v in RECIPES["gpu-qwen2.5-coder-1.5b"].items()}
 
 RECIPES["gpu-qwen2.5-coder-7b"]["SFTConfig"]["model"] = "Qwen/Qwen2.5-Coder-7B"
 
 # 32B on 8 × 141 GB (H200): LoRA students over a bf16 base (fp32 adapters and projector), FSDP2, every decoder layer
-# recomputed in backward (latent passes included), micro-batches of 1 × 1024 tokens; GRPO's micro-batch is one whole
-# group, 8 × (prompt + 512) tokens (`latent-rl plan`: SFT 17 GB, CODI 83, GKD 86, GRPO 123 at 768 tokens). GKD's teacher is the student with its adapters
+# recomputed in backward (latent passes included), the fewest micro-batches that fit; a latent student keeps its layers
+# gathered (65.5 GB in bf16), so its stages need more than 80 GB a GPU (`latent-rl plan --recipe gpu-qwen2.5-coder-32b
+# --stage codi --gpus 8 --gpu_mem 141`). GKD's teacher is the student with its adapters
 # off (no second 32B copy): on-policy KL to the CODI student it starts from; to distil from the SFT teacher instead,
 # serve it on other GPUs (`latent-rl serve-teacher`) and set `teacher` to its URL with `topk`.
 _LORA32 = dict(lora_r=16, lora_alpha=32, dtype="bf16", precision="bf16", strategy="fsdp", activation_checkpointing=True,
-               max_len=1024, wandb="online")
+               wandb="online", grad_accum="auto")
 RECIPES["gpu-qwen2.5-coder-32b"] = {
-    "SFTConfig": dict(_LORA32, model="Qwen/Qwen2.5-Coder-32B", steps=3000, batch_size=64,
-                      grad_accum=8, lr=1e-4, warmup=100, save_every=500, log_every=10, out="runs/sft"),
-    "CodiConfig": dict(_LORA32, model="runs/sft/final", steps=3000, batch_size=64, grad_accum=8, lr=1e-4, warmup=100,
+    "SFTConfig": dict(_LORA32, model="Qwen/Qwen2.5-Coder-32B", steps=3000, batch_size=64, max_len=1024, lr=1e-4, warmup=100, save_every=500, log_every=10, out="runs/sft"),
+    "CodiConfig": dict(_LORA32, model="runs/sft/final", steps=3000, batch_size=64, max_len=1024, lr=1e-4, warmup=100,
                        latent_steps=6, kd_norm_std=True, save_every=500, teacher_checkpointing=True, out="runs/codi"),
-    "GKDConfig": dict(_LORA32, model="runs/codi/final", teacher="base", steps=500, batch_size=64, grad_accum=8, lr=1e-5,
+    "GKDConfig": dict(_LORA32, model="runs/codi/final", teacher="base", steps=500, batch_size=64, max_len=1024,
+                      rollout_rows=64, lr=1e-5,
                       lmbda=1.0, beta=0.5, max_new_tokens=512, steps_per_generation=4, save_every=100, out="runs/gkd"),
-    "GRPOConfig": dict(_LORA32, model="runs/gkd/final", steps=300, batch_size=64, group_size=8, grad_accum=8, lr=1e-5,
+    "GRPOConfig": dict(_LORA32, model="runs/gkd/final", steps=300, batch_size=64, group_size=8, rollout_rows=64, lr=1e-5,
                        warmup=10, max_new_tokens=512, steps_per_generation=2, save_every=50, out="runs/grpo"),
 }
 
@@ -122,8 +122,11 @@ _CODI_PAPER = dict(
 )
 # GKD and GRPO: the same data, precision and adapters (their own lengths: max_new_tokens; GKD max_len)
 _REFINE = {k: v for k, v in _CODI_PAPER.items() if k not in ("train", "val", "max_len")} | {"train": "data/gsm8k_aug/train.txt"}
-_GPT2 = dict(model="gpt2", lora_targets="c_attn,c_proj,c_fc", lr=3e-3, steps=120_506, warmup=3_615)      # 40 epochs
-_LLAMA1B = dict(model="meta-llama/Llama-3.2-1B-Instruct", lr=8e-4, steps=30_127, warmup=904)             # 10 epochs
+# CODI's scripts on one process: GPT-2 64 × 2 accumulation, Llama 32 × 4 (on N processes: the same global batch)
+_GPT2 = dict(model="gpt2", lora_targets="c_attn,c_proj,c_fc", lr=3e-3, steps=120_506, warmup=3_615, grad_accum=2)   # 40 epochs
+_LLAMA1B = dict(model="meta-llama/Llama-3.2-1B-Instruct", lr=8e-4, steps=30_127, warmup=904, grad_accum=4)          # 10 epochs
+# GKD and GRPO: the fewest micro-batches that fit the devices (`latent-rl plan`), the decoder 128 rows at a time
+_FIT = dict(grad_accum="auto", rollout_rows=128)
 for _name, _m, _beta in (("gpt2", _GPT2, 1.0), ("llama3.2-1b", _LLAMA1B, 20.0)):
     RECIPES[f"gpu-{_name}-gsm8k-aug"] = {
         "SFTConfig": dict(_CODI_PAPER, **_m, out=f"runs/{_name}-gsm8k-aug/cot-sft"),       # --mode answer: no-CoT SFT
@@ -134,10 +137,10 @@ for _name, _m, _beta in (("gpt2", _GPT2, 1.0), ("llama3.2-1b", _LLAMA1B, 20.0)):
         # refinement (not in the paper): on-policy GKD from the CoT-SFT teacher, then GRPO on the answer reward
         "GKDConfig": dict(_REFINE, **{k: v for k, v in _m.items() if k == "lora_targets"},
                           model=f"runs/{_name}-gsm8k-aug/codi/final", teacher=f"runs/{_name}-gsm8k-aug/cot-sft/final",
-                          max_len=512, max_locals=256, steps=1000, warmup=20, lr=1e-5, lmbda=0.5, beta=0.5,
+                          **_FIT, max_len=512, max_locals=256, steps=1000, warmup=20, lr=1e-5, lmbda=0.5, beta=0.5,
                           max_new_tokens=256, steps_per_generation=2, save_every=200, out=f"runs/{_name}-gsm8k-aug/gkd"),
         "GRPOConfig": dict(_REFINE, **{k: v for k, v in _m.items() if k == "lora_targets"},
-                           model=f"runs/{_name}-gsm8k-aug/gkd/final", steps=500, batch_size=64,
+                           **_FIT, model=f"runs/{_name}-gsm8k-aug/gkd/final", steps=500, batch_size=64,
                            group_size=8, warmup=10, lr=1e-5, temperature=0.7, dynamic_sampling=2, max_new_tokens=256,
                            steps_per_generation=2, min_lr_frac=1.0, save_every=100, out=f"runs/{_name}-gsm8k-aug/grpo"),
     }

@@ -4,18 +4,19 @@
 
 # %% ../nbs/09_serve.ipynb #affe65f6
 from __future__ import annotations
-import asyncio, hmac, ipaddress, json, os, queue, threading, time, traceback
+import asyncio, hmac, ipaddress, json, os, queue, re, threading, time, traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from .models import backbone, lm_head, lm_head_weight, load_model
+from .models import backbone, lm_head, lm_head_weight, load_model, resolve_dtype
 from .tokens import prompt_ids
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['ServerLimits', 'HTTPError', 'parse_completion', 'score_sequences', 'prompt_logprobs_json', 'Batcher', 'read_head',
-           'body_length', 'TeacherServer', 'make_teacher_server', 'is_loopback', 'check_exposure', 'serve_teacher']
+__all__ = ['SERVE_DTYPES', 'ServerLimits', 'HTTPError', 'parse_completion', 'score_sequences', 'prompt_logprobs_json', 'Batcher',
+           'read_head', 'body_length', 'TeacherServer', 'make_teacher_server', 'is_loopback', 'check_exposure',
+           'serve_device', 'serve_dtype', 'serve_teacher']
 
 # %% ../nbs/09_serve.ipynb #c902710d
 @dataclass
@@ -469,17 +470,43 @@ def check_exposure(host: str, api_key: str | None, no_auth: bool) -> str | None:
     if api_key: return f"WARNING: serving on {host}, reachable from other machines; /v1/* requires the bearer token"
     return f"WARNING: serving on {host} WITHOUT authentication (--no-auth): anyone who can reach this port can use the model"
 
+# %% ../nbs/09_serve.ipynb #9b3f6e21
+SERVE_DTYPES = ("fp32", "bf16", "fp16")     # what a teacher may compute in (`--dtype`; the logprobs are fp32 either way)
+
+def serve_device(device: str = "auto") -> str:
+    """Where the teacher computes: `auto` is `cuda` where PyTorch sees a GPU, else `cpu`; `cpu`, `cuda` and `cuda:N` as
+    asked, a `ValueError` naming the cause where that device does not exist."""
+    if device == "auto": return "cuda" if torch.cuda.is_available() else "cpu"
+    m = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device != "cpu" and not m: raise ValueError(f"--device {device!r}: choose auto, cpu, cuda or cuda:N")
+    if m and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device here (torch {torch.__version__} sees none); "
+                         "serve on --device cpu, or on a machine with a GPU")
+    if m and m[1] and int(m[1]) >= (n := torch.cuda.device_count()):
+        raise ValueError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+    return device
+
+def serve_dtype(dtype: str) -> torch.dtype:
+    "`--dtype`: fp32, bf16 or fp16 (their long names too), through `resolve_dtype`; anything else a `ValueError`."
+    try: dt = resolve_dtype(dtype)
+    except ValueError: dt = None
+    if dt not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(SERVE_DTYPES)}")
+    return dt
+
 # %% ../nbs/09_serve.ipynb #758d454d
 def serve_teacher(argv=None):
-    """`latent-rl serve-teacher --model PATH [--host 127.0.0.1] [--port 8000]`: serve a model's prompt logprobs over
-    HTTP."""
+    """`latent-rl serve-teacher --model PATH [--host 127.0.0.1] [--port 8000] [--device auto] [--dtype fp32]`: serve a
+    model's prompt logprobs over HTTP, on a GPU where there is one."""
     import argparse
     d = ServerLimits()
     ap = argparse.ArgumentParser(prog="latent-rl serve-teacher", description=serve_teacher.__doc__)
     ap.add_argument("--model", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--device", default="auto", help="where the teacher computes: auto (the default: cuda where PyTorch "
+                    "sees a GPU, else cpu), cpu, cuda or cuda:N (CUDA_VISIBLE_DEVICES picks which GPUs cuda means)")
+    ap.add_argument("--dtype", default="fp32", help="what it computes in: fp32 (the default), bf16 or fp16")
     ap.add_argument(
         "--name", default=None, help="served model name (default: the model directory's name, never its path)"
     )
@@ -504,7 +531,8 @@ def serve_teacher(argv=None):
     a = ap.parse_args(argv)
     try: warn = check_exposure(a.host, a.api_key, a.no_auth)
     except ValueError as e: raise SystemExit(str(e)) from None
-    model, tok = load_model(a.model, dtype=a.dtype)
+    device, dtype = serve_device(a.device), serve_dtype(a.dtype)       # refused before any weights are read
+    model, tok = load_model(a.model, dtype=dtype, device=device)
     ctx = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
     if a.max_model_len > ctx:
         raise SystemExit(f"serve-teacher: --max-model-len {a.max_model_len} exceeds the model's context ({ctx})")
@@ -518,7 +546,8 @@ def serve_teacher(argv=None):
     srv = TeacherServer(model, tok, name, a.host, a.port, lim).start()
     if warn: print(warn, flush=True)
     print(f"serving {name} at http://{a.host}:{srv.server_address[1]}/v1 (vLLM completions protocol; max_model_len "
-          f"{lim.max_model_len}, max_logprobs {lim.max_logprobs}, auth {'on' if a.api_key else 'off'})", flush=True)
+          f"{lim.max_model_len}, max_logprobs {lim.max_logprobs}, auth {'on' if a.api_key else 'off'}) on {device} in "
+          f"{a.dtype}", flush=True)
     try:
         while srv._thread.is_alive(): srv._thread.join(1.0)
     except KeyboardInterrupt: pass

@@ -17,8 +17,8 @@ from .logprobs import token_logprobs
 from .latent import LatentModel, LatentSpec, pack_phases, pad_ids
 
 # %% auto #0
-__all__ = ['CALL_COST', 'StudentPass', 'check_codi_model', 'tail_cuts', 'student_pass', 'phase_groups', 'length_groups',
-           'grouped_student_pass', 'Execution']
+__all__ = ['CALL_COSTS', 'CALL_COST', 'StudentPass', 'check_codi_model', 'tail_cuts', 'student_pass', 'device_call_cost',
+           'phase_groups', 'length_groups', 'grouped_student_pass', 'Execution']
 
 # %% ../nbs/07b_student.ipynb #51c9ad04
 @dataclass
@@ -355,8 +355,16 @@ def _finish_pass(st: _Pass, K: int, return_latents: bool) -> StudentPass:
     return r
 
 # %% ../nbs/07b_student.ipynb #1e17d634
-# positions one model call is worth: tiny model, CPU, ~10 ms per call vs ~70 µs per position (fwd+bwd)
-CALL_COST = 128.0
+# positions one model call (fwd+bwd) is worth, by the device's kind: the tiny model on a CPU, ~10 ms a call vs ~70 µs a
+# position; CUDA: a 1B model's call is launch-bound, 5-10 ms vs ~20 µs a position (see above)
+CALL_COSTS = {"cpu": 128.0, "cuda": 512.0}
+CALL_COST = CALL_COSTS["cpu"]
+
+def device_call_cost(device) -> float:
+    """Positions one model call is worth on `device` (a `torch.device`, its name, or a tensor on it): `CALL_COSTS` by
+    the device's kind; an accelerator not listed there is priced as CUDA."""
+    dev = torch.device(getattr(device, "device", device))
+    return CALL_COSTS.get(dev.type, CALL_COSTS["cuda"])
 
 def phase_groups(examples: list[dict], spec: LatentSpec, call_cost: float = CALL_COST) -> list[list[int]]:
     """Rows of a latent batch in groups, each to run as its own lockstep pass: rows ordered by (spans, length), cut

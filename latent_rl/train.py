@@ -269,7 +269,7 @@ def cmd_sweep(argv):
     return sweep_main(argv)
 
 def cmd_plan(argv):
-    return plan_command(argv)
+    return plan_command(argv, {"sft": SFTConfig, "codi": CodiConfig, "gkd": GKDConfig, "grpo": GRPOConfig})
 
 def cmd_mult(argv):
     ap = argparse.ArgumentParser(prog="latent-rl mult", description="multiplication training lines in the implicit-CoT "

@@ -127,7 +127,7 @@ class VLLMEngine:
                 print(
                     f"warning: {model_path} ties its LM head to the embeddings, and vLLM's CPU weight reload does not refresh "
                     "a tied head (it prepacks it): after sync() the engine samples from a stale head. On CPU, train a copy "
-                    "with an untied head (tie_word_embeddings false); `make gpu-check` checks a GPU engine",
+                    "with an untied head (tie_word_embeddings false); `tests/test_gpu.py -k vllm` checks a GPU engine",
                     flush=True,
                 )
         world = int(os.environ["WORLD_SIZE"])

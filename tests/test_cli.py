@@ -141,7 +141,7 @@ def _sft_args(tiny_data, out, *more):
 
 @pytest.mark.parametrize("text,msg", [('lr = "fast"\n', "field 'lr' expects a finite number, got 'fast'"),
                                       ("steps = 2.5\n", "field 'steps' expects an integer, got 2.5"),
-                                      ("grad_accum = 0\n", "field 'grad_accum' must be ≥ 1, got 0"),
+                                      ("grad_accum = 0\n", "field 'grad_accum' must be ≥ 1 or auto, got 0"),
                                       ("batch_size = -4\n", "field 'batch_size' must be ≥ 1, got -4"),
                                       ("steps = -3\n", "field 'steps' must be ≥ 1, got -3"),
                                       ('resume = "maybe"\n', "field 'resume' expects true or false, got 'maybe'"),
@@ -341,7 +341,7 @@ def test_range_rules_sit_on_the_fields(stage):
     for base in cls.__mro__[1:]:
         for f in getattr(base, "__dataclass_fields__", {}).values():
             assert str(cls.__dataclass_fields__[f.name].type) == str(f.type), (cls.__name__, f.name, base.__name__)
-    bad = {"PosInt": 0, "PosFloat": 0.0, "NonNegInt": -1, "NonNegFloat": -0.5, "Fraction": 1.5}
+    bad = {"PosInt": 0, "PosFloat": 0.0, "NonNegInt": -1, "NonNegFloat": -0.5, "Fraction": 1.5, "AutoInt": 0}
     ruled = [f for f in fields(cls) if str(f.type) in RANGES]
     assert len(ruled) >= 10, [f.name for f in ruled]
     for f in ruled:

@@ -1,5 +1,5 @@
 "GRPO: alignment of replayed and rollout logprobs (text and latent, T 0.7 and 1.0), zero-advantage steps, the stage."
-import json
+import json, os
 import pytest, torch
 from conftest import run_cli, ROOT, TEACHER, ROWS, ONE, rows_of, steps_of
 
@@ -99,7 +99,7 @@ def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, c
     from latent_rl.grpo import GRPOConfig, GRPOStep, set_exploration
     from latent_rl.policy import Policy
     from latent_rl.engine import setup
-    from latent_rl.loop import train_loop
+    from latent_rl.loop import train_loop, lora_student
     from latent_rl.trace import prompt_text
     from latent_rl.tokens import prompt_ids
     rows = rows_of(ROWS)[:256]
@@ -128,6 +128,7 @@ def _learn(tmp_path, kind, latent_student, steps, flip=None, monkeypatch=None, c
     torch.set_num_threads(1)
     acc, pol = setup(cfg.seed), Policy.load(cfg.model)
     set_exploration(cfg, pol)
+    lora_student(cfg, pol.lm, pol.module)                  # as run_grpo does (a no-op without lora_r)
     assert pol.kind == kind
     train_loop(
         GRPOStep(cfg, acc, pol, rows, [prompt_ids(pol.tok, prompt(r)) for r in rows], reward), progress=False,
@@ -156,6 +157,15 @@ def test_grpo_at_the_cpu_tiny_setting_raises_a_reachable_reward(tmp_path, latent
     "The same, for a latent policy sampled as the cpu-tiny recipe samples: T = 0.5, dynamic sampling (2 rounds)."
     R = _learn(tmp_path, "latent", latent_student, 16, cfg_kw=dict(temperature=0.5, dynamic_sampling=2))
     assert R[0] <= 0.3 and sum(R[-3:]) / 3 >= 0.8, R
+
+BF16_LORA = dict(lora_r=8, lora_alpha=16.0, precision="bf16", lr=5e-3)    # the base held in bf16 (`hold_frozen`)
+
+@pytest.mark.skipif(os.environ.get("LATENT_RL_PLAN_LANE") != "1", reason="the plan lane (make test-plan): 90 s")
+@pytest.mark.parametrize("flip", [None, "sign"])
+def test_grpo_trains_a_lora_student_over_a_bf16_base(tmp_path, latent_student, flip, monkeypatch):
+    "A latent LoRA student under --precision bf16 (its frozen base in bf16) raises the reachable reward; flipped, not."
+    R = _learn(tmp_path, "latent", latent_student, 16, flip, monkeypatch if flip else None, cfg_kw=BF16_LORA)
+    assert (R[0] <= 0.3 and sum(R[-3:]) / 3 >= 0.8) if flip is None else sum(R[-3:]) / 3 < 0.5, R
 
 @pytest.mark.parametrize("kind,flip,steps", [("text", "sign", 20), ("text", "shift", 20), ("latent", "sign", 16)])
 def test_grpo_with_a_wrong_signal_does_not_learn(tmp_path, kind, flip, steps, latent_student, monkeypatch):

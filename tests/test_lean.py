@@ -141,3 +141,46 @@ def test_call_costs_reports_both_paths():
         assert [(r["call"], r["path"]) for r in rows] == [("1 position", "lean"), ("1 position", "plain"),
                                                           ("4 positions", "plain")]
         assert all(r["us_per_call"] > 0 for r in rows) and rows[0]["call_in_positions"] is not None
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 2), (8, 2), (6, 3), (4, 4), (12, 1)])
+@pytest.mark.parametrize("T", [1, 9, 40])
+def test_packed_attend_equals_attend(heads, groups, T, monkeypatch):
+    """CUDA's form of one position's attention (`packed_attend`: each group's query heads on the query axis, an
+    additive mask) against the CPU's (`_attend`: boolean mask, `enable_gqa`), with left padding and a hole: to float32
+    rounding, and in bfloat16 within bfloat16's. SDPA is called in the packed form: `[B, g, h/g, d]`, a float mask."""
+    import torch.nn.functional as F
+    from latent_rl.lean import _attend, additive_mask, packed_attend
+    g = torch.Generator().manual_seed(heads * 100 + T)
+    q, k, v = torch.randn(3, heads, 1, 16, generator=g), *torch.randn(2, 3, groups, T, 16, generator=g).unbind(0)
+    keep = torch.ones(3, 1, 1, T, dtype=torch.bool)
+    keep[0, ..., :T // 2] = False                                               # left padding
+    keep[2, ..., (T - 1) // 2] = T == 1                                          # a hole (none where T = 1)
+    want = _attend(q, k, v, keep, 0.3)
+    for mask in (keep, additive_mask(keep, torch.float32)):
+        got = packed_attend(q, k, v, mask, 0.3)
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-6, (got - want).abs().max()
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    ref = _attend(q.double(), k.double(), v.double(), keep, 0.3)
+    got, cpu = packed_attend(qb, kb, vb, keep, 0.3).double(), _attend(qb, kb, vb, keep, 0.3).double()
+    assert (got - ref).abs().max() <= 2 * (cpu - ref).abs().max() + 2e-2 and (got - cpu).abs().max() <= 3e-2
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: (calls.append((a[0].shape, kw)), sdpa(*a, **kw))[1])
+    packed_attend(qb, kb, vb, keep, 0.3)
+    (shape, kw), = calls
+    assert shape == (3, groups, heads // groups, 16) and kw["attn_mask"].dtype == torch.bfloat16 and "enable_gqa" not in kw
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_step_in_the_packed_form_equals_the_full_call(family, texts, monkeypatch):
+    "Every layer's attention in CUDA's packed form (forced on the CPU): one step still equals the full call."
+    import latent_rl.lean as lean
+    body = backbone(_model(family, texts)).eval()
+    ids, mask, pos, cache = _prefix(body)
+    (h2, c2) = _step(body, cache, mask, pos, False, ids=ids[:, -1])
+    monkeypatch.setattr(lean, "_attend", lambda q, k, v, keep, scale: lean.packed_attend(
+        q, k, v, lean.additive_mask(keep, q.dtype), scale))
+    (h1, c1) = _step(body, cache, mask, pos, True, ids=ids[:, -1])
+    assert (h1 - h2).abs().max() < 1e-12, (h1 - h2).abs().max()
+    assert all((a.values - b.values).abs().max() < 1e-12 for a, b in zip(c1.layers, c2.layers))

@@ -603,3 +603,192 @@ def test_bench_quick_runs():
     for r in res["rows"]:
         assert {"case", "variant", "time_ms", "peak_mb", "time_x", "mem_x"} <= r.keys()
         assert r["time_ms"] > 0
+
+
+# ----------------------------------------------------------------------------------------------- autocast (issue 69)
+class Matmuls(TorchDispatchMode):
+    "Input dtypes of every matrix product an op runs (what autocast decided), with its shapes."
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__.rstrip("_") in ("mm", "addmm", "mv", "addmv", "bmm", "baddbmm"):
+            ts = [a for a in args if isinstance(a, torch.Tensor)]
+            self.seen.append(({t.dtype for t in ts}, [tuple(t.shape) for t in ts]))
+        return func(*args, **(kwargs or {}))
+
+    def float32(self):
+        return [s for d, s in self.seen if torch.float32 in d]
+
+
+AMP_HEADS = [(1.0, None, False), (1.0, None, True), (0.5, 1.5, False), (2.0, 0.9, True)]   # (scale, cap, bias)
+
+
+@pytest.mark.parametrize("scale,cap,bias", AMP_HEADS)
+@pytest.mark.parametrize("temps", [1.0, "per-sample"])
+def test_token_logprobs_backward_under_bf16_autocast_is_the_forwards_function(scale, cap, bias, temps):
+    "fp32 master weights under CPU bf16 autocast: every matmul of the backward in bf16 (none in fp32), dW in fp32,"
+    "values and gradients equal plain autograd through the bf16 logits (the same autocast) to bf16 precision."
+    from latent_rl.models import Head
+    hidden, W, b, labels = make_batch(torch.float32, B=3, S=9, H=16, V=40, seed=7)
+    T = torch.tensor([0.7, 1.0, 1.3]) if temps == "per-sample" else temps
+    hd = Head(W, b if bias else None, scale, cap)
+    ps = [x for x in (hidden, W, b if bias else None) if x is not None]
+    up = torch.randn(labels.shape, generator=torch.Generator().manual_seed(1))
+    up[1, 2] = 0.0                                                   # a row the backward skips
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = token_logprobs(hidden, hd, labels, T, chunk_size=4)
+        ref = logprobs_from_logits(hd.logits(hidden), labels, T)
+    with Matmuls() as mm:
+        g = torch.autograd.grad((out * up).sum(), ps)                # outside autocast, as the training loop runs it
+    gr = torch.autograd.grad((ref * up).sum(), ps)
+    assert len(mm.seen) >= 9 and mm.float32() == []                  # 3 chunks x 3 V-sized matmuls, all bf16
+    assert g[1].dtype == torch.float32
+    assert (out - ref).abs().max() <= 0.01 * ref.abs().max()        # bf16 logits of |z| ~ 10: ~0.05 apart
+    for a, r in zip(g, gr): assert (a - r).abs().max() <= 0.03 * r.abs().max(), float((a - r).abs().max())
+
+
+@pytest.mark.parametrize("kind", ["full", "topk-tail"])
+def test_jsd_from_hidden_under_bf16_autocast_runs_bf16_and_matches_the_plain_path(kind):
+    "The JSD's gradient (built in its forward) and the top-k kernels' backwards: bf16 matmuls only under autocast."
+    hidden, W, _, labels, zt = jsd_batch(torch.float32, seed=6)
+    mask = labels != -100
+    teacher = TeacherOutput(logits=zt) if kind == "full" else TeacherOutput.topk_from_logits(zt, 6)
+    with Matmuls() as mm:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = generalized_jsd_from_hidden(hidden, W, teacher, mask, beta=0.3, temperature=0.9,
+                                                  tail=kind != "full", chunk_size=3)
+        g = torch.autograd.grad(loss, (hidden, W))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, _ = generalized_jsd(hidden @ W.T, teacher, mask, beta=0.3, temperature=0.9, tail=kind != "full")
+    gr = torch.autograd.grad(ref, (hidden, W))
+    assert mm.seen and mm.float32() == [], mm.float32()
+    assert abs(loss.item() - ref.item()) <= 2e-2 * max(1.0, ref.item())
+    for a, r in zip(g, gr): assert (a - r).abs().max() <= 0.03 * r.abs().max(), float((a - r).abs().max())
+
+
+# The kernels as they were before issue 69 (backward outside autocast), frozen: without autocast the current ones must
+# give the same bits — the demo's fp32 table depends on it.
+def _old_scaled_logits(h, W, b, t, cd, cap=None):
+    from latent_rl.logprobs import _raw_logits
+    if h.dtype == cd and b is None and cap is None: return (h if t is None else h / t.unsqueeze(1)) @ W.T
+    z = _raw_logits(h, W, b, cd)
+    if cap is not None: z = z.div_(cap).tanh_().mul_(cap)
+    return z if t is None else z.div_(t.unsqueeze(1))
+
+
+def _old_chunk_grads(h, W, b, y, t, lse, coef, cap, gW, gb, need_h):
+    from latent_rl.logprobs import _raw_logits
+    cd = lse.dtype
+    if cap is None:
+        p = _old_scaled_logits(h, W, b, t, cd).sub_(lse.unsqueeze(1)).exp_()
+        c = coef.unsqueeze(1)
+        if gW is not None:
+            ch = h.to(cd) * c
+            gW.addmm_(p.T, ch, alpha=-1).index_add_(0, y, ch)
+        if gb is not None: gb.sub_(p.T @ coef).index_add_(0, y, coef)
+        if not need_h: return None
+        pW = p @ W if W.dtype == cd else (p.to(W.dtype) @ W).to(cd)
+        return (W[y].to(cd) - pW).mul_(c).to(h.dtype)
+    th = _raw_logits(h, W, b, cd).div_(cap).tanh_()
+    z = th * cap if t is None else th * cap / t.unsqueeze(1)
+    d = z.sub_(lse.unsqueeze(1)).exp_().neg_()
+    d.scatter_add_(1, y.unsqueeze(1), torch.ones_like(d[:, :1]))
+    d.mul_(th.square_().neg_().add_(1)).mul_(coef.unsqueeze(1))
+    if gW is not None: gW.addmm_(d.T, h.to(cd))
+    if gb is not None: gb.add_(d.sum(0))
+    return (d.to(W.dtype) @ W).to(h.dtype) if need_h else None
+
+
+class _OldChunkedTokenLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, W, b, y, t, chunk_size, cap=None):
+        from latent_rl.logprobs import _compute_dtype, _lse_
+        cd, n = _compute_dtype(h.dtype), h.shape[0]
+        out, lse = torch.empty(n, dtype=cd), torch.empty(n, dtype=cd)
+        for i in range(0, n, chunk_size):
+            sl = slice(i, i + chunk_size)
+            z = _old_scaled_logits(h[sl], W, b, None if t is None else t[sl], cd, cap)
+            zy = z.gather(1, y[sl].unsqueeze(1)).squeeze(1)
+            lse[sl] = _lse_(z)
+            out[sl] = zy - lse[sl]
+        ctx.save_for_backward(h, W, b, y, t, lse)
+        ctx.chunk_size, ctx.cap = chunk_size, cap
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        h, W, b, y, t, lse = ctx.saved_tensors
+        need_h, need_W, need_b = ctx.needs_input_grad[:3]
+        cd = lse.dtype
+        gh = torch.zeros_like(h) if need_h else None
+        gW = torch.zeros(W.shape, dtype=cd) if need_W else None
+        gb = torch.zeros(W.shape[0], dtype=cd) if need_b else None
+        g = g.to(cd)
+        rows = (g != 0).nonzero().squeeze(1)
+        if rows.shape[0] < g.shape[0]:
+            h, y, lse, g = h[rows], y[rows], lse[rows], g[rows]
+            t = None if t is None else t[rows]
+        coef = g if t is None else g / t
+        for i in range(0, h.shape[0], ctx.chunk_size):
+            sl = slice(i, i + ctx.chunk_size)
+            gh_c = _old_chunk_grads(h[sl], W, b, y[sl], None if t is None else t[sl], lse[sl], coef[sl], ctx.cap, gW,
+                                    gb, need_h)
+            if gh_c is None: continue
+            if rows.shape[0] < gh.shape[0]: gh.index_copy_(0, rows[sl], gh_c)
+            else: gh[sl] = gh_c
+        return (gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype),
+                None, None, None, None)
+
+
+def _old_jsd_from_hidden(h, W, b, zt, idx, beta, T, chunk_size, cap=None):
+    "The old `_JSDFromHidden.forward`'s sums: (per-token losses, dh, dW)."
+    from latent_rl.logprobs import _compute_dtype, _raw_logits
+    from latent_rl.losses import _jsd_chunk
+    cd = _compute_dtype(h.dtype)
+    per_tok, gh, gW = torch.empty(h.shape[0], dtype=cd), torch.empty_like(h), torch.zeros(W.shape, dtype=cd)
+    for i in range(0, h.shape[0], chunk_size):
+        sl = slice(i, i + chunk_size)
+        fold = b is None and h.dtype == cd and cap is None
+        hc = h[sl] / T if fold and T != 1 else h[sl]
+        zs = _raw_logits(hc, W, b, cd)
+        if cap is not None:
+            th = zs.div_(cap).tanh_()
+            zs = th * cap
+        per_tok[sl], d = _jsd_chunk(zs, zt.index_select(0, idx[sl]).to(cd), beta, T, True, student_tempered=fold)
+        if cap is not None: d.mul_(th.square_().neg_().add_(1))
+        gh[sl] = d.to(h.dtype) @ W
+        gW.addmm_(d.T, h[sl].to(cd))
+    return per_tok, gh, gW.to(W.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cap,bias,temps", [(None, False, None), (None, False, "t"), (None, True, "t"), (1.5, True, "t"),
+                                            (0.8, False, None)])
+def test_without_autocast_the_kernels_give_the_old_bits(dtype, cap, bias, temps):
+    from latent_rl.logprobs import _ChunkedTokenLogprob
+    from latent_rl.losses import _JSDFromHidden
+    g = torch.Generator().manual_seed(3)
+    n, H, V = 11, 16, 37
+    h = torch.randn(n, H, generator=g, dtype=dtype).requires_grad_()
+    W = (torch.randn(V, H, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    b = (torch.randn(V, generator=g, dtype=dtype) * 0.1).requires_grad_() if bias else None
+    y = torch.randint(0, V, (n,), generator=g)
+    t = torch.rand(n, generator=g, dtype=torch.promote_types(dtype, torch.float32)) + 0.5 if temps else None
+    up = torch.randn(n, generator=g, dtype=torch.promote_types(dtype, torch.float32))
+    up[4] = 0.0                                                      # a skipped row
+    ps = [x for x in (h, W, b) if x is not None]
+    for C in (1, 4, 64):
+        new = _ChunkedTokenLogprob.apply(h, W, b, y, t, C, cap)
+        old = _OldChunkedTokenLogprob.apply(h, W, b, y, t, C, cap)
+        assert torch.equal(new, old)
+        assert all(torch.equal(a, c) for a, c in zip(torch.autograd.grad((new * up).sum(), ps),
+                                                      torch.autograd.grad((old * up).sum(), ps)))
+    zt, idx = torch.randn(n + 3, V, generator=g, dtype=dtype), torch.randperm(n + 3, generator=g)[:n]
+    for T in (1.0, 0.8):
+        total, per = _JSDFromHidden.apply(h, W, b, zt, idx, 0.4, T, 4, True, cap)
+        o_per, o_gh, o_gW = _old_jsd_from_hidden(h.detach(), W.detach(), None if b is None else b.detach(), zt, idx,
+                                                 0.4, T, 4, cap)
+        gh, gW = torch.autograd.grad(total, (h, W))
+        assert torch.equal(per, o_per) and torch.equal(gh, o_gh) and torch.equal(gW, o_gW)

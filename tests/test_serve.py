@@ -272,3 +272,36 @@ def test_server_mode_weight_sync_address_is_a_config_field():
         eng = make_vllm_engine(GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server=url), text)
         assert eng.sync_host == os.environ.get("MASTER_ADDR", "127.0.0.1")
     finally: stop(proc)
+
+def test_device_and_dtype_serve_the_model_they_name():
+    "--device cpu --dtype bf16: the served logprobs are the bf16 model's, not the fp32 one's (issue 69)."
+    import torch
+    from latent_rl.models import load_model
+    from latent_rl.serve import score_sequences
+    seqs = completion_rows(4)
+    url, proc = start("--device", "cpu", "--dtype", "bf16")
+    try: code, b = post(url, {"prompt": seqs, "prompt_logprobs": 1, "max_tokens": 1}, timeout=120)
+    finally: out = stop(proc)
+    assert code == 200 and "on cpu in bf16" in out, out[-2000:]
+    served = [[row[str(s[t + 1])]["logprob"] for t, row in enumerate(c["prompt_logprobs"][1:])]
+              for s, c in zip(seqs, sorted(b["choices"], key=lambda c: c["index"]))]
+    torch.set_num_threads(1)                                 # as the server computes (ONE)
+    def gap(dtype):
+        local = [sc["actual"].tolist() for sc in score_sequences(load_model(TEACHER, dtype=dtype)[0], seqs, 1)]
+        return max(abs(x - y) for r, q in zip(served, local) for x, y in zip(r, q))
+    bf16, fp32 = gap("bf16"), gap("fp32")
+    assert bf16 < 1e-3 and fp32 > 10 * max(bf16, 1e-4), (bf16, fp32)
+
+def test_device_that_is_not_there_is_refused_in_one_line():
+    "--device cuda without CUDA (and a dtype a teacher does not serve in): one line, exit 2, before any weights load."
+    import torch
+    cases = [("--dtype", "fp64", "--dtype 'fp64': choose one of fp32, bf16, fp16"),
+             ("--device", "gpu", "--device 'gpu': choose auto, cpu, cuda or cuda:N")]
+    if not torch.cuda.is_available(): cases.append(("--device", "cuda", "--device cuda: no CUDA device here"))
+    for flag, value, msg in cases:
+        p = subprocess.run([sys.executable, "-m", "latent_rl.train", "serve-teacher", "--model", str(ROOT / "nowhere"),
+                            flag, value, "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **ONE})
+        err = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and msg in err[0] and "Traceback" not in p.stderr and not p.stdout, p.stderr[-2000:]
+        assert err[1:] == ["(run with --debug for the traceback)"], err
