@@ -9,7 +9,7 @@ import json, os, sys
 from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 import torch
-from .engine import decoder_layers
+from .engine import decoder_layers, log0
 from .models import resolve_model, tiny_config, load_tokenizer
 from .recipes import RECIPES
 from .config import (Stage, Precision, Strategy, parse_config, PosInt, PosFloat, NonNegInt, NonNegFloat,
@@ -274,7 +274,9 @@ def stage_plan(cfg, gpus: int, gpu_mem: float, model: str | None = None, teacher
     stage, accum = STAGE_OF[type(cfg).__name__], cfg.grad_accum if cfg.grad_accum != "auto" else 1
     per, G, new = max(1, cfg.batch_size // (gpus * accum)), getattr(cfg, "group_size", 1), getattr(cfg, "max_new_tokens", 0)
     m = Path(cfg.model or "")
-    latent = stage == "codi" or (m / "latent_spec.json").exists() or (stage != "sft" and not m.exists())
+    # a latent directory, or a recipe's later stage (its `runs/` input not written yet: the pipeline's are latent)
+    latent = stage == "codi" or (m / "latent_spec.json").exists() or (
+        stage != "sft" and str(m).startswith("runs/") and not m.exists())
     tch = getattr(cfg, "teacher", "")
     tch = teacher or (tch if tch and tch not in ("self", "base") and not tch.startswith("http") else "")
     vllm, cycle = getattr(cfg, "use_vllm", False), getattr(cfg, "steps_per_generation", 1) * (cfg.batch_size // gpus) * G
@@ -327,12 +329,16 @@ def fit_run(cfg, acc) -> dict | None:
     refused in one line. The plan (`config`, `parts_gb`, `total_gb`, ...), or None where nothing was planned."""
     auto, mem = cfg.grad_accum == "auto", getattr(cfg, "device_mem", 0.0)
     if not (auto or mem or acc.device.type == "cuda"): return None
-    W, mem = acc.num_processes, mem or device_gb(acc.device)
-    kw = dict(shapes=run_shapes(cfg), attention="flash" if acc.device.type == "cuda" else "math")
-    if auto: cfg.grad_accum, pc, res = fit_grad_accum(cfg, W, mem, **kw)
+    W, mem, att = acc.num_processes, mem or device_gb(acc.device), "flash" if acc.device.type == "cuda" else "math"
+    try: shapes = run_shapes(cfg)
+    except Exception as e:                # an architecture the meta device cannot build: the check only, not the run
+        if auto: raise ConfigError(f"grad_accum auto: cannot plan {cfg.model} ({type(e).__name__}: {e}); set grad_accum")
+        log0(acc, f"plan: skipped, {cfg.model} could not be planned ({type(e).__name__}: {str(e)[:200]})")
+        return None
+    if auto: cfg.grad_accum, pc, res = fit_grad_accum(cfg, W, mem, shapes, attention=att)
     else:
-        pc = stage_plan(cfg, W, mem, attention=kw["attention"])
-        if not (res := plan(pc, *kw["shapes"]))["fits"]:
+        pc = stage_plan(cfg, W, mem, attention=att)
+        if not (res := plan(pc, *shapes))["fits"]:
             raise ConfigError(format_plan(pc, res).splitlines()[-1] + f" (grad_accum {cfg.grad_accum}; "
                               "grad_accum = \"auto\" picks the fewest micro-batches that fit)")
     return {"config": asdict(pc), **res}
@@ -378,15 +384,13 @@ def recipe_plan(cfg, gpus: int, gpu_mem: float, recipe: dict | None = None,
     first = next((d["model"] for d in (recipe or {}).values() if d.get("model")), None)
     named = lambda p: first if p and str(p).startswith("runs/") and not Path(p).exists() and first else None
     kw = dict(model=named(cfg.model), teacher=named(getattr(cfg, "teacher", "")), attention=attention)
-    kw["shapes"] = plan_shapes(stage_plan(cfg, gpus, gpu_mem, **kw)) if kw["model"] else run_shapes(cfg)
+    shapes = plan_shapes(stage_plan(cfg, gpus, gpu_mem, **kw)) if kw["model"] else run_shapes(cfg)
     if cfg.grad_accum == "auto":
-        try: accum, pc, res = fit_grad_accum(cfg, gpus, gpu_mem, **kw)
+        try: accum, pc, res = fit_grad_accum(cfg, gpus, gpu_mem, shapes, **kw)
         except ConfigError as e:              # as the run would say it: the plan at one sequence per micro-batch
-            shapes = kw.pop("shapes")
             pc = stage_plan(replace(cfg, grad_accum=cfg.batch_size // gpus), gpus, gpu_mem, **kw)
             return pc, dict(plan(pc, *shapes), grad_accum="auto", error=str(e))
         return pc, dict(res, grad_accum=accum)
-    shapes = kw.pop("shapes")
     pc = stage_plan(cfg, gpus, gpu_mem, **kw)
     return pc, dict(plan(pc, *shapes), grad_accum=cfg.grad_accum)
 
